@@ -1,0 +1,157 @@
+"""The `smoe` command: one subcommand per user action, each a thin call into the modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from smoe import __version__
+from smoe.errors import SmoeError
+
+
+def cmd_quantize(args) -> int:
+    from smoe.sculpt import sculpt
+
+    report = sculpt(args.model, args.output, bits=args.bits, device=args.device, force=args.force,
+                    num_experts=args.num_experts, progress=not args.quiet and not args.json)
+    if args.json:
+        print(json.dumps(vars(report) | {"expert_share": report.expert_share}, indent=1))
+    else:
+        print_sculpt_summary(report, args.output)
+    return 0
+
+
+def print_sculpt_summary(r, out) -> None:
+    print(f"vault     {out}  ({r.family}, SMOE-Q{r.bits})")
+    print(f"experts   {r.experts}" + (f"  ({r.resumed_experts} resumed from a partial run)" if r.resumed_experts else ""))
+    print(f"bytes in  experts {r.expert_bytes_in / 1e6:,.1f} MB + trunk {r.trunk_bytes / 1e6:,.1f} MB"
+          f"  (experts are {100 * r.expert_share:.1f}% of the checkpoint)")
+    print(f"bytes out experts {r.expert_bytes_out / 1e6:,.1f} MB, vault {r.vault_bytes / 1e6:,.1f} MB")
+    for role, snr in r.snr_db.items():
+        print(f"SNR       {role:<5} {snr:6.2f} dB (mean over experts)")
+    print(f"time      {r.seconds:.1f} s")
+
+
+def cmd_verify(args) -> int:
+    from tqdm import tqdm
+
+    from smoe.vault import verify
+
+    bar = None if args.json else (lambda xs: tqdm(xs, unit="blob", desc="verify"))
+    problems = verify(args.vault, progress=bar)
+    if args.json:
+        print(json.dumps({"vault": args.vault, "ok": not problems, "problems": problems}, indent=1))
+    else:
+        for p in problems:
+            print(f"FAIL {p}")
+        print("vault OK" if not problems else f"{len(problems)} problem(s) found")
+    return 0 if not problems else 1
+
+
+def cmd_inspect(args) -> int:
+    from smoe.inspect_model import format_report, inspect_path
+
+    report = inspect_path(args.path, disk_gbps=args.disk_gbps, num_experts=args.num_experts)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def cmd_test_quant(args) -> int:
+    from smoe import quant_report
+
+    rows, failures = quant_report.run()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for row in rows:
+            print(quant_report.format_row(row))
+        for f in failures:
+            print(f"FAIL {f}")
+        print("PASS: SMOE-Q2 and SMOE-Q4 meet their SNR floors and beat absmax scaling" if not failures else "FAIL")
+    return 0 if not failures else 1
+
+
+def cmd_bench(args) -> int:
+    from smoe import bench
+
+    return bench.main(args)
+
+
+def cmd_demo(args) -> int:
+    from smoe import demo
+
+    return demo.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="smoe", description="Seal the routed experts of a Hugging Face MoE checkpoint "
+                                "into SMOE-Q4/Q2 vaults and inspect what a model costs to stream.")
+    p.add_argument("--version", action="version", version=f"smoe {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    q = sub.add_parser("quantize", help="sculpt a HF MoE checkpoint into a vault",
+                       description="Quantise the routed experts of MODEL (a HF model directory with safetensors) "
+                       "into a vault; everything else is kept at source precision.")
+    q.add_argument("model", metavar="MODEL_DIR")
+    q.add_argument("-o", "--output", required=True, metavar="VAULT_DIR")
+    q.add_argument("--bits", type=int, choices=(4, 2), default=4, help="SMOE-Q4 (default) or SMOE-Q2")
+    q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the scale search")
+    q.add_argument("--force", action="store_true", help="replace an existing output and discard a partial run")
+    q.add_argument("--num-experts", type=int, help="experts per MoE layer, for checkpoints whose config lacks it")
+    q.add_argument("--json", action="store_true", help="print the summary as JSON")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    q.set_defaults(func=cmd_quantize)
+
+    v = sub.add_parser("verify", help="check every checksum and the index of a vault (exit 0 only if sound)")
+    v.add_argument("vault", metavar="VAULT_DIR")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    i = sub.add_parser("inspect", help="what a model or vault costs to stream",
+                       description="PATH: a model directory, a directory with config.json + index, a bare "
+                       "config.json, or a vault.")
+    i.add_argument("path", metavar="PATH")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--disk-gbps", type=float, default=7.4, help="disk read bandwidth in GB/s (default 7.4)")
+    i.add_argument("--num-experts", type=int, help="experts per MoE layer, for configs that lack it")
+    i.set_defaults(func=cmd_inspect)
+
+    t = sub.add_parser("test-quant", help="codec self-test: SNR of both depths on a fixed Gaussian tensor",
+                       description="Quantise a fixed-seed 128x64 Gaussian tensor at SMOE-Q2 and SMOE-Q4. RMSE and "
+                       "absmax are the root-mean-square and the largest absolute reconstruction error.")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_test_quant)
+
+    b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same process)")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bq = bsub.add_parser("quantize", help="scale-search throughput in MB/s of bf16 input")
+    bq.add_argument("--mb", type=float, default=96.0, help="MB of bf16 weights to encode per depth")
+    bq.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    bq.add_argument("--json", action="store_true")
+    bs = bsub.add_parser("sculpt", help="peak RSS and throughput of `smoe quantize` on a synthetic checkpoint")
+    bs.add_argument("--gb", type=float, default=4.0, help="size of the synthetic checkpoint in GB")
+    bs.add_argument("--workdir", default=None, help="where to build it (default: a temporary directory)")
+    bs.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="the main job end to end on a built-in default model")
+    d.add_argument("--workdir", default="out/demo", help="where the vaults go (default out/demo)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SmoeError as e:
+        print(f"smoe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("smoe: interrupted (a partial vault is kept and resumed by the same command)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The sculptor: a Hugging Face MoE checkpoint in, a vault out, tensor by tensor in bounded memory.
+
+The vault is built in `<out>.partial-<fingerprint>` and renamed into place only when complete, so
+an interrupted run leaves nothing under the target name; a re-run with the same inputs resumes from
+the blobs already written and verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from smoe import __version__, codec
+from smoe.checkpoint import Checkpoint
+from smoe.devices import resolve_device
+from smoe.errors import SmoeError
+from smoe.families import MoEPlan, load_bias, load_projection, plan_experts
+from smoe.vault import QuantisedTensor, VaultWriter, align, file_checksum, write_safetensors
+
+ENCODER = "grid"  # the 64-candidate fp16 scale search of smoe.codec
+COPIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+
+
+@dataclass
+class SculptReport:
+    family: str
+    experts: int
+    expert_bytes_in: int
+    trunk_bytes: int
+    expert_bytes_out: int
+    vault_bytes: int
+    seconds: float
+    snr_db: dict[str, float] = field(default_factory=dict)  # role -> mean SNR over experts
+    bits: int = 4
+    resumed_experts: int = 0
+
+    @property
+    def expert_share(self) -> float:
+        total = self.expert_bytes_in + self.trunk_bytes
+        return self.expert_bytes_in / total if total else 0.0
+
+
+def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str) -> str:
+    """Hash of what determines the output: index or safetensors headers, config, bits, encoder."""
+    h = hashlib.sha256(f"smoe-vault-1|{bits}|{encoder}".encode())
+    for path in sorted(ckpt.dir.glob("*.json")) + sorted(ckpt.dir.glob("*.safetensors")):
+        if path.suffix == ".json" and path.name not in ("config.json", "model.safetensors.index.json"):
+            continue
+        h.update(path.name.encode())
+        h.update(safetensors_header(path) if path.suffix == ".safetensors" else path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return f.read(min(n, 1 << 30))
+
+
+def sculpt(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    bits: int = 4,
+    device: str = "auto",
+    force: bool = False,
+    num_experts: int | None = None,
+    progress: bool = True,
+) -> SculptReport:
+    start = time.perf_counter()
+    codec.check_bits(bits)
+    dev = resolve_device(device)
+    ckpt = Checkpoint(model_dir)
+    if not ckpt.has_weights:
+        raise SmoeError(f"{ckpt.dir}: no safetensors weights found (only an index or a config)")
+    if not (ckpt.dir / "config.json").exists():
+        raise SmoeError(f"{ckpt.dir}: no config.json")
+    plan = plan_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise SmoeError(f"{out}: already exists (use --force to replace it)")
+    partial = prepare_partial(out, source_fingerprint(ckpt, bits, ENCODER), force)
+    check_disk_space(ckpt, plan, bits, partial)
+
+    writer = VaultWriter(partial, bits)
+    resumed = len(writer.entries)
+    try:
+        snr, expert_out = write_experts(ckpt, plan, writer, bits, dev, progress)
+        trunk_bytes = write_trunk_file(ckpt, plan, partial / "trunk.safetensors", progress)
+        for name in COPIED_FILES:
+            if (ckpt.dir / name).exists():
+                shutil.copyfile(ckpt.dir / name, partial / name)
+        writer.finish(vault_meta(ckpt, plan, partial))
+    finally:
+        if not writer.data.closed:
+            writer.close()
+    publish(partial, out)
+    return SculptReport(
+        family=plan.family, experts=len(plan.experts), expert_bytes_in=expert_source_bytes(ckpt, plan),
+        trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(out),
+        seconds=time.perf_counter() - start, snr_db=snr, bits=bits, resumed_experts=resumed,
+    )
+
+
+def prepare_partial(out: Path, fingerprint: str, force: bool) -> Path:
+    """The work directory for this fingerprint; stale partials of the same target are removed."""
+    partial = out.parent / f"{out.name}.partial-{fingerprint}"
+    for other in out.parent.glob(f"{out.name}.partial-*"):
+        if other != partial or force:
+            shutil.rmtree(other)
+    partial.mkdir(parents=True, exist_ok=True)
+    return partial
+
+
+def check_disk_space(ckpt: Checkpoint, plan: MoEPlan, bits: int, partial: Path) -> None:
+    need = expected_vault_bytes(ckpt, plan, bits)
+    free = shutil.disk_usage(partial).free + dir_size(partial)
+    if free < need:
+        raise SmoeError(f"not enough disk space at {partial.parent}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+
+
+def expected_vault_bytes(ckpt: Checkpoint, plan: MoEPlan, bits: int) -> int:
+    trunk = sum(nbytes_of(ckpt, n) for n in trunk_names(ckpt, plan))
+    per_expert = sum(sum(codec.encoded_nbytes(o * i, bits)) + 128 for o, i in plan.expert_shapes().values())
+    return trunk + len(plan.experts) * align(per_expert, 4096) + (1 << 20)
+
+
+def nbytes_of(ckpt: Checkpoint, name: str) -> int:
+    n = torch.empty(0, dtype=ckpt.dtype(name)).element_size()
+    for s in ckpt.shape(name):
+        n *= s
+    return n
+
+
+def trunk_names(ckpt: Checkpoint, plan: MoEPlan) -> list[str]:
+    return [n for n in ckpt.names() if n not in plan.expert_names]
+
+
+def expert_source_bytes(ckpt: Checkpoint, plan: MoEPlan) -> int:
+    return sum(ckpt.stored_nbytes(n) or 0 for n in plan.expert_names)
+
+
+def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, bits: int, dev: torch.device, progress: bool):
+    """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
+    done = writer.done()
+    todo = [key for key in sorted(plan.experts) if key not in done]
+    snr_sum: dict[str, float] = {}
+    bar = tqdm(total=len(plan.experts), initial=len(done), unit="expert", desc="experts", disable=not progress)
+    for layer, expert in todo:
+        tensors = []
+        for src in plan.experts[(layer, expert)]:
+            w = load_projection(ckpt, src).to(dev)
+            name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+            codes, scales = codec.encode(w, bits, name=name)
+            q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
+            snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
+            tensors.append(q)
+        biases = {b.role: load_bias(ckpt, b) for b in plan.biases.get((layer, expert), [])}
+        writer.add(layer, expert, tensors, check_finite_all(biases))
+        bar.update(1)
+    bar.close()
+    snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
+    return snr, sum(e.size for e in writer.entries)
+
+
+def check_finite_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for name, t in tensors.items():
+        check_finite(name, t)
+    return tensors
+
+
+def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise SmoeError(f"tensor {name}: NaN or inf values (refusing to write a broken vault)")
+    return t
+
+
+def write_trunk_file(ckpt: Checkpoint, plan: MoEPlan, path: Path, progress: bool) -> int:
+    names = trunk_names(ckpt, plan)
+    specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in names]
+    bar = (lambda xs: tqdm(xs, unit="tensor", desc="trunk")) if progress else None
+    write_safetensors(path, specs, lambda n: check_finite(n, ckpt.load(n)), progress=bar)
+    return sum(nbytes_of(ckpt, n) for n in names)
+
+
+def vault_meta(ckpt: Checkpoint, plan: MoEPlan, partial: Path) -> dict:
+    return {
+        "smoe_version": __version__,
+        "family": plan.family,
+        "model_type": plan.model_type,
+        "moe_layers": plan.moe_layers,
+        "num_experts": plan.num_experts,
+        "top_k": plan.top_k,
+        "roles": list(plan.roles),
+        "expert_shapes": {r: list(s) for r, s in plan.expert_shapes().items()},
+        "encoder": ENCODER,
+        "source": {"path": str(ckpt.dir), "formats": sorted({ckpt.source_format(n) for n in plan.expert_names})},
+        "trunk_checksum": file_checksum(partial / "trunk.safetensors"),
+    }
+
+
+def publish(partial: Path, out: Path) -> None:
+    """Rename the finished vault into place; an old one (--force) is removed only after that."""
+    old = None
+    if out.exists():
+        old = out.parent / f"{out.name}.old-{partial.name.rsplit('-', 1)[-1]}"
+        out.rename(old)
+    partial.rename(out)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
