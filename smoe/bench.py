@@ -26,7 +26,7 @@ def main(args) -> int:
     if args.bench == "quantize":
         result = bench_quantize(args.mb, args.device)
     elif args.bench == "sculpt":
-        result = bench_sculpt(args.gb, args.workdir)
+        result = bench_sculpt(args.gb, args.workdir, args.device)
     else:
         raise SmoeError(f"unknown benchmark {args.bench!r}")
     result["machine"] = machine_description(result.get("device", "cpu"))
@@ -143,16 +143,16 @@ def peak_rss_of(cmd: list[str]) -> tuple[float, int]:
     return seconds, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
-def bench_sculpt(gb: float, workdir: str | None) -> dict:
+def bench_sculpt(gb: float, workdir: str | None, device: str = "cpu") -> dict:
     """Peak RSS of `smoe quantize` on a synthetic checkpoint, against a process that only imports smoe."""
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         src, out = Path(tmp) / "model", Path(tmp) / "vault"
         size = write_synthetic_checkpoint(src, gb)
         # the baseline runs first: RUSAGE_CHILDREN reports the largest child so far
         _, base_rss = peak_rss_of([sys.executable, "-c", "import smoe.sculpt, smoe.codec_numba"])
-        seconds, rss = peak_rss_of([sys.executable, "-m", "smoe.cli", "quantize", str(src), "-o", str(out), "-q", "--device", "cpu"])
+        seconds, rss = peak_rss_of([sys.executable, "-m", "smoe.cli", "quantize", str(src), "-o", str(out), "-q", "--device", device])
         largest = 8192 * SYNTH_HIDDEN * 2
-        return {"benchmark": "sculpt", "device": "cpu", "checkpoint_gb": size / 1e9, "seconds": seconds,
+        return {"benchmark": "sculpt", "device": device, "checkpoint_gb": size / 1e9, "seconds": seconds,
                 "mb_per_s": size / seconds / 1e6, "peak_rss_gb": rss / 1e9, "import_only_rss_gb": base_rss / 1e9,
                 "largest_tensor_gb": largest / 1e9, "rss_over_checkpoint": rss / size}
 

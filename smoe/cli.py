@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("sculpt", help="peak RSS and throughput of `smoe quantize` on a synthetic checkpoint")
     bs.add_argument("--gb", type=float, default=4.0, help="size of the synthetic checkpoint in GB")
     bs.add_argument("--workdir", default=None, help="where to build it (default: a temporary directory)")
+    bs.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the sculptor runs its search")
     bs.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 

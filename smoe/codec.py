@@ -84,7 +84,8 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 # --- encode --------------------------------------------------------------------------------------
 
-CHUNK_WEIGHTS = 1 << 21  # encode this many weights at a time: bounded fp32 scratch whatever the tensor size
+# Weights encoded per call: bounded fp32 scratch whatever the tensor size; a GPU wants more per launch.
+CHUNK_WEIGHTS = {"cpu": 1 << 21, "cuda": 1 << 25}
 
 
 def encode(w: torch.Tensor, bits: int = 4, name: str = "tensor", encoder: str | None = None):
@@ -96,9 +97,10 @@ def encode(w: torch.Tensor, bits: int = 4, name: str = "tensor", encoder: str | 
     check_bits(bits)
     search = search_function(encoder or ("triton" if w.is_cuda else "numba"))
     flat = w.detach().reshape(-1)
+    chunk = CHUNK_WEIGHTS.get(flat.device.type, CHUNK_WEIGHTS["cpu"])
     codes, scales = [], []
-    for start in range(0, max(flat.numel(), 1), CHUNK_WEIGHTS):
-        groups, numel = to_groups(flat[start : start + CHUNK_WEIGHTS])
+    for start in range(0, max(flat.numel(), 1), chunk):
+        groups, numel = to_groups(flat[start : start + chunk])
         packed, chunk_scales, absmax = search(groups, numel, bits)
         check_encodable(absmax, name, first_group=start // GROUP_SIZE)
         codes.append(packed)

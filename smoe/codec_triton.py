@@ -14,7 +14,8 @@ import triton.language as tl
 
 from smoe.codec import CANDIDATE_FACTORS, FP16_MAX, GROUP_SIZE, half_range, packed_group_bytes
 
-ROUND_MAGIC = 8388608.0  # 2**23: (t + 2**23) - 2**23 rounds 0 <= t < 2**23 half to even in fp32
+ROUND_MAGIC = tl.constexpr(8388608.0)  # 2**23: (t + 2**23) - 2**23 rounds 0 <= t < 2**23 half to even in fp32
+MAX_SCALE = tl.constexpr(FP16_MAX)
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def _encode_kernel(
     bad = tl.max(tl.where((absx != absx) | (absx == float("inf")), 1, 0), axis=1)  # NaN or inf
     absmax = tl.where(bad > 0, float("inf"), tl.max(absx, axis=1))
     tl.store(absmax_ptr + rows, absmax, mask=row_ok)
-    usable = (absmax <= FP16_MAX) & (absmax > 0)  # otherwise nothing to search, or an error the caller raises
+    usable = (absmax <= MAX_SCALE) & (absmax > 0)  # otherwise nothing to search, or an error the caller raises
 
     factors = tl.load(factors_ptr + cols)  # [64]
     cand = (tl.where(usable, absmax, 0.0)[:, None] * factors[None, :]).to(tl.float16).to(tl.float32)  # [B, 64]
