@@ -149,7 +149,8 @@ def bench_sculpt(gb: float, workdir: str | None, device: str = "cpu") -> dict:
         src, out = Path(tmp) / "model", Path(tmp) / "vault"
         size = write_synthetic_checkpoint(src, gb)
         # the baseline runs first: RUSAGE_CHILDREN reports the largest child so far
-        _, base_rss = peak_rss_of([sys.executable, "-c", "import smoe.sculpt, smoe.codec_numba"])
+        encoder = "codec_triton" if device == "cuda" else "codec_numba"
+        _, base_rss = peak_rss_of([sys.executable, "-c", f"import smoe.sculpt, smoe.{encoder}"])
         seconds, rss = peak_rss_of([sys.executable, "-m", "smoe.cli", "quantize", str(src), "-o", str(out), "-q", "--device", device])
         largest = 8192 * SYNTH_HIDDEN * 2
         return {"benchmark": "sculpt", "device": device, "checkpoint_gb": size / 1e9, "seconds": seconds,

@@ -233,9 +233,9 @@ def decode(
 
 
 def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-noise ratio of approx against reference, in dB (fp64)."""
-    ref = reference.double()
-    noise = (ref - approx.double()).pow(2).sum()
+    """Signal-to-noise ratio of approx against reference, in dB."""
+    ref = reference.reshape(-1).to(torch.float32)
+    noise = torch.linalg.vector_norm(ref - approx.reshape(-1).to(torch.float32))
     if noise == 0:
         return float("inf")
-    return float(10 * torch.log10(ref.pow(2).sum() / noise))
+    return float(20 * torch.log10(torch.linalg.vector_norm(ref) / noise))

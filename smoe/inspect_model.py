@@ -54,21 +54,28 @@ def inspect_checkpoint(path: Path, disk_gbps: float, num_experts: int | None) ->
     names = ckpt.names()
     if not names:  # a bare config: everything comes from its numbers
         report = plan_report(describe_config(ckpt.config, num_experts), disk_gbps)
-        return report | {"source": "config", "routed_experts_found": None, "expert_share": None}
+        return report | {"source": "config", "routed_experts_found": None, "expert_share": None, "expert_share_from": None}
     plan = plan_experts(ckpt.config, names, num_experts=num_experts)
     report = plan_report(plan, disk_gbps)
     report |= {"source": "weights" if ckpt.has_weights else "index", "routed_experts_found": len(plan.experts)}
-    report["expert_share"] = expert_share(ckpt, plan)
+    report["expert_share"], report["expert_share_from"] = expert_share(ckpt, plan)
     return report
 
 
-def expert_share(ckpt: Checkpoint, plan: MoEPlan) -> float | None:
-    """Share of the checkpoint's bytes held by routed experts, from the safetensors headers."""
+def expert_share(ckpt: Checkpoint, plan: MoEPlan) -> tuple[float | None, str | None]:
+    """Share of the checkpoint's bytes held by routed experts: from the safetensors headers, or
+    (index only, unquantised source) estimated from the config's shapes and the index's total size."""
     total = ckpt.total_nbytes()
     sizes = [ckpt.stored_nbytes(n) for n in plan.expert_names]
-    if not total or any(s is None for s in sizes):
-        return None
-    return sum(sizes) / total
+    if not total:
+        return None, None
+    if all(s is not None for s in sizes):
+        return sum(sizes) / total, "headers"
+    quantised = any(k in ckpt.config for k in ("quantization_config", "quantization"))
+    params = sum(o * i for o, i in plan.expert_shapes().values())
+    if quantised or not params:
+        return None, None
+    return len(plan.experts) * params * 2 / total, "estimate (bf16, config shapes / index total_size)"
 
 
 def inspect_vault(path: Path, disk_gbps: float) -> dict:
@@ -109,7 +116,7 @@ def format_report(r: dict) -> str:
     if r.get("routed_experts_found") is not None:
         lines.append(f"routed experts found {r['routed_experts_found']:,}")
     if r.get("expert_share") is not None:
-        lines.append(f"experts share        {100 * r['expert_share']:.1f}% of the checkpoint bytes")
+        lines.append(f"experts share        {100 * r['expert_share']:.1f}% of the checkpoint bytes ({r['expert_share_from']})")
     if "stored_bits" in r:
         lines.append("stored bits          " + json.dumps(r["stored_bits"]))
     lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>11}{'tok/s':>9}   (disk {r['disk_gbps']} GB/s, no cache)")

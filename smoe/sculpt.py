@@ -87,8 +87,9 @@ def sculpt(
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
-    partial = prepare_partial(out, source_fingerprint(ckpt, bits, ENCODER), force)
+    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, ENCODER)}"
     check_disk_space(ckpt, plan, bits, partial)
+    prepare_partial(out, partial, force)
 
     writer = VaultWriter(partial, bits)
     resumed = len(writer.entries)
@@ -110,19 +111,21 @@ def sculpt(
     )
 
 
-def prepare_partial(out: Path, fingerprint: str, force: bool) -> Path:
-    """The work directory for this fingerprint; stale partials of the same target are removed."""
-    partial = out.parent / f"{out.name}.partial-{fingerprint}"
+def prepare_partial(out: Path, partial: Path, force: bool) -> None:
+    """Create the work directory; stale partials of the same target (other inputs, or --force) go."""
     for other in out.parent.glob(f"{out.name}.partial-*"):
         if other != partial or force:
             shutil.rmtree(other)
     partial.mkdir(parents=True, exist_ok=True)
-    return partial
 
 
 def check_disk_space(ckpt: Checkpoint, plan: MoEPlan, bits: int, partial: Path) -> None:
+    """Refuse before writing anything; blobs already in a resumable partial count as written."""
     need = expected_vault_bytes(ckpt, plan, bits)
-    free = shutil.disk_usage(partial).free + dir_size(partial)
+    parent = partial.parent
+    if not parent.exists():
+        raise SmoeError(f"{parent}: output directory's parent does not exist")
+    free = shutil.disk_usage(parent).free + (dir_size(partial) if partial.exists() else 0)
     if free < need:
         raise SmoeError(f"not enough disk space at {partial.parent}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 

@@ -1,0 +1,680 @@
+"""Model-family rules: where each family keeps its routed experts, and how to read one expert.
+
+This is the only module that knows tensor names.  A family is a row of FAMILIES: the model_types it
+answers to, the on-disk layouts its routed experts may come in (`layouts`), and which config keys hold
+the expert intermediate size.  Everything else is shared:
+
+* a tensor name is split into <prefix><layers|blocks>.<L>.<rest>; <rest> with its expert number
+  replaced by "{e}" is looked up in the family's layouts (one dict lookup per name), so shared
+  experts, dense MLPs, routers and vision towers simply never match;
+* the config says how many experts, how many layers and which layers are MoE (CONFIG_KEYS and
+  _config_moe_layers); where it does not, the names say it;
+* plan_experts then counts: every MoE layer x every expert x every role, or a SmoeError.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from smoe.errors import SmoeError
+
+GATED = ("gate", "up", "down")
+NON_GATED = ("up", "down")
+
+
+# ----- the contract (docs/INTERFACES.md) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProjectionSource:
+    """Where one projection of one routed expert lives."""
+
+    role: str  # "gate" | "up" | "down"
+    name: str  # logical checkpoint tensor name
+    expert_index: int | None  # dim-0 index into a fused [E, ...] tensor; None for a per-expert tensor
+    transpose: bool  # stored [in, out] -> transpose to [out, in]
+    part: int = 0  # after transpose, rows split into `parts` pieces (concatenated gate_up):
+    parts: int = 1  # take piece `part`
+    interleaved: bool = False  # pieces interleaved row-wise (rows part::parts) instead of contiguous chunks
+    stacked: int = 0  # >0: a 2-D tensor stacking this many experts' blocks along dim 0 (dbrx);
+    #                   expert_index picks the block, before any transpose
+
+
+@dataclass(frozen=True)
+class BiasSource:
+    """Per-expert bias (gpt-oss), same addressing as ProjectionSource, 1-D result [out]."""
+
+    role: str
+    name: str
+    expert_index: int | None
+    part: int = 0
+    parts: int = 1
+    interleaved: bool = False
+
+
+@dataclass
+class MoEPlan:
+    family: str  # canonical family name, e.g. "qwen3_moe"
+    model_type: str  # as in config, e.g. "kimi_k2" for the deepseek_v3 family
+    moe_layers: list[int]
+    num_experts: int
+    top_k: int | None
+    roles: tuple[str, ...]  # ("gate", "up", "down") or ("up", "down")
+    experts: dict[tuple[int, int], list[ProjectionSource]]  # (layer, expert) -> projections in `roles` order
+    biases: dict[tuple[int, int], list[BiasSource]]  # empty unless the family has expert biases
+    expert_names: set[str]  # logical names that belong to routed experts (the rest is trunk)
+    hidden_size: int | None = None
+    expert_intermediate_size: int | None = None
+    expert_input_size: int | None = None  # hidden_size, or a latent size where experts work in one
+
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """role -> (out, in), from config; {} when the config lacks the sizes."""
+        inner, outer = self.expert_intermediate_size, self.expert_input_size or self.hidden_size
+        if not inner or not outer:
+            return {}
+        shapes = {"gate": (inner, outer), "up": (inner, outer), "down": (outer, inner)}
+        return {role: shapes[role] for role in self.roles}
+
+
+# ----- layouts: how one family's experts may be stored ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stored:
+    """How one role (or bias) is stored, as a name relative to the decoder layer.
+
+    "{e}" in `template` marks a per-expert tensor; without it the tensor holds every expert
+    (fused [E, ...], or `stacked` along dim 0 of a 2-D tensor).
+    """
+
+    template: str
+    transpose: bool = False
+    part: int = 0
+    parts: int = 1
+    interleaved: bool = False
+    stacked: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    what: str  # a few words for messages
+    roles: dict[str, Stored]
+    biases: dict[str, Stored] = field(default_factory=dict)
+    marker: str | None = None  # a tensor the layer must hold to be MoE (moondream: dense and MoE blocks share names)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def per_expert(block: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+               experts: str = "experts", gated: bool = True) -> Layout:
+    """experts.{e}.<proj>.weight, each [out, in] (the Hugging Face release layout of most families)."""
+    names = {"gate": gate, "up": up, "down": down} if gated else {"up": up, "down": down}
+    base = _join(block, experts, "{e}")
+    return Layout(
+        f"per-expert {_join(block, experts)}.E.*",
+        {role: Stored(f"{base}.{proj}.weight") for role, proj in names.items()},
+        {role: Stored(f"{base}.{proj}.bias") for role, proj in names.items()},
+    )
+
+
+def fused_gate_up(container: str, gate_up: str = "gate_up_proj", down: str = "down_proj",
+                  transpose: bool = False, interleaved: bool = False, bias: str | None = None) -> Layout:
+    """gate_up [E, 2I, H] + down [E, H, I]; transpose=True: [E, H, 2I] + [E, I, H]."""
+    roles = {
+        "gate": Stored(_join(container, gate_up), transpose, 0, 2, interleaved),
+        "up": Stored(_join(container, gate_up), transpose, 1, 2, interleaved),
+        "down": Stored(_join(container, down), transpose),
+    }
+    biases = {}
+    if bias is not None:
+        biases = {
+            "gate": Stored(_join(container, gate_up + bias), False, 0, 2, interleaved),
+            "up": Stored(_join(container, gate_up + bias), False, 1, 2, interleaved),
+            "down": Stored(_join(container, down + bias)),
+        }
+    return Layout(f"fused {_join(container, gate_up)}", roles, biases)
+
+
+def fused_each(container: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+               gated: bool = True, suffix: str = ".weight", transpose: bool = False) -> Layout:
+    """One [E, out, in] tensor per role (MLX switch_mlp; transformers' non-gated experts)."""
+    names = {"gate": gate, "up": up, "down": down} if gated else {"up": up, "down": down}
+    roles = {role: Stored(_join(container, proj) + suffix, transpose) for role, proj in names.items()}
+    biases = {role: Stored(_join(container, proj) + ".bias") for role, proj in names.items()} if suffix else {}
+    return Layout(f"fused {container}.*", roles, biases)
+
+
+def standard(block: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+             fused_transpose: bool = False) -> tuple[Layout, ...]:
+    """A gated family: per-expert release layout, transformers-v5 fused layout, MLX switch_mlp."""
+    return (
+        per_expert(block, gate, up, down),
+        fused_gate_up(_join(block, "experts"), transpose=fused_transpose),
+        fused_each(_join(block, "switch_mlp")),
+    )
+
+
+MIXTRAL_NAMES = ("w1", "w3", "w2")  # gate, up, down
+EXPERT_WIDTH = ("intermediate_size",)  # families whose experts take the plain intermediate_size
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config model_type values (lower case, "-" -> "_")
+    layouts: tuple[Layout, ...]  # the ways its routed experts are found stored
+    intermediate_keys: tuple[str, ...] = ("moe_intermediate_size",)  # expert width in the config
+    roles: tuple[str, ...] = GATED
+    hint: str | None = None  # a trunk-name fragment that prefers this family when there is no config
+
+
+# One row per family.  Fused orientations are the ones the transformers modules compute with
+# (models/*/modeling_*.py): gate_up [E, 2I, H] and down [E, H, I] unless noted.
+# Without a config the first row whose layouts match the names wins, so the order matters there.
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_moe", ("qwen3_moe",), standard("mlp")),
+    Family("qwen2_moe", ("qwen2_moe",), standard("mlp"), hint=".shared_expert_gate."),
+    Family("qwen3_next", ("qwen3_next",), standard("mlp")),
+    # the official release is fused, REAP-pruned copies are per expert
+    Family("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), standard("mlp")),
+    Family("olmoe", ("olmoe",), standard("mlp"), EXPERT_WIDTH),
+    Family("deepseek_v3", ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm4_moe_lite"), standard("mlp"),
+           hint=".shared_experts."),
+    Family("deepseek_v2", ("deepseek_v2", "deepseek_vl_v2", "deepseekocr", "deepseek_ocr"), standard("mlp")),
+    Family("mistral4", ("mistral4",), standard("mlp")),
+    Family("glm4_moe", ("glm4_moe",), standard("mlp")),
+    Family("mixtral", ("mixtral", "minimax_m1", "minimax_text_01"), standard("block_sparse_moe", *MIXTRAL_NAMES),
+           EXPERT_WIDTH),
+    Family("minimax", ("minimax",), standard("block_sparse_moe", *MIXTRAL_NAMES), EXPERT_WIDTH),
+    Family("minimax_m2", ("minimax_m2",), standard("block_sparse_moe", *MIXTRAL_NAMES), EXPERT_WIDTH),
+    Family("phimoe", ("phimoe",), standard("block_sparse_moe", *MIXTRAL_NAMES), EXPERT_WIDTH),
+    Family("jamba", ("jamba",), standard("feed_forward"), EXPERT_WIDTH),
+    Family("ernie4_5_moe", ("ernie4_5_moe",), standard("mlp")),
+    Family("hunyuan_v1_moe", ("hunyuan_v1_moe",), standard("mlp"), EXPERT_WIDTH),
+    Family("dots1", ("dots1",), standard("mlp")),
+    Family("exaone_moe", ("exaone_moe",), standard("mlp")),
+    Family("afmoe", ("afmoe",), standard("mlp")),
+    Family("lfm2_moe", ("lfm2_moe",), standard("feed_forward", *MIXTRAL_NAMES)),
+    # gate_up [E, H, 2I] with gate and up in alternate columns, down [E, I, H], biases [E, 2I] / [E, H];
+    # MLX de-interleaves them into experts.{gate,up,down}_proj [E, out, in] (+ .bias)
+    Family("gpt_oss", ("gpt_oss",), (
+        fused_gate_up("mlp.experts", transpose=True, interleaved=True, bias="_bias"),
+        fused_each("mlp.experts"),
+    ), EXPERT_WIDTH),
+    # the bf16 release is fused [E, H, 2I] / [E, I, H], the FP8 release per expert
+    Family("llama4", ("llama4", "llama4_text"), standard("feed_forward", fused_transpose=True), EXPERT_WIDTH),
+    Family("granitemoe", ("granitemoe", "granitemoeshared", "granitemoehybrid"), (
+        fused_gate_up("block_sparse_moe", "input_linear.weight", "output_linear.weight"),
+        fused_gate_up("block_sparse_moe.experts"),
+        fused_each("block_sparse_moe.switch_mlp"),
+    ), EXPERT_WIDTH),
+    # experts sit directly under the layer, beside a dense mlp that runs in parallel with them
+    Family("gemma4", ("gemma4", "gemma4_text"), standard("")),
+    # non-gated (relu^2): up, down
+    Family("nemotron_h", ("nemotron_h",), (
+        per_expert("mixer", gated=False),
+        fused_each("mixer.experts", gated=False, suffix=""),
+        fused_each("mixer.switch_mlp", gated=False),
+        fused_each("mixer.switch_mlp", up="fc1", down="fc2", gated=False),
+    ), roles=NON_GATED),
+    # w1 (gate), v1 (up), w2 (down) are [E*I, H]: expert e is rows e*I:(e+1)*I; w2's block is [in, out]
+    Family("dbrx", ("dbrx",), (
+        Layout("stacked ffn.experts.mlp.{w1,v1,w2}", {
+            "gate": Stored("ffn.experts.mlp.w1", stacked=True),
+            "up": Stored("ffn.experts.mlp.v1", stacked=True),
+            "down": Stored("ffn.experts.mlp.w2", transpose=True, stacked=True),
+        }),
+    ), ("ffn_config.ffn_hidden_size",)),
+    # fc1 [E, 2I, H] (the gelu half first), fc2 [E, H, I]; dense blocks use the same names: only
+    # MoE blocks have a router
+    Family("moondream3", ("moondream3",), (
+        Layout("fused mlp.fc1/fc2", fused_gate_up("mlp", "fc1.weight", "fc2.weight").roles,
+               marker="mlp.router.weight"),
+    ), ("moe.expert_inner_dim",)),
+)
+_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+_ALIASES = sorted(t for f in FAMILIES for t in f.model_types if t != f.name)
+
+# Where configs keep the MoE numbers, most specific first ("a.b" = nested dict).
+CONFIG_KEYS = {
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                    "ffn_config.moe_num_experts", "moe.num_experts"),
+    "top_k": ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_top_k", "moe_k", "experts_per_token",
+              "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k", "moe.experts_per_token"),
+    "hidden_size": ("hidden_size", "d_model", "n_embd"),
+    "num_layers": ("num_hidden_layers", "n_layers", "num_layers", "n_layer"),
+    "mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"),
+    "latent_size": ("moe_latent_size",),
+}
+NESTED_CONFIGS = ("text_config", "language_config", "llm_config", "thinker_config")
+
+
+def supported_families() -> list[str]:
+    return [f.name for f in FAMILIES]
+
+
+# ----- config reading ----------------------------------------------------------------------------
+
+
+def _normalise_type(model_type) -> str:
+    return str(model_type or "").strip().lower().replace("-", "_")
+
+
+def _resolve(config: dict) -> tuple[Family | None, str, list[dict]]:
+    """(family or None when no model_type, model_type as given, configs to read numbers from)."""
+    nested = [config[k] for k in NESTED_CONFIGS if isinstance(config.get(k), dict)]
+    # A wrapper (mistral3, gemma4, llama4, qwen3_5_moe, ...) names the text model in its text_config.
+    for sub in nested:
+        family = _BY_TYPE.get(_normalise_type(sub.get("model_type")))
+        if family:
+            return family, sub["model_type"], [sub, config]
+    model_type = config.get("model_type")
+    if not model_type:
+        return None, "", [*nested, config]
+    family = _BY_TYPE.get(_normalise_type(model_type))
+    if family is None:
+        raise SmoeError(f"unsupported model_type {model_type!r}; supported families: "
+                        f"{', '.join(supported_families())} (aliases: {', '.join(sorted(_ALIASES))})")
+    return family, model_type, [*nested, config]
+
+
+
+def _lookup(configs: list[dict], keys: tuple[str, ...]):
+    for cfg in configs:
+        for key in keys:
+            value = cfg
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None and not isinstance(value, dict):
+                return value
+    return None
+
+
+def _num_layers(configs: list[dict]) -> int | None:
+    n = _lookup(configs, CONFIG_KEYS["num_layers"])
+    if n is None:  # nemotron_h keeps only the per-layer pattern
+        pattern = _lookup(configs, ("layers_block_type", "hybrid_override_pattern"))
+        n = len(pattern) if pattern else None
+    return int(n) if n is not None else None
+
+
+def _config_moe_layers(configs: list[dict], n: int) -> list[int]:
+    """Which of the n decoder layers are MoE, by whichever convention the config follows."""
+
+    def get(key):
+        return _lookup(configs, (key,))
+
+    explicit = get("moe_layers")  # llama4
+    if isinstance(explicit, list):
+        return sorted(int(i) for i in explicit)
+    for key in ("layers_block_type", "layer_types"):  # nemotron_h: per-layer "moe"; others mean attention
+        types = get(key)
+        if isinstance(types, list) and "moe" in types:
+            return [i for i, t in enumerate(types) if t == "moe"]
+    pattern = get("hybrid_override_pattern")  # nemotron_h as released: "MEM*E..." (E = MoE)
+    if isinstance(pattern, str):
+        return [i for i, c in enumerate(pattern) if c == "E"]
+    if get("enable_moe_block") is False:  # gemma4 without experts
+        return []
+    layers = list(range(n))
+    mlp_types = get("mlp_layer_types")  # glm4_moe_lite, deepseek_v32, exaone_moe: "sparse" / "dense"
+    if isinstance(mlp_types, list):
+        layers = [i for i in layers if i < len(mlp_types) and mlp_types[i] == "sparse"]
+    mlp_only = get("mlp_only_layers") or []  # qwen
+    step = get("decoder_sparse_step") or 1
+    layers = [i for i in layers if i not in mlp_only and (i + 1) % step == 0]
+    first_dense = get("first_k_dense_replace") or get("num_dense_layers") or 0  # deepseek & co; lfm2, afmoe
+    freq = get("moe_layer_freq") or 1
+    if isinstance(freq, list):  # megatron-style per-layer 0/1 list
+        layers = [i for i in layers if i < len(freq) and freq[i]]
+    else:
+        layers = [i for i in layers if i >= first_dense and i % freq == 0]
+    if get("moe_layer_start_index") is not None:  # ernie
+        start, end = get("moe_layer_start_index"), get("moe_layer_end_index")
+        end = n - 1 if end is None or end < 0 else end
+        interval = get("moe_layer_interval") or 1
+        layers = [i for i in layers if start <= i <= end and (i + 1) % interval == 0]
+    period = get("expert_layer_period")  # jamba
+    if period:
+        offset = get("expert_layer_offset") or 0
+        layers = [i for i in layers if i % period == offset]
+    interleave = get("interleave_moe_layer_step")  # llama4 without moe_layers
+    if interleave and interleave > 1:
+        layers = [i for i in layers if i % interleave == interleave - 1]
+    return layers
+
+
+# ----- matching names ----------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:.*?\.)?)(?:layers|blocks)\.(?P<layer>\d+)\.(?P<rest>.+)$")
+_NUMBER_RE = re.compile(r"(?<=\.)\d+(?=\.)")
+_MTP_RE = re.compile(r"(^|\.)mtp\.$")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What a layer-relative name template means in one family."""
+
+    layout: int  # index into the family's layouts
+    role: str
+    stored: Stored
+    bias: bool
+
+
+def _templates(family: Family) -> dict[str, list[_Entry]]:
+    table: dict[str, list[_Entry]] = {}
+    for i, layout in enumerate(family.layouts):
+        for bias, stored_map in ((False, layout.roles), (True, layout.biases)):
+            for role, stored in stored_map.items():
+                table.setdefault(stored.template, []).append(_Entry(i, role, stored, bias))
+    return table
+
+
+@dataclass(frozen=True)
+class _Name:
+    """A tensor name split at its decoder layer, its expert number (if any) replaced by {e}."""
+
+    name: str
+    prefix: str
+    layer: int
+    template: str
+    expert: int | None
+    layer_base: str  # the name up to and including "layers.<L>."
+
+
+def _parse(names: list[str]) -> list[_Name]:
+    parsed = []
+    for name in names:
+        m = _LAYER_RE.match(name)
+        if not m:
+            continue
+        rest = "." + m["rest"] + "."
+        numbers = _NUMBER_RE.findall(rest)
+        if len(numbers) > 1:
+            continue
+        template = _NUMBER_RE.sub("{e}", rest, count=1)[1:-1]
+        expert = int(numbers[0]) if numbers else None
+        parsed.append(_Name(name, m["prefix"], int(m["layer"]), template, expert, name[: m.start("rest")]))
+    return parsed
+
+
+@dataclass
+class _Hit:
+    name: str
+    prefix: str
+    layer: int
+    expert: int | None  # None: the tensor holds every expert
+    entry: _Entry
+
+
+def _match(family: Family, parsed: list[_Name], present: set[str]) -> list[_Hit]:
+    table = _templates(family)
+    layouts = family.layouts
+    hits = []
+    for p in parsed:
+        for entry in table.get(p.template, ()):
+            marker = layouts[entry.layout].marker
+            if marker and p.layer_base + marker not in present:
+                continue
+            hits.append(_Hit(p.name, p.prefix, p.layer, p.expert, entry))
+    return hits
+
+
+def _infer_family(names: list[str], parsed: list[_Name]) -> Family:
+    """No config: the family whose layouts match the names (families sharing a naming agree)."""
+    present = set(names)
+    found = {f.name: frozenset(h.name for h in _match(f, parsed, present)) for f in FAMILIES}
+    matches = [f for f in FAMILIES if found[f.name]]
+    if not matches:
+        raise SmoeError("no config.json model_type, and no routed-expert tensors recognised in the tensor names "
+                        f"(supported families: {', '.join(supported_families())})")
+    if len({found[f.name] for f in matches}) > 1:
+        raise SmoeError(f"no config.json model_type, and the tensor names fit several families differently "
+                        f"({', '.join(f.name for f in matches)}): add a config.json")
+    hinted = [f for f in matches if f.hint and any(f.hint in n for n in names)]
+    return (hinted or matches)[0]
+
+
+# ----- planning ----------------------------------------------------------------------------------
+
+
+def plan_experts(config: dict, names: list[str], num_experts: int | None = None) -> MoEPlan:
+    """Find every routed expert's projections; count them against the config (see module docstring).
+
+    num_experts: the number of routed experts, overriding the config (needed where experts are
+    fused and the config does not say).
+    """
+    names = sorted(names)
+    family, model_type, configs = _resolve(config or {})
+    parsed = _parse(names)
+    if family is None:
+        family = _infer_family(names, parsed)
+        model_type = family.name
+    hits = _match(family, parsed, set(names))
+    if not hits:
+        raise SmoeError(f"{model_type}: no routed-expert tensors found; expected "
+                        f"{'; or '.join(layout.what for layout in family.layouts)}")
+    hits, mtp_names = _decoder_hits(hits)
+    e_count = _expert_count(model_type, configs, hits, num_experts, family)
+    moe_layers = _expected_layers(configs, _num_layers(configs), hits, family)
+
+    experts, biases, found = _collect(hits, e_count)
+    _check_counts(model_type, moe_layers, e_count, family.roles, experts, found)
+    _check_biases(model_type, biases, experts)
+    keys = [(layer, e) for layer in moe_layers for e in range(e_count)]
+
+    expert_names = {h.name for h in hits} | mtp_names
+    owners = {_owner(n) for n in expert_names}
+    # parts a format leaves beside a projection (input scales, ...) belong to the expert, not the trunk
+    expert_names |= {n for n in names if _owner(n) in owners}
+
+    hidden = _int(_lookup(configs, CONFIG_KEYS["hidden_size"]))
+    top_k = _int(_lookup(configs, CONFIG_KEYS["top_k"]))
+    return MoEPlan(
+        family=family.name,
+        model_type=str(model_type),
+        moe_layers=moe_layers,
+        num_experts=e_count,
+        top_k=top_k,
+        roles=family.roles,
+        experts={k: [experts[k][r] for r in family.roles] for k in keys},
+        biases={k: [biases[k][r] for r in family.roles if r in biases[k]] for k in keys if k in biases},
+        expert_names=expert_names,
+        hidden_size=hidden,
+        expert_intermediate_size=_int(_lookup(configs, family.intermediate_keys)),
+        expert_input_size=_int(_lookup(configs, CONFIG_KEYS["latent_size"])) or hidden,
+    )
+
+
+def describe_config(config: dict, num_experts: int | None = None) -> MoEPlan:
+    """The MoE geometry a config promises, without tensor names (`smoe inspect` of a bare config):
+    a plan with no expert sources."""
+    family, model_type, configs = _resolve(config or {})
+    if family is None:
+        raise SmoeError("config has no model_type: cannot tell the model family")
+    count = num_experts if num_experts is not None else _int(_lookup(configs, CONFIG_KEYS["num_experts"]))
+    n_layers = _num_layers(configs)
+    if not count or n_layers is None:
+        raise SmoeError(f"{model_type}: the config does not give the number of experts and layers "
+                        f"(pass --num-experts, or inspect a directory with the weight index)")
+    hidden = _int(_lookup(configs, CONFIG_KEYS["hidden_size"]))
+    return MoEPlan(
+        family=family.name, model_type=str(model_type), moe_layers=_config_moe_layers(configs, n_layers),
+        num_experts=count, top_k=_int(_lookup(configs, CONFIG_KEYS["top_k"])), roles=family.roles,
+        experts={}, biases={}, expert_names=set(), hidden_size=hidden,
+        expert_intermediate_size=_int(_lookup(configs, family.intermediate_keys)),
+        expert_input_size=_int(_lookup(configs, CONFIG_KEYS["latent_size"])) or hidden,
+    )
+
+
+def _int(value) -> int | None:
+    """A config number; per-layer lists (hunyuan's moe_topk) give their largest."""
+    if isinstance(value, list):
+        value = max(value) if value else None
+    return int(value) if value is not None else None
+
+
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _decoder_hits(hits: list[_Hit]) -> tuple[list[_Hit], set[str]]:
+    """The decoder's experts, and the names of experts in separate multi-token-prediction modules.
+
+    Expert-shaped names under another prefix (a vision or audio tower) are not the decoder's: they
+    stay in the trunk.  Experts under an mtp.* prefix (qwen3-next, qwen3.5) belong to a module that
+    inference does not run: they are neither counted nor kept in the trunk.
+    """
+    counts: dict[str, int] = {}
+    for h in hits:
+        if not _MTP_RE.search(h.prefix):
+            counts[h.prefix] = counts.get(h.prefix, 0) + 1
+    if not counts:
+        raise SmoeError("routed experts found only in multi-token-prediction layers")
+    decoder = max(counts, key=counts.get)
+    mtp = {h.name for h in hits if _MTP_RE.search(h.prefix)}
+    return [h for h in hits if h.prefix == decoder], mtp
+
+
+def _expert_count(model_type: str, configs: list[dict], hits: list[_Hit], num_experts: int | None,
+                  family: Family) -> int:
+    count = num_experts if num_experts is not None else _int(_lookup(configs, CONFIG_KEYS["num_experts"]))
+    if count is not None:
+        if int(count) <= 0:
+            raise SmoeError(f"{model_type}: {count} routed experts: not a mixture-of-experts model")
+        return int(count)
+    if any(h.expert is None for h in hits):
+        raise SmoeError(f"{model_type}: experts are fused ({family.layouts[hits[0].entry.layout].what}) and "
+                        f"the config does not say how many there are: pass the number of routed experts "
+                        f"(--num-experts)")
+    return max(h.expert for h in hits) + 1
+
+
+def _expected_layers(configs: list[dict], n_layers: int | None, hits: list[_Hit], family: Family) -> list[int]:
+    """The MoE layers the config promises, plus the MTP layers present; without a layer count: as found.
+
+    DeepSeek-style checkpoints store their multi-token-prediction layers as decoder layers numbered
+    after the last one (model.layers.61 of 61), routed experts and all: they count where present.
+    """
+    seen = sorted({h.layer for h in hits})
+    if n_layers is None or any(layout.marker for layout in family.layouts):
+        return seen  # no layer count, or MoE blocks told apart only by names (moondream)
+    mtp_count = int(_lookup(configs, CONFIG_KEYS["mtp_layers"]) or 0)
+    extra = [layer for layer in seen if n_layers <= layer < n_layers + mtp_count]
+    return _config_moe_layers(configs, n_layers) + extra
+
+
+def _collect(hits: list[_Hit], e_count: int):
+    """(layer, expert) -> role -> source, for projections and biases; plus the (layer, expert) seen."""
+    experts: dict[tuple[int, int], dict[str, ProjectionSource]] = {}
+    biases: dict[tuple[int, int], dict[str, BiasSource]] = {}
+    found: set[tuple[int, int]] = set()
+    for h in hits:
+        s, role = h.entry.stored, h.entry.role
+        # a per-expert tensor is the expert's own; a fused or stacked one is indexed by expert
+        for e in [h.expert] if h.expert is not None else range(e_count):
+            index = None if h.expert is not None else e
+            if h.entry.bias:
+                src, target = BiasSource(role, h.name, index, s.part, s.parts, s.interleaved), biases
+            else:
+                src = ProjectionSource(role, h.name, index, s.transpose, s.part, s.parts, s.interleaved,
+                                       e_count if s.stacked else 0)
+                target = experts
+                found.add((h.layer, e))
+            sources = target.setdefault((h.layer, e), {})
+            if sources.get(role, src) != src:
+                raise SmoeError(f"layer {h.layer} expert {e} {role}: found in two tensors, "
+                                f"{sources[role].name} and {h.name}")
+            sources[role] = src
+    return experts, biases, found
+
+
+def _check_counts(model_type: str, moe_layers: list[int], e_count: int, roles: tuple[str, ...],
+                  experts: dict, found: set) -> None:
+    """Exactly moe_layers x e_count experts, each with every role, or a SmoeError saying what is off."""
+    expected = {(layer, e) for layer in moe_layers for e in range(e_count)}
+    missing = [f"layer {layer} expert {e} {role}" for layer, e in sorted(expected) for role in roles
+               if role not in experts.get((layer, e), {})]
+    unexpected = sorted(found - expected)
+    if not missing and not unexpected:
+        return
+    promise = f"{len(moe_layers)} MoE layers x {e_count} experts"
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} expert projections missing (first: {', '.join(missing[:5])})")
+    if unexpected:
+        extra_layers = sorted({layer for layer, _ in unexpected} - set(moe_layers))
+        what = f"layers {_ranges(extra_layers)} that should have none" if extra_layers else (
+            f"expert ids up to {max(e for _, e in unexpected)}")
+        parts.append(f"{len(unexpected)} experts beyond that ({what})")
+    raise SmoeError(f"{model_type}: expected {promise}, but the checkpoint has {'; '.join(parts)}")
+
+
+def _check_biases(model_type: str, biases: dict, experts: dict) -> None:
+    """Expert biases are all-or-nothing per role: a partial set means a damaged checkpoint."""
+    for role in sorted({r for sources in biases.values() for r in sources}):
+        lacking = [key for key in sorted(experts) if role not in biases.get(key, {})]
+        if lacking:
+            layer, e = lacking[0]
+            raise SmoeError(f"{model_type}: {len(lacking)} experts lack their {role} bias "
+                            f"(first: layer {layer} expert {e})")
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    return f"{values[0]}..{values[-1]}" if len(values) > 2 else ", ".join(map(str, values))
+
+
+# ----- loading -----------------------------------------------------------------------------------
+
+# Formats whose dequantised tensors come [E, out, in] even where the bf16 release stores [E, in, out]:
+# MXFP4 packs along the input dimension, so gpt-oss stores its MXFP4 experts untransposed.
+_STORED_OUT_IN = {"mxfp4"}
+
+
+def load_projection(ckpt, src: ProjectionSource) -> torch.Tensor:
+    """The projection as [out, in], contiguous, in the source dtype."""
+    if src.stacked:
+        t = _load_block(ckpt, src.name, src.expert_index, src.stacked)
+    else:
+        t = ckpt.load(src.name, index=src.expert_index)
+    if t.dim() != 2:
+        raise SmoeError(f"{src.name}: expected a matrix for expert {src.expert_index} {src.role}, "
+                        f"got shape {tuple(t.shape)}")
+    if src.transpose and ckpt.source_format(src.name) not in _STORED_OUT_IN:
+        t = t.t()
+    return _take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
+
+
+def load_bias(ckpt, src: BiasSource) -> torch.Tensor:
+    t = ckpt.load(src.name, index=src.expert_index)
+    if t.dim() != 1:
+        raise SmoeError(f"{src.name}: expected a vector for expert {src.expert_index} {src.role} bias, "
+                        f"got shape {tuple(t.shape)}")
+    return _take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
+
+
+def _take_part(t: torch.Tensor, name: str, part: int, parts: int, interleaved: bool) -> torch.Tensor:
+    if parts == 1:
+        return t
+    if t.shape[0] % parts:
+        raise SmoeError(f"{name}: {t.shape[0]} rows do not split into {parts} equal parts")
+    if interleaved:
+        return t[part::parts]
+    return t.chunk(parts, dim=0)[part]
+
+
+def _load_block(ckpt, name: str, block: int, blocks: int) -> torch.Tensor:
+    """Rows block*R:(block+1)*R of a 2-D [blocks*R, C] tensor, read one row at a time so that only
+    that expert's bytes are read (a whole DBRX w1 is 2 GB)."""
+    shape = ckpt.shape(name)
+    if shape is None or len(shape) != 2 or shape[0] % blocks:
+        raise SmoeError(f"{name}: shape {shape} does not stack {blocks} experts along dim 0")
+    rows = shape[0] // blocks
+    return torch.stack([ckpt.load(name, index=block * rows + r) for r in range(rows)])
