@@ -14,7 +14,8 @@ def cmd_quantize(args) -> int:
     from smoe.sculpt import sculpt
 
     report = sculpt(args.model, args.output, bits=args.bits, device=args.device, force=args.force,
-                    num_experts=args.num_experts, progress=not args.quiet and not args.json)
+                    num_experts=args.num_experts, progress=not args.quiet and not args.json,
+                    alignment=args.alignment)
     if args.json:
         print(json.dumps(vars(report) | {"expert_share": report.expert_share}, indent=1))
     else:
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the scale search")
     q.add_argument("--force", action="store_true", help="replace an existing output and discard a partial run")
     q.add_argument("--num-experts", type=int, help="experts per MoE layer, for checkpoints whose config lacks it")
+    q.add_argument("--alignment", type=int, choices=(4096, 16384), default=4096,
+                   help="blob alignment in bytes (16384 for 16 KiB-page systems)")
     q.add_argument("--json", action="store_true", help="print the summary as JSON")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     q.set_defaults(func=cmd_quantize)

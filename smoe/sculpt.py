@@ -21,7 +21,7 @@ from smoe.checkpoint import Checkpoint
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.families import MoEPlan, load_bias, load_projection, plan_experts
-from smoe.vault import QuantisedTensor, VaultWriter, align, file_checksum, write_safetensors
+from smoe.vault import DEFAULT_ALIGNMENT, QuantisedTensor, VaultWriter, align, file_checksum, write_safetensors
 
 ENCODER = "grid"  # the 64-candidate fp16 scale search of smoe.codec
 COPIED_FILES = (
@@ -49,9 +49,9 @@ class SculptReport:
         return self.expert_bytes_in / total if total else 0.0
 
 
-def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str) -> str:
+def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int) -> str:
     """Hash of what determines the output: index or safetensors headers, config, bits, encoder."""
-    h = hashlib.sha256(f"smoe-vault-1|{bits}|{encoder}".encode())
+    h = hashlib.sha256(f"smoe-vault-1|{bits}|{encoder}|{alignment}".encode())
     for path in sorted(ckpt.dir.glob("*.json")) + sorted(ckpt.dir.glob("*.safetensors")):
         if path.suffix == ".json" and path.name not in ("config.json", "model.safetensors.index.json"):
             continue
@@ -74,6 +74,7 @@ def sculpt(
     force: bool = False,
     num_experts: int | None = None,
     progress: bool = True,
+    alignment: int = DEFAULT_ALIGNMENT,
 ) -> SculptReport:
     start = time.perf_counter()
     codec.check_bits(bits)
@@ -87,11 +88,11 @@ def sculpt(
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
-    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, ENCODER)}"
+    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, ENCODER, alignment)}"
     check_disk_space(ckpt, plan, bits, partial)
     prepare_partial(out, partial, force)
 
-    writer = VaultWriter(partial, bits)
+    writer = VaultWriter(partial, bits, alignment)
     resumed = len(writer.entries)
     try:
         snr, expert_out = write_experts(ckpt, plan, writer, bits, dev, progress)
@@ -155,23 +156,34 @@ def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, bits: int, dev: torc
     """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
     done = writer.done()
     todo = [key for key in sorted(plan.experts) if key not in done]
+    expected = plan.expert_shapes()
     snr_sum: dict[str, float] = {}
-    bar = tqdm(total=len(plan.experts), initial=len(done), unit="expert", desc="experts", disable=not progress)
+    weights = sum(o * i for o, i in expected.values()) or None
+    bar = tqdm(total=weights and 2 * weights * len(plan.experts), initial=weights and 2 * weights * len(done),
+               unit="B", unit_scale=True, desc=f"experts ({len(plan.experts)})", disable=not progress)
     for layer, expert in todo:
         tensors = []
         for src in plan.experts[(layer, expert)]:
-            w = load_projection(ckpt, src).to(dev)
+            w = load_projection(ckpt, src)
             name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+            check_shape(name, src.role, tuple(w.shape), expected)
+            w = w.to(dev)
             codes, scales = codec.encode(w, bits, name=name)
             q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
             snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
             tensors.append(q)
+            bar.update(2 * w.numel())
         biases = {b.role: load_bias(ckpt, b) for b in plan.biases.get((layer, expert), [])}
         writer.add(layer, expert, tensors, check_finite_all(biases))
-        bar.update(1)
     bar.close()
     snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
     return snr, sum(e.size for e in writer.entries)
+
+
+def check_shape(name: str, role: str, shape: tuple[int, int], expected: dict[str, tuple[int, int]]) -> None:
+    """A projection whose shape disagrees with the config means a misread layout: stop, never write it."""
+    if role in expected and shape != expected[role]:
+        raise SmoeError(f"tensor {name}: {role} projection has shape {shape}, the config implies {expected[role]}")
 
 
 def check_finite_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
