@@ -73,6 +73,109 @@ def cmd_test_quant(args) -> int:
     return 0 if not failures else 1
 
 
+def open_model(args):
+    from smoe.runtime import StreamingModel
+
+    cache = None if args.cache_gb is None else int(args.cache_gb * 1e9)
+    return StreamingModel(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
+                          direct_io=args.direct_io)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SmoeError(f"{path}: no usable tokenizer ({e})") from None
+
+
+def cmd_generate(args) -> int:
+    from smoe.generate import TextStreamer, generate
+
+    sm = open_model(args)
+    tok = load_tokenizer(args.vault)
+    prompt = tok(args.prompt, add_special_tokens=True)["input_ids"]
+    streamer = None if args.json else TextStreamer(tok, sys.stdout)
+    tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer)
+    if args.json:
+        print(json.dumps({"text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens, "stats": stats.as_dict()}))
+    else:
+        print("\n" + stats.line(), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from smoe.generate import TextStreamer, generate
+
+    sm = open_model(args)
+    tok = load_tokenizer(args.vault)
+    history = []
+    print("smoe chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        prompt = chat_prompt(tok, history)
+        streamer = TextStreamer(tok, sys.stdout)
+        tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer)
+        history.append({"role": "assistant", "content": tok.decode(tokens, skip_special_tokens=True)})
+        print("\n" + stats.line(), file=sys.stderr)
+    return 0
+
+
+def chat_prompt(tok, history) -> list[int]:
+    """The tokenizer's chat template when it has one; plain "User:/Assistant:" turns otherwise."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    text = "".join(f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history)
+    return tok(text + "Assistant:", add_special_tokens=True)["input_ids"]
+
+
+def cmd_eval(args) -> int:
+    from smoe.evaluate import compare, load_reference, token_stream
+
+    sm = open_model(args)
+    tok = load_tokenizer(args.vault)
+    ids = token_stream(tok, args.data, args.tokens)
+    result = compare(sm.logits, load_reference(args.ref), ids, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"tokens {result['tokens']}  ppl {result['ppl']:.3f}  ref ppl {result['ref_ppl']:.3f}  "
+              f"KL {result['kl']:.5f}  top-1 {result['top1']:.4f}")
+    return 0
+
+
+def cmd_dequantize(args) -> int:
+    from smoe.dequantize import dequantize
+    from smoe.runtime import DTYPES
+
+    out = dequantize(args.vault, args.output, dtype=DTYPES[args.dtype], force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
+def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
+    p.add_argument("vault", metavar="VAULT_DIR")
+    p.add_argument("--cache-gb", type=float, default=None,
+                   help="expert cache budget in GB (default: half of the available RAM, at most all experts)")
+    p.add_argument("--dtype", default=dtype, choices=("float32", "bfloat16"), help=f"compute dtype (default {dtype})")
+    p.add_argument("--threads", type=int, default=16, help="parallel expert reads (default 16, for NVMe)")
+    p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT, bypassing the page cache")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def cmd_bench(args) -> int:
     from smoe import bench
 
@@ -125,6 +228,34 @@ def build_parser() -> argparse.ArgumentParser:
                        "absmax are the root-mean-square and the largest absolute reconstruction error.")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=cmd_test_quant)
+
+    g = sub.add_parser("generate", help="generate text from a vault, experts streamed from disk")
+    add_runtime_options(g)
+    g.add_argument("-p", "--prompt", required=True)
+    add_sampling_options(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with a vault")
+    add_runtime_options(c)
+    add_sampling_options(c)
+    c.set_defaults(func=cmd_chat)
+
+    e = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a vault against its source model",
+                       description="The first N tokens of FILE as one stream, no BOS, windows of 512, fp32 logits.")
+    add_runtime_options(e, dtype="float32")
+    e.add_argument("--ref", required=True, metavar="MODEL_DIR", help="the bf16 source model")
+    e.add_argument("--data", required=True, metavar="FILE", help="text file (.gz allowed)")
+    e.add_argument("--tokens", type=int, default=16384)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    dq = sub.add_parser("dequantize", help="write a HF checkpoint whose experts are the vault's decoded values")
+    dq.add_argument("vault", metavar="VAULT_DIR")
+    dq.add_argument("-o", "--output", required=True, metavar="DIR")
+    dq.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    dq.add_argument("--force", action="store_true")
+    dq.set_defaults(func=cmd_dequantize)
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same process)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")

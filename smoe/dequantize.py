@@ -1,0 +1,65 @@
+"""`smoe dequantize`: a standard Hugging Face checkpoint whose experts are the vault's decoded values,
+so smoe can be checked against transformers and other tools on exactly the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from smoe.errors import SmoeError
+from smoe.runtime import build_model, experts_modules, load_trunk
+from smoe.sculpt import COPIED_FILES, publish
+from smoe.vault import Vault
+
+
+def expert_parameters(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:
+    """Stack per-expert [out, in] matrices into the module's own parameter layout (its flags say which)."""
+
+    def orient(w):  # [E, out, in] -> the module's layout
+        return w.transpose(1, 2) if module.is_transposed else w
+
+    def fuse(a, b, dim):  # gate and up, concatenated or interleaved along the output dimension
+        return torch.cat([a, b], dim=dim) if module.is_concatenated else torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
+
+    stack = lambda role, src: torch.stack([d[role] for d in src])
+    params = {"down_proj": orient(stack("down", decoded))}
+    if module.has_gate:
+        params["gate_up_proj"] = orient(fuse(stack("gate", decoded), stack("up", decoded), 1))
+    else:
+        params["up_proj"] = orient(stack("up", decoded))
+    if module.has_bias:
+        params["down_proj_bias"] = stack("down", biases)
+        if module.has_gate:
+            params["gate_up_proj_bias"] = fuse(stack("gate", biases), stack("up", biases), 1)
+        else:
+            params["up_proj_bias"] = stack("up", biases)
+    return params
+
+
+def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise SmoeError(f"{out}: already exists (use --force to replace it)")
+    vault = Vault(vault_dir)
+    model = build_model(AutoConfig.from_pretrained(vault.dir), dtype)
+    load_trunk(model, vault, dtype)
+    for layer, module in experts_modules(model, vault).items():
+        experts = [vault.read_expert(layer, e) for e in range(vault.meta["num_experts"])]
+        decoded = [{t.role: t.decode().to(dtype) for t in tensors} for tensors, _ in experts]
+        biases = [{r: b.to(dtype) for r, b in b_.items()} for _, b_ in experts]
+        for name, value in expert_parameters(module, decoded, biases).items():
+            if tuple(getattr(module, name).shape) != tuple(value.shape):
+                raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(module, name).shape)} in the model, "
+                                f"the vault gives {tuple(value.shape)}")
+            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+    partial = out.parent / f"{out.name}.partial-dequantize"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for name in COPIED_FILES:
+        if (vault.dir / name).exists() and name != "config.json":
+            shutil.copyfile(vault.dir / name, partial / name)
+    publish(partial, out)
+    return out

@@ -1,0 +1,195 @@
+"""Run a vault: the transformers model holds the resident trunk; routed experts come from the store.
+
+The model is built on the meta device from the vault's config, so expert parameters are never
+allocated; the trunk is loaded into it with transformers' own checkpoint-key renamings. Experts run
+through transformers' experts registry (`ExpertsInterface`): every experts module forwards to
+`smoe_experts_forward`, which asks the store for the experts the router picked, all at once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.integrations.moe import ExpertsInterface
+
+from smoe import kernels_cpu
+from smoe.errors import SmoeError
+from smoe.store import ExpertStore, default_cache_bytes
+from smoe.vault import Vault
+
+EXPERTS_IMPLEMENTATION = "smoe"
+LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def smoe_experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """The registered experts implementation: module.smoe_engine computes with the vault's experts."""
+    return module.smoe_engine.forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(EXPERTS_IMPLEMENTATION, smoe_experts_forward)
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """Modules decorated with transformers' `use_experts_implementation` carry these flags."""
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+
+
+@dataclass
+class ExpertsEngine:
+    """Computes one MoE layer's routed experts for the tokens of a call."""
+
+    store: ExpertStore
+    roles: tuple[str, ...]
+
+    def forward(self, module, hidden_states, top_k_index, top_k_weights):
+        layer = module.smoe_layer
+        out = torch.zeros_like(hidden_states)
+        experts = torch.unique(top_k_index).tolist()
+        for batch in self.batches(layer, experts):
+            prepared = self.store.get(layer, batch)
+            for e in batch:
+                token_idx, slot = torch.where(top_k_index == e)
+                y = self.expert_output(module, prepared[e], hidden_states[token_idx])
+                y = y * top_k_weights[token_idx, slot, None].to(y.dtype)
+                out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    def batches(self, layer: int, experts: list[int]) -> list[list[int]]:
+        """Experts grouped so that one group's prepared weights fit the cache budget together: a long
+        prompt's layer may route to more experts than fit, and then reads them group by group."""
+        per_group = max(1, self.store.cache_bytes // max(self.store.min_budget(1), 1))
+        return [experts[i : i + per_group] for i in range(0, len(experts), per_group)]
+
+    def expert_output(self, module, expert, x):
+        """One expert as transformers computes it: gate/up, the module's own gating, down."""
+        if module.has_gate:
+            gate = kernels_cpu.linear(x, expert, "gate")
+            up = kernels_cpu.linear(x, expert, "up")
+            if module.is_concatenated:
+                gate_up = torch.cat([gate, up], dim=-1)
+            else:  # interleaved [g0, u0, g1, u1, ...] (gpt-oss)
+                gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
+            h = module._apply_gate(gate_up)
+        else:
+            h = module.act_fn(kernels_cpu.linear(x, expert, "up"))
+        y = kernels_cpu.linear(h, expert, "down")
+        if getattr(module, "has_post_expert_norm", False):
+            y = module.post_expert_norm(y)
+        return y
+
+
+class StreamingModel:
+    """A vault opened for inference on CPU: trunk resident, experts streamed through the store."""
+
+    def __init__(self, vault_dir, dtype: str | torch.dtype = "bfloat16", cache_bytes: int | None = None,
+                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto"):
+        self.vault = Vault(vault_dir)
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.config = AutoConfig.from_pretrained(self.vault.dir)
+        cache = default_cache_bytes(self.vault) if cache_bytes is None else cache_bytes
+        prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path))
+        self.store = ExpertStore(self.vault, cache, prepare, threads=threads, direct_io=direct_io)
+        self.model = build_model(self.config, self.dtype)
+        load_trunk(self.model, self.vault, self.dtype)
+        self.engine = ExpertsEngine(self.store, tuple(self.vault.meta["roles"]))
+        self.attach_experts()
+        self.check_budget()
+
+    def attach_experts(self) -> None:
+        for layer, module in experts_modules(self.model, self.vault).items():
+            module.smoe_layer = layer
+            module.smoe_engine = self.engine
+
+    def check_budget(self) -> None:
+        top_k = self.vault.meta.get("top_k") or 1
+        need = self.store.min_budget(top_k)
+        if self.store.cache_bytes < need:
+            raise SmoeError(f"--cache-gb {self.store.cache_bytes / 1e9:.4g} is smaller than one token's {top_k} experts "
+                            f"of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
+
+    @property
+    def max_positions(self) -> int | None:
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return getattr(text, "max_position_embeddings", None)
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, T, V] in fp32."""
+        return self.model(input_ids=input_ids, use_cache=False).logits.float()
+
+    def close(self) -> None:
+        self.store.close()
+        self.vault.close()
+
+
+def as_sized(prepared) -> tuple[object, int]:
+    return prepared, prepared.nbytes
+
+
+def build_model(config, dtype: torch.dtype):
+    """The transformers model with every parameter on the meta device (nothing allocated yet)."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, experts_implementation=EXPERTS_IMPLEMENTATION, dtype=dtype)
+    except (ValueError, KeyError) as e:
+        raise SmoeError(f"cannot build a {config.model_type} model with transformers: {e}") from None
+    return model.eval()
+
+
+def load_trunk(model, vault: Vault, dtype: torch.dtype) -> None:
+    """Assign the trunk tensors (renamed as transformers renames checkpoint keys) and rebuild buffers."""
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    trunk = {}
+    for key, tensor in load_file(vault.trunk_path).items():
+        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        trunk[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    result = model.load_state_dict(trunk, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False) or getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    rebuild_meta_buffers(model)
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not is_experts_param(model, n)]
+    if missing:
+        raise SmoeError(f"trunk is missing {len(missing)} tensors the model needs (first: {missing[:3]}); "
+                        f"unexpected trunk tensors: {result.unexpected_keys[:3]}")
+
+
+def experts_modules(model, vault: Vault) -> dict[int, torch.nn.Module]:
+    """layer -> the model's experts module, one for every MoE layer of the vault."""
+    layers = set(vault.meta["moe_layers"])
+    found = {}
+    for name, module in model.named_modules():
+        if is_experts_module(module):
+            match = LAYER_RE.search(f".{name}.")
+            if not match or int(match.group(1)) not in layers:
+                raise SmoeError(f"experts module {name}: no matching MoE layer in the vault")
+            found[int(match.group(1))] = module
+    if set(found) != layers:
+        raise SmoeError(f"{vault.meta['family']}: the model has experts modules for layers {sorted(found)}, the vault "
+                        f"has {sorted(layers)} (this family's MoE block is not supported by the runtime yet)")
+    return found
+
+
+def is_experts_param(model, name: str) -> bool:
+    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    return is_experts_module(owner)
+
+
+def rebuild_meta_buffers(model) -> None:
+    """Buffers computed at construction (rotary inv_freq) were made on meta: build those modules again."""
+    owners = {name.rsplit(".", 1)[0] for name, b in model.named_buffers() if b.is_meta}
+    for owner in sorted(owners):
+        module = model.get_submodule(owner)
+        config = getattr(module, "config", None)
+        if config is None:
+            raise SmoeError(f"cannot rebuild module {owner} ({type(module).__name__}) off the meta device")
+        model.set_submodule(owner, type(module)(config=config))
