@@ -1,6 +1,6 @@
 """Timings of the CPU expert kernels, each next to plain F.linear on pre-decoded weights in the same process.
 
-Run: python -m smoe.bench_kernels_cpu [--json]
+Run: python -m smoe.bench_kernels_cpu [--json] [--threads N]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from smoe import codec
-from smoe.kernels_cpu import choose_path, linear, prepare_expert, to_int4
+from smoe.kernels_cpu import choose_path, linear, prepare_expert, random_quantised, to_int4
 from smoe.vault import QuantisedTensor
 
 # (label, out, in): expert projections as stored, weight [out, in]
@@ -50,17 +50,11 @@ def timed(fn, min_seconds: float = 0.2, min_runs: int = 5) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def quantised(out: int, inp: int, bits: int, seed: int = 0) -> QuantisedTensor:
-    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.02
-    codes, scales = codec.encode(w, bits)
-    return QuantisedTensor("w", (out, inp), bits, codes, scales)
-
-
 def bench_matmul(dtype=torch.bfloat16, shapes=SHAPES, tokens=TOKENS) -> list[dict]:
     """Per shape and T: int4 kernel, decode-per-call + F.linear, and F.linear on pre-decoded weights."""
     rows = []
     for label, out, inp in shapes:
-        t = quantised(out, inp, 4)
+        t = random_quantised((out, inp), 4)
         int4 = prepare_expert([t], {}, dtype, "int4")
         dense = prepare_expert([t], {}, dtype, "dequant")
         for n in tokens:
@@ -82,7 +76,7 @@ def bench_conversion(shapes=SHAPES[:4]) -> list[dict]:
     rows = []
     for label, out, inp in shapes:
         for bits in codec.DEPTHS:
-            t = quantised(out, inp, bits)
+            t = random_quantised((out, inp), bits)
             blob = t.codes.numel() + 2 * t.scales.numel()
             timings = {
                 "int4_pack": timed(lambda: to_int4(t, torch.bfloat16)),
@@ -103,7 +97,12 @@ def torch_converter(t: QuantisedTensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
 
-def bench_cpu_kernels(json_out: bool = False) -> dict:
+def bench_cpu_kernels(json_out: bool = False, threads: int | None = None) -> dict:
+    """All tables. `threads` pins torch and numba to that many threads (default: as configured);
+    on a shared or small VM one thread gives repeatable figures (waking a second one can stall).
+    The int4 packer is single-threaded whatever this says."""
+    if threads:
+        torch.set_num_threads(threads)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads",
@@ -137,4 +136,5 @@ def format_result(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    bench_cpu_kernels(json_out="--json" in sys.argv[1:])
+    args = sys.argv[1:]
+    bench_cpu_kernels(json_out="--json" in args, threads=int(args[args.index("--threads") + 1]) if "--threads" in args else None)

@@ -38,7 +38,7 @@ def token_stream(tokenizer, path, n_tokens: int) -> list[int]:
     chars = n_tokens * 8
     while True:
         text, more = read_text(path, chars)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
         if len(ids) > n_tokens or not more:  # one spare token: the cut never changes the ones we keep
             return ids[:n_tokens]
         chars *= 2
@@ -68,11 +68,14 @@ def compare(logits_fn, ref_logits_fn, ids: list[int], progress: bool = True) -> 
 
 
 def load_reference(model_dir, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from smoe.runtime import causal_lm_class
 
     if not (Path(model_dir) / "config.json").exists():
         raise SmoeError(f"{model_dir}: not a model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model_class = causal_lm_class(AutoConfig.from_pretrained(model_dir))
+    model = model_class.from_pretrained(model_dir, dtype=dtype).eval()
 
     @torch.inference_mode()
     def logits(ids):

@@ -168,14 +168,16 @@ def int4_values(codes: torch.Tensor, bits: int, out: int, inp: int) -> torch.Ten
     return q if bits == 4 else 2 * q + 5
 
 
-@numba.njit(parallel=True, cache=True, boundscheck=False)
+# Single-threaded on purpose: numba's parallel (OpenMP) layer shares libgomp with torch and resets
+# torch's thread count when it starts. nogil lets a loader thread pack while another computes.
+@numba.njit(nogil=True, cache=True, boundscheck=False)
 def _pack_rows(src, bits, rows, halves, dst):
     """src [out, in * bits / 8] LSB-first bytes -> dst: per block of `rows` out-features, [in, rows/2]
     bytes holding (q of row lo) | (q of row hi) << 4. Reads each row sequentially, one byte at a time."""
     out, width = src.shape
     per_byte = 8 // bits
     inp = width * per_byte
-    for block in numba.prange((out + rows - 1) // rows):
+    for block in range((out + rows - 1) // rows):
         start = block * rows
         size = min(rows, out - start)
         half = size // 2
@@ -221,12 +223,9 @@ def kernel_layout() -> tuple[int, str] | None:
 def self_check(dtype: torch.dtype) -> None:
     """Once per process and dtype: the int4 path against decode()+matmul at both depths. Raises when
     the kernel (layout, scale mapping, dtype support) disagrees beyond rounding."""
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(112, 3 * KERNEL_GROUP, generator=g)
-    x = torch.randn(3, w.shape[1], generator=g).to(dtype)
+    x = torch.randn(3, 3 * KERNEL_GROUP, generator=torch.Generator().manual_seed(1)).to(dtype)
     for bits in codec.DEPTHS:
-        codes, scales = codec.encode(w, bits)
-        t = QuantisedTensor("check", tuple(w.shape), bits, codes, scales)
+        t = random_quantised((112, x.shape[1]), bits, seed=bits, role="check")
         y = linear(x, PreparedExpert(("check",), "int4", {"check": to_int4(t, dtype)}, {}, 0), "check")
         err = worst_error(x, t.decode(), y)
         if not err <= TOLERANCE.get(dtype, 2.0**-7):
@@ -243,3 +242,14 @@ def worst_error(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
     ref = xf @ w.to(torch.float32).t()
     scale = xf.abs() @ w.to(torch.float32).abs().t()
     return float(((y.to(torch.float32) - ref).abs() / scale.clamp_min(1e-30)).max())
+
+
+def random_quantised(shape: tuple[int, int], bits: int, seed: int = 0, role: str = "w") -> QuantisedTensor:
+    """A tensor with uniform random codes and fp16 scales in [1e-3, 0.05): every code value occurs.
+    Built without the encoder on purpose: numba's parallel encoder restarts OpenMP, which resets
+    torch's thread count."""
+    g = torch.Generator().manual_seed(seed)
+    groups = codec.num_groups(shape[0] * shape[1])
+    codes = torch.randint(0, 2**bits, (groups, codec.GROUP_SIZE), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(groups, generator=g) * 0.049 + 1e-3).to(torch.float16)
+    return QuantisedTensor(role, tuple(shape), bits, codec.pack_codes(codes, bits), scales)

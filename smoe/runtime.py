@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.conversion_mapping import get_model_conversion_mapping
@@ -133,14 +134,23 @@ def as_sized(prepared) -> tuple[object, int]:
     return prepared, prepared.nbytes
 
 
+def causal_lm_class(config):
+    """The class the checkpoint declares in `architectures`, else the Auto causal-LM mapping."""
+    model_class = getattr(transformers, (config.architectures or [""])[0], None)
+    return model_class if model_class is not None else AutoModelForCausalLM
+
+
 def build_model(config, dtype: torch.dtype):
     """The transformers model with every parameter on the meta device (nothing allocated yet)."""
+    model_class = causal_lm_class(config)
+    kwargs = {"experts_implementation": EXPERTS_IMPLEMENTATION, "dtype": dtype}
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, experts_implementation=EXPERTS_IMPLEMENTATION, dtype=dtype)
-    except (ValueError, KeyError) as e:
+            if model_class is AutoModelForCausalLM:
+                return model_class.from_config(config, **kwargs).eval()
+            return model_class._from_config(config, **kwargs).eval()  # what the Auto classes call
+    except ValueError as e:
         raise SmoeError(f"cannot build a {config.model_type} model with transformers: {e}") from None
-    return model.eval()
 
 
 def load_trunk(model, vault: Vault, dtype: torch.dtype) -> None:
@@ -185,11 +195,15 @@ def is_experts_param(model, name: str) -> bool:
 
 
 def rebuild_meta_buffers(model) -> None:
-    """Buffers computed at construction (rotary inv_freq) were made on meta: build those modules again."""
-    owners = {name.rsplit(".", 1)[0] for name, b in model.named_buffers() if b.is_meta}
-    for owner in sorted(owners):
-        module = model.get_submodule(owner)
-        config = getattr(module, "config", None)
-        if config is None:
-            raise SmoeError(f"cannot rebuild module {owner} ({type(module).__name__}) off the meta device")
-        model.set_submodule(owner, type(module)(config=config))
+    """Buffers computed at construction (rotary inv_freq, embedding scales) were made on meta: give
+    them storage and let transformers' own initialisation fill them (parameters are loaded already
+    and flagged as such, so initialisation leaves them alone)."""
+    persistent = set(model.state_dict())
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+            model.get_submodule(owner).register_buffer(
+                leaf, torch.empty_like(buffer, device="cpu"), persistent=name in persistent)
+    for p in model.parameters():
+        p._is_hf_initialized = True  # transformers' marker for "loaded": init_weights skips these
+    model.init_weights()

@@ -33,6 +33,8 @@ _DEEPSEEK_ATTENTION = {  # MLA with small ranks
     "q_lora_rank": None,
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
+    "head_dim": 8,  # MLA ropes only qk_rope_head_dim; a larger head_dim breaks the forward pass
+    "num_key_value_heads": 4,  # MLA: one key/value head per query head
     "v_head_dim": 16,
     "n_group": 1,
     "topk_group": 1,
