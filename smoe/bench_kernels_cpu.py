@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from smoe import codec
-from smoe.kernels_cpu import choose_path, linear, prepare_expert, random_quantised, to_int4
+from smoe.kernels_cpu import (
+    KERNEL_GROUP,
+    choose_path,
+    dense_weight,
+    linear,
+    prepare_expert,
+    random_quantised,
+    to_int4,
+)
 from smoe.vault import QuantisedTensor
 
 # (label, out, in): expert projections as stored, weight [out, in]
@@ -27,7 +35,7 @@ SHAPES = (
     ("small gate/up", 96, 384),
     ("small down", 384, 96),
 )
-TOKENS = (1, 4, 32, 256)
+TOKENS = (1, 4, 8, 32, 128, 256)
 # fp16/fp32 go through the kernel's scalar loop: timed on one shape and few tokens only (it is slow).
 SLOW_DTYPES = (torch.float32, torch.float16)
 SLOW_TOKENS = (1, 32)
@@ -51,43 +59,56 @@ def timed(fn, min_seconds: float = 0.2, min_runs: int = 5) -> float:
 
 
 def bench_matmul(dtype=torch.bfloat16, shapes=SHAPES, tokens=TOKENS) -> list[dict]:
-    """Per shape and T: int4 kernel, decode-per-call + F.linear, and F.linear on pre-decoded weights."""
+    """Per shape and T, ms per call of: F.linear on pre-decoded weights (the baseline, = the dequant
+    path), the raw int4 kernel, the int4 path as `linear` runs it (kernel, or a dense temporary for
+    many tokens), and decoding the codes on every call before F.linear."""
     rows = []
     for label, out, inp in shapes:
         t = random_quantised((out, inp), 4)
         int4 = prepare_expert([t], {}, dtype, "int4")
         dense = prepare_expert([t], {}, dtype, "dequant")
+        w = int4.weights["w"]
         for n in tokens:
             x = torch.randn(n, inp).to(dtype)
-            base = timed(lambda: linear(x, dense, "w"))
-            kernel = timed(lambda: linear(x, int4, "w"))
-            per_call = timed(lambda: F.linear(x, codec.decode(t.codes, t.scales, 4, t.shape, dtype)))
-            rows.append({
-                "shape": label, "out": out, "in": inp, "tokens": n, "dtype": str(dtype).removeprefix("torch."),
-                "int4_fits": not int4.fallbacks,
-                "baseline_ms": base * 1e3, "int4_ms": kernel * 1e3, "decode_per_call_ms": per_call * 1e3,
-                "int4_speedup": base / kernel, "decode_per_call_speedup": base / per_call,
-            })  # fmt: skip
+            ms = {
+                "baseline": timed(lambda: linear(x, dense, "w")),
+                "int4_path": timed(lambda: linear(x, int4, "w")),
+                "decode_per_call": timed(lambda: F.linear(x, t.decode(dtype))),
+            }
+            if not int4.fallbacks:
+                ms["int4_kernel"] = timed(lambda: int4_kernel(x, w))
+            row = {"shape": label, "out": out, "in": inp, "tokens": n, "dtype": str(dtype).removeprefix("torch.")}
+            row["int4_fits"] = not int4.fallbacks
+            row.update({f"{k}_ms": v * 1e3 for k, v in ms.items()})
+            row.update({f"{k}_speedup": ms["baseline"] / v for k, v in ms.items() if k != "baseline"})
+            rows.append(row)
     return rows
 
 
 def bench_conversion(shapes=SHAPES[:4]) -> list[dict]:
-    """Prepare-time cost per projection, as MB/s of stored blob (codes + scales) consumed."""
+    """Prepare-time cost per projection, as MB/s of stored blob (codes + scales) consumed; and the
+    int4 form's decode back to dense bf16 (what `linear` does for many tokens), in weights/s."""
     rows = []
     for label, out, inp in shapes:
         for bits in codec.DEPTHS:
             t = random_quantised((out, inp), bits)
             blob = t.codes.numel() + 2 * t.scales.numel()
-            timings = {
+            w = to_int4(t, torch.bfloat16)
+            seconds = {
                 "int4_pack": timed(lambda: to_int4(t, torch.bfloat16)),
                 "torch_converter": timed(lambda: torch_converter(t)),
                 "decode_bf16": timed(lambda: t.decode(torch.bfloat16)),
                 "copy_blob": timed(lambda: (t.codes.clone(), t.scales.clone())),
             }
             row = {"shape": label, "bits": bits, "blob_bytes": blob}
-            row.update({f"{k}_MBps": blob / v / 1e6 for k, v in timings.items()})
+            row.update({f"{k}_MBps": blob / v / 1e6 for k, v in seconds.items()})
+            row["int4_to_dense_Gweights_per_s"] = out * inp / timed(lambda: dense_weight(w, torch.bfloat16)) / 1e9
             rows.append(row)
     return rows
+
+
+def int4_kernel(x: torch.Tensor, w) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, KERNEL_GROUP, w.scales_zeros)
 
 
 def torch_converter(t: QuantisedTensor) -> torch.Tensor:
@@ -98,38 +119,46 @@ def torch_converter(t: QuantisedTensor) -> torch.Tensor:
 
 
 def bench_cpu_kernels(json_out: bool = False, threads: int | None = None) -> dict:
-    """All tables. `threads` pins torch and numba to that many threads (default: as configured);
-    on a shared or small VM one thread gives repeatable figures (waking a second one can stall).
-    The int4 packer is single-threaded whatever this says."""
+    """All tables. `threads` pins torch to that many threads (default: as configured); on a shared or
+    small VM one thread gives repeatable figures (waiting for a second one can stall for a tick).
+    The numba packer and unpacker are single-threaded whatever this says."""
     if threads:
         torch.set_num_threads(threads)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads",
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} torch threads",
         "matmul_bf16": bench_matmul(torch.bfloat16),
         "matmul_slow_dtypes": [r for dt in SLOW_DTYPES for r in bench_matmul(dt, SHAPES[:1], SLOW_TOKENS)],
         "conversion": bench_conversion(),
-        "auto": {str(dt).removeprefix("torch."): choose_path(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)},
+        "auto": {str(dt).removeprefix("torch."): choose_path(dt) for dt in (torch.bfloat16, *SLOW_DTYPES)},
     }
     print(json.dumps(result, indent=1) if json_out else format_result(result))
     return result
 
 
 def format_result(result: dict) -> str:
-    lines = [result["machine"], "", "matmul (ms per call; speedup = baseline / method):"]
-    lines.append(f"{'shape':24} {'dtype':8} {'T':>4} {'baseline':>9} {'int4':>8} {'x':>6} {'dec+mm':>8} {'x':>6}")
+    lines = [result["machine"], "", "matmul, ms per call (x: baseline / method, above 1 is faster):"]
+    lines.append(
+        f"{'shape':22} {'dtype':8} {'T':>4} {'baseline':>9} {'kernel':>8} {'x':>5} {'int4 path':>9} {'x':>5}"
+        f" {'dec+mm':>8} {'x':>5}"
+    )
     for r in result["matmul_bf16"] + result["matmul_slow_dtypes"]:
-        note = "" if r["int4_fits"] else "  (int4 falls back to dequant)"
+        kernel = f"{'-':>8} {'-':>5}"
+        if r["int4_fits"]:
+            kernel = f"{r['int4_kernel_ms']:8.3f} {r['int4_kernel_speedup']:5.2f}"
+        note = "" if r["int4_fits"] else "  (int4 path keeps dequant: in % 64 != 0)"
         lines.append(
-            f"{r['shape']:24} {r['dtype']:8} {r['tokens']:>4} {r['baseline_ms']:9.3f} {r['int4_ms']:8.3f} "
-            f"{r['int4_speedup']:6.2f} {r['decode_per_call_ms']:8.3f} {r['decode_per_call_speedup']:6.2f}{note}"
+            f"{r['shape']:22} {r['dtype']:8} {r['tokens']:>4} {r['baseline_ms']:9.3f} {kernel} "
+            f"{r['int4_path_ms']:9.3f} {r['int4_path_speedup']:5.2f} "
+            f"{r['decode_per_call_ms']:8.3f} {r['decode_per_call_speedup']:5.2f}{note}"
         )
-    lines += ["", "prepare-time conversion (MB/s of stored codes + scales):"]
-    lines.append(f"{'shape':24} {'bits':>4} {'int4 pack':>10} {'torch conv':>10} {'decode bf16':>11} {'copy':>8}")
+    lines += ["", "prepare-time conversion, MB/s of stored codes + scales; int4 -> dense bf16 in G weights/s:"]
+    header = f"{'shape':22} {'bits':>4} {'int4 pack':>10} {'torch conv':>10} {'decode bf16':>11} {'copy':>8}"
+    lines.append(header + f" {'unpack':>7}")
     for r in result["conversion"]:
         lines.append(
-            f"{r['shape']:24} {r['bits']:>4} {r['int4_pack_MBps']:10.0f} {r['torch_converter_MBps']:10.0f} "
-            f"{r['decode_bf16_MBps']:11.0f} {r['copy_blob_MBps']:8.0f}"
+            f"{r['shape']:22} {r['bits']:>4} {r['int4_pack_MBps']:10.0f} {r['torch_converter_MBps']:10.0f} "
+            f"{r['decode_bf16_MBps']:11.0f} {r['copy_blob_MBps']:8.0f} {r['int4_to_dense_Gweights_per_s']:7.2f}"
         )
     lines += ["", "auto path: " + ", ".join(f"{k}: {v}" for k, v in result["auto"].items())]
     return "\n".join(lines)
@@ -137,4 +166,5 @@ def format_result(result: dict) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    bench_cpu_kernels(json_out="--json" in args, threads=int(args[args.index("--threads") + 1]) if "--threads" in args else None)
+    threads = int(args[args.index("--threads") + 1]) if "--threads" in args else None
+    bench_cpu_kernels(json_out="--json" in args, threads=threads)

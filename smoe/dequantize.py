@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig
 
 from smoe.errors import SmoeError
-from smoe.runtime import build_model, experts_modules, load_trunk
+from smoe.runtime import build_model, experts_modules, is_experts_module, load_trunk
 from smoe.sculpt import COPIED_FILES, publish
 from smoe.vault import Vault
 
@@ -39,22 +39,44 @@ def expert_parameters(module, decoded: list[dict[str, torch.Tensor]], biases: li
     return params
 
 
+def dbrx_parameters(module, decoded, biases) -> dict:
+    """DBRX keeps experts stacked along rows: w1/v1 [E*I, H], and w2 transposed, also [E*I, H]."""
+    cat = lambda role, t=False: torch.cat([d[role].t() if t else d[role] for d in decoded])
+    return {"mlp.w1": cat("gate"), "mlp.v1": cat("up"), "mlp.w2": cat("down", t=True)}
+
+
+def llama4_parameters(module, decoded, biases) -> dict:
+    """Llama 4: gate_up_proj [E, H, 2I] (transposed, gate half first), down_proj [E, I, H]."""
+    gate_up = torch.stack([torch.cat([d["gate"], d["up"]]).t() for d in decoded])
+    return {"gate_up_proj": gate_up, "down_proj": torch.stack([d["down"].t() for d in decoded])}
+
+
+# experts modules outside transformers' registry, by class name; the rest follow their registry flags
+PARAMETER_WRITERS = {"DbrxExperts": dbrx_parameters, "Llama4TextExperts": llama4_parameters}
+
+
+def is_dequantizable(module) -> bool:
+    return type(module).__name__ in PARAMETER_WRITERS or is_experts_module(module)
+
+
 def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
     vault = Vault(vault_dir)
-    model = build_model(AutoConfig.from_pretrained(vault.dir), dtype)
-    load_trunk(model, vault, dtype)
-    for layer, module in experts_modules(model, vault).items():
+    model = build_model(AutoConfig.from_pretrained(vault.dir), dtype, streaming=False)
+    load_trunk(model, vault, dtype, is_dequantizable)
+    for layer, module in experts_modules(model, vault, is_dequantizable).items():
         experts = [vault.read_expert(layer, e) for e in range(vault.meta["num_experts"])]
         decoded = [{t.role: t.decode().to(dtype) for t in tensors} for tensors, _ in experts]
         biases = [{r: b.to(dtype) for r, b in b_.items()} for _, b_ in experts]
-        for name, value in expert_parameters(module, decoded, biases).items():
-            if tuple(getattr(module, name).shape) != tuple(value.shape):
-                raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(module, name).shape)} in the model, "
+        write = PARAMETER_WRITERS.get(type(module).__name__, expert_parameters)
+        for name, value in write(module, decoded, biases).items():
+            owner, leaf = (module.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (module, name)
+            if tuple(getattr(owner, leaf).shape) != tuple(value.shape):
+                raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(owner, leaf).shape)} in the model, "
                                 f"the vault gives {tuple(value.shape)}")
-            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+            setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=False))
     partial = out.parent / f"{out.name}.partial-dequantize"
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)

@@ -1,24 +1,28 @@
 """Expert linears on CPU straight from SMOE-Q4 / SMOE-Q2 codes.
 
-Two compute forms, chosen once per expert when it is prepared (i.e. when it enters the cache):
+Two compute forms, chosen once per expert when it is prepared (when it enters the cache):
 
 * "dequant": decode once to the activation dtype, then F.linear. The exact reference: in fp32 it is
-  bit for bit decode() followed by a matmul. Holds 2-4 bytes per weight.
+  bit for bit decode() followed by a matmul. Holds 2 (bf16) or 4 (fp32) bytes per weight.
 * "int4": torch's CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`), which dequantises
-  w = (q - 8) * scale + zero group by group inside the matmul. Holds half a byte per weight.
-  Both depths map onto it exactly (d = s / h is the SMOE step):
-      Q4: q = code,         scale = s / 7.5, zero = s / 15   ((code - 8) d + d/2 = (code - 7.5) d)
+  w = (q - 8) * scale + zero group by group inside the matmul. Holds about half a byte per weight.
+  Both depths map onto it exactly (s: the group's fp16 scale):
+      Q4: q = code,         scale = s / 7.5, zero = s / 15   ((code - 8) s/7.5 + s/15 = (code - 7.5) s/7.5)
       Q2: q = 2 code + 5,   scale = s / 3,   zero = 0        ((2 code - 3) s/3 = (code - 1.5) s/1.5)
-  The kernel rounds scale and zero to the activation dtype, so in bf16 each weight is off by at
-  most one bf16 rounding (2**-9 relative), the same as decoding to bf16; in fp32 the weights equal
-  decode()'s. The kernel needs in % 64 == 0 (a group must not span rows) and out % 16 == 0; a tensor
-  that does not fit keeps the dequant form (listed in PreparedExpert.fallbacks).
+  The kernel rounds scale and zero to the activation dtype; since zero = scale / 2 (or 0) exactly,
+  each weight is off by at most one rounding of the step (2**-9 relative in bf16), like decoding to
+  bf16. In fp32 the weights equal decode()'s. The kernel needs in % 64 == 0 (a group must not span
+  rows) and out % 16 == 0; a tensor that does not fit keeps the dequant form (PreparedExpert.fallbacks).
 
-The kernel's packed layout depends on the CPU build (AVX-512 and AVX2 interleave rows differently),
-so it is found at first use by packing a probe with torch's own converter and comparing it with the
+Measured with torch 2.13 on AVX-512 (see smoe/bench_kernels_cpu.py): the kernel is vectorised for
+bf16 only (fp16/fp32 run a scalar loop, 20-60x slower than F.linear). It dequantises once per block
+of 4 tokens, so it beats F.linear on pre-decoded bf16 weights up to 4 tokens per call (1.5-1.8x at
+1 token) and loses beyond (0.4x at 256). An int4 expert called with many tokens therefore decodes to
+a dense temporary and uses F.linear (see DENSE_FROM_TOKENS).
+
+The kernel's packed layout depends on the CPU build (AVX-512 and AVX2 interleave rows differently).
+It is found at first use by packing a probe with torch's own converter and comparing with the
 layouts known here; codes are then packed by a numba loop straight from the portable LSB-first bytes.
-Measured on torch 2.13 (AVX-512): the kernel is vectorised for bf16 only; fp16 and fp32 run a scalar
-loop 30-60x slower than F.linear, hence `choose_path`.
 """
 
 from __future__ import annotations
@@ -38,8 +42,14 @@ from smoe.vault import QuantisedTensor
 PATHS = ("dequant", "int4")
 KERNEL_GROUP = codec.GROUP_SIZE  # one SMOE group is one K-block of the kernel
 KERNEL_ROWS = 16  # the kernel walks out-features in blocks of 16, 32, 48 or 64
-# Candidate packed layouts: (rows per block, "halves" pairs row j with row j + block/2, "pairs"
-# pairs rows 2j and 2j + 1). A block left over at the end of `out` is always packed as pairs.
+# Most tokens per call for which the kernel beats F.linear on dense bf16 (measured crossover: 4).
+INT4_MAX_TOKENS = 4
+# From this many tokens, an int4 expert decodes a dense temporary (~1 G weights/s on one core) and
+# runs F.linear: cheaper than the kernel's per-4-token dequantisation (measured crossover ~70).
+DENSE_FROM_TOKENS = 96
+# Packed layouts known here: (rows per block, how two rows share a byte's nibbles). "halves": row j
+# and row j + rows/2 (AVX-512: 64, AVX2: 32); "pairs": rows 2j and 2j + 1 (scalar builds). A partial
+# block at the end of `out` is always packed as pairs.
 LAYOUTS = ((64, "halves"), (32, "halves"), (32, "pairs"), (64, "pairs"))
 # Worst error allowed against decode()+matmul, relative to sum |x| |w| per output: one rounding of the
 # weights and one of the output in the activation dtype, times two for margin; fp32 only accumulates.
@@ -65,7 +75,7 @@ class PreparedExpert:
     weights: dict[str, object]  # per role: a [out, in] tensor (dequant) or an Int4Weight
     biases: dict[str, torch.Tensor]  # per role, in the activation dtype; may be empty
     nbytes: int  # memory held, counted against the cache budget
-    fallbacks: tuple[str, ...] = field(default=())  # int4 path: roles kept as dequant (shape)
+    fallbacks: tuple[str, ...] = field(default=())  # int4 path: roles the kernel cannot express
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -75,14 +85,16 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 # --- choosing a path -----------------------------------------------------------------------------
 
 
-def choose_path(dtype: torch.dtype, bits: int = 4) -> str:
-    """The "auto" path. int4 where the kernel is vectorised (bf16 on AVX2 / AVX-512 builds): it
-    beats F.linear on pre-decoded bf16 weights while holding a quarter of the memory. fp16/fp32 fall
-    to a scalar loop in torch's kernel, so dequant. Q2 and Q4 run the very same kernel."""
+def choose_path(dtype: torch.dtype, bits: int = 4, tokens: int | None = None) -> str:
+    """The "auto" path: int4 where the kernel is vectorised (bf16 on AVX2 / AVX-512 builds). It is
+    faster than dense bf16 for decoding and holds a quarter of the memory; large calls are routed to
+    a dense temporary by `linear`. Pass `tokens` (typical tokens per expert call) to get the faster
+    form for that load alone: dense above INT4_MAX_TOKENS, at 4x the memory. Q2 and Q4 run alike."""
     codec.check_bits(bits)
-    if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return "int4"
-    return "dequant"
+    vectorised = dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    if not vectorised or (tokens is not None and tokens > INT4_MAX_TOKENS):
+        return "dequant"
+    return "int4"
 
 
 def int4_fits(shape: tuple[int, ...]) -> bool:
@@ -91,13 +103,13 @@ def int4_fits(shape: tuple[int, ...]) -> bool:
     return inp % KERNEL_GROUP == 0 and out % KERNEL_ROWS == 0 and out > 0
 
 
-# --- prepare -------------------------------------------------------------------------------------
+# --- prepare and run -----------------------------------------------------------------------------
 
 
 def prepare_expert(
     tensors: list[QuantisedTensor], biases: dict[str, torch.Tensor], dtype: torch.dtype, path: str = "auto"
 ) -> PreparedExpert:
-    """Turn one expert's quantised projections into compute form for activations of `dtype`."""
+    """One expert's quantised projections -> compute form for activations of `dtype`."""
     if path == "auto":
         path = choose_path(dtype, max(t.bits for t in tensors))
     if path not in PATHS:
@@ -124,9 +136,10 @@ def linear(x: torch.Tensor, expert: PreparedExpert, role: str) -> torch.Tensor:
     bias = expert.biases.get(role)
     if not isinstance(w, Int4Weight):
         return F.linear(x, w, bias)
-    out = w.packed.shape[0]
+    if x.shape[0] >= DENSE_FROM_TOKENS and kernel_layout() is not None:
+        return F.linear(x, dense_weight(w, x.dtype), bias)
     if x.shape[0] == 0:
-        return x.new_empty(0, out)
+        return x.new_empty(0, w.packed.shape[0])
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.packed, KERNEL_GROUP, w.scales_zeros)
     return y if bias is None else y.add_(bias)
 
@@ -144,7 +157,7 @@ def scales_and_zeros(scales: torch.Tensor, bits: int, out: int, inp: int, dtype:
     s = scales.to(torch.float32).view(out, inp // KERNEL_GROUP).t()
     if bits == 4:
         step = s / 7.5
-        zero = step * 0.5  # (q - 8) step + step / 2 = (code - 7.5) step
+        zero = step * 0.5  # (q - 8) step + step / 2 = (code - 7.5) step; halving stays exact when rounded
     else:
         step = s / 3.0  # q = 2 code + 5: (q - 8) s / 3 = (code - 1.5) s / 1.5
         zero = torch.zeros_like(step)
@@ -154,7 +167,7 @@ def scales_and_zeros(scales: torch.Tensor, bits: int, out: int, inp: int, dtype:
 def pack_int4(codes: torch.Tensor, bits: int, out: int, inp: int) -> torch.Tensor:
     """Packed LSB-first codes [G, 64 * bits / 8] -> the kernel's uint8 [out, in / 2]."""
     layout = kernel_layout()
-    if layout is None:  # an unknown build: let torch pack (slower, needs int32 codes)
+    if layout is None:  # a build whose layout is unknown here: let torch pack (slower, int32 codes)
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4_values(codes, bits, out, inp), 1)
     rows, style = layout
     packed = np.empty(out * inp // 2, dtype=np.uint8)
@@ -168,36 +181,73 @@ def int4_values(codes: torch.Tensor, bits: int, out: int, inp: int) -> torch.Ten
     return q if bits == 4 else 2 * q + 5
 
 
-# Single-threaded on purpose: numba's parallel (OpenMP) layer shares libgomp with torch and resets
-# torch's thread count when it starts. nogil lets a loader thread pack while another computes.
+def dense_weight(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The int4 form decoded back to a dense [out, in] weight in `dtype` (scales as prepared)."""
+    rows, style = kernel_layout()
+    out, inp = w.packed.shape[0], w.packed.shape[1] * 2
+    dense = np.empty((out, inp), dtype=np.float32)
+    sz = w.scales_zeros.to(torch.float32).numpy()
+    _unpack_rows(w.packed.numpy().reshape(-1), sz, rows, style == "halves", dense)
+    return torch.from_numpy(dense).to(dtype)
+
+
+# numba loops are single-threaded on purpose: numba's parallel (OpenMP) layer shares libgomp with
+# torch and resets torch's thread count when it starts. nogil lets a loader thread run them.
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _pair_rows(start, size, rows, halves, j):
+    """The two rows whose nibbles share byte column j of a row block (low nibble, high nibble)."""
+    half = size // 2
+    if halves and size == rows:
+        return start + j, start + j + half
+    return start + 2 * j, start + 2 * j + 1
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _pack_rows(src, bits, rows, halves, dst):
-    """src [out, in * bits / 8] LSB-first bytes -> dst: per block of `rows` out-features, [in, rows/2]
-    bytes holding (q of row lo) | (q of row hi) << 4. Reads each row sequentially, one byte at a time."""
+    """src [out, in * bits / 8] LSB-first bytes -> dst: per block of `rows` out-features, [in, size/2]
+    bytes of q(row lo) | q(row hi) << 4. Reads rows sequentially, one source byte at a time."""
     out, width = src.shape
     per_byte = 8 // bits
     inp = width * per_byte
-    for block in range((out + rows - 1) // rows):
-        start = block * rows
+    for start in range(0, out, rows):
         size = min(rows, out - start)
         half = size // 2
-        split = halves and size == rows
         base = start * (inp // 2)
         for j in range(half):
-            lo = start + j if split else start + 2 * j
-            hi = lo + half if split else lo + 1
+            lo, hi = _pair_rows(start, size, rows, halves, j)
             for b in range(width):
                 a = src[lo, b]
                 c = src[hi, b]
                 o = base + b * per_byte * half + j
-                if bits == 4:
+                if bits == 4:  # two codes per byte: even k in the low nibble
                     dst[o] = (a & 15) | (c << 4)
                     dst[o + half] = (a >> 4) | (c & 0xF0)
-                else:
+                else:  # four codes per byte, mapped to q = 2 code + 5
                     for k in range(4):
                         qa = 2 * ((a >> (2 * k)) & 3) + 5
                         qc = 2 * ((c >> (2 * k)) & 3) + 5
                         dst[o + k * half] = qa | (qc << 4)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _unpack_rows(packed, sz, rows, halves, dst):
+    """The inverse of _pack_rows, dequantised: dst [out, in] fp32 = (q - 8) * scale + zero, with one
+    rounding (exact in fp64), so fp32 scales give decode()'s weights bit for bit."""
+    out, inp = dst.shape
+    for start in range(0, out, rows):
+        size = min(rows, out - start)
+        half = size // 2
+        base = start * (inp // 2)
+        for j in range(half):
+            lo, hi = _pair_rows(start, size, rows, halves, j)
+            for g in range(inp // KERNEL_GROUP):
+                s_lo, z_lo, s_hi, z_hi = sz[g, lo, 0], sz[g, lo, 1], sz[g, hi, 0], sz[g, hi, 1]
+                for k in range(g * KERNEL_GROUP, (g + 1) * KERNEL_GROUP):
+                    byte = packed[base + k * half + j]
+                    dst[lo, k] = np.float32(np.float64((byte & 15) - 8) * s_lo + z_lo)
+                    dst[hi, k] = np.float32(np.float64((byte >> 4) - 8) * s_hi + z_hi)
 
 
 # --- first-use checks ----------------------------------------------------------------------------
@@ -207,26 +257,25 @@ def _pack_rows(src, bits, rows, halves, dst):
 def kernel_layout() -> tuple[int, str] | None:
     """Which known layout this build's converter produces, found by packing a probe both ways.
     112 rows = a full block plus a partial one for both 64- and 32-row blocks."""
-    out, inp = 112, 2 * KERNEL_GROUP
-    q = torch.randint(0, 16, (out, inp), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    codes = codec.pack_codes(q.view(-1, KERNEL_GROUP), 4)
+    t = random_quantised((112, 2 * KERNEL_GROUP), 4, seed=0)
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4_values(t.codes, 4, *t.shape), 1)
     for rows, style in LAYOUTS:
-        got = np.empty(out * inp // 2, dtype=np.uint8)
-        _pack_rows(codes.numpy().reshape(out, -1), 4, rows, style == "halves", got)
-        if torch.equal(torch.from_numpy(got).view(out, inp // 2), want):
+        got = np.empty(want.numel(), dtype=np.uint8)
+        _pack_rows(t.codes.numpy().reshape(t.shape[0], -1), 4, rows, style == "halves", got)
+        if torch.equal(torch.from_numpy(got).view(want.shape), want):
             return rows, style
     return None
 
 
 @functools.cache
 def self_check(dtype: torch.dtype) -> None:
-    """Once per process and dtype: the int4 path against decode()+matmul at both depths. Raises when
-    the kernel (layout, scale mapping, dtype support) disagrees beyond rounding."""
+    """Once per process and dtype: the int4 kernel against decode()+matmul at both depths. Raises
+    when it disagrees beyond rounding (layout, scale mapping or dtype support gone wrong)."""
     x = torch.randn(3, 3 * KERNEL_GROUP, generator=torch.Generator().manual_seed(1)).to(dtype)
     for bits in codec.DEPTHS:
-        t = random_quantised((112, x.shape[1]), bits, seed=bits, role="check")
-        y = linear(x, PreparedExpert(("check",), "int4", {"check": to_int4(t, dtype)}, {}, 0), "check")
+        t = random_quantised((112, x.shape[1]), bits, seed=bits)
+        w = to_int4(t, dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, KERNEL_GROUP, w.scales_zeros)
         err = worst_error(x, t.decode(), y)
         if not err <= TOLERANCE.get(dtype, 2.0**-7):
             raise SmoeError(
@@ -236,16 +285,16 @@ def self_check(dtype: torch.dtype) -> None:
 
 
 def worst_error(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
-    """max |y - x w^T| / (|x| |w|^T), the reference in fp32: the error per output relative to the
-    largest it could reach with every term rounded."""
-    xf = x.to(torch.float32)
-    ref = xf @ w.to(torch.float32).t()
-    scale = xf.abs() @ w.to(torch.float32).abs().t()
-    return float(((y.to(torch.float32) - ref).abs() / scale.clamp_min(1e-30)).max())
+    """max |y - x w^T| / (|x| |w|^T) with the reference in fp32: the error of each output relative
+    to the largest that rounding every term could cause."""
+    xf, wf = x.to(torch.float32), w.to(torch.float32)
+    ref = xf @ wf.t()
+    bound = xf.abs() @ wf.abs().t()
+    return float(((y.to(torch.float32) - ref).abs() / bound.clamp_min(1e-30)).max())
 
 
 def random_quantised(shape: tuple[int, int], bits: int, seed: int = 0, role: str = "w") -> QuantisedTensor:
-    """A tensor with uniform random codes and fp16 scales in [1e-3, 0.05): every code value occurs.
+    """A tensor of uniform random codes and fp16 scales in [1e-3, 0.05): every code value occurs.
     Built without the encoder on purpose: numba's parallel encoder restarts OpenMP, which resets
     torch's thread count."""
     g = torch.Generator().manual_seed(seed)

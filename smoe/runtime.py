@@ -38,8 +38,60 @@ ExpertsInterface.register(EXPERTS_IMPLEMENTATION, smoe_experts_forward)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
-    """Modules decorated with transformers' `use_experts_implementation` carry these flags."""
+    """Modules decorated with transformers' `use_experts_implementation` (and ours) carry these flags."""
     return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated"))
+
+
+class StreamingExperts(torch.nn.Module):
+    """Stands in, through `set_submodule`, for an experts module that transformers' registry does not
+    reach: same call (hidden_states, top_k_index, top_k_weights), gated SwiGLU-style experts."""
+
+    has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
+
+    def __init__(self, act_fn, scale_input: bool = False):
+        super().__init__()
+        self.act_fn = act_fn
+        self.smoe_scale_input = scale_input
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = self.smoe_engine.forward(self, flat, top_k_index.reshape(flat.shape[0], -1),
+                                       top_k_weights.reshape(flat.shape[0], -1))
+        return out.view(hidden_states.shape)
+
+
+class StreamingLlama4Moe(torch.nn.Module):
+    """Llama 4's MoE block with routed experts streamed. Llama 4 computes every expert densely and
+    scales each expert's input (not its output) by the sigmoid router score; only the top-k have a
+    non-zero score, so running just those experts on scaled inputs gives the same result."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.router, self.shared_expert, self.top_k = block.router, block.shared_expert, block.top_k
+        self.experts = StreamingExperts(block.experts.act_fn, scale_input=True)
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+        router_scores, router_logits = self.router(hidden_states)
+        top_k_index = torch.topk(router_logits, self.top_k, dim=-1).indices
+        routed = self.experts(hidden_states, top_k_index, router_scores.gather(1, top_k_index))
+        return self.shared_expert(hidden_states) + routed, router_logits
+
+
+def replace_unregistered_moe_blocks(model) -> None:
+    """Swap the MoE blocks of families whose experts bypass the registry (by transformers class name)."""
+    replacements = {
+        "DbrxExperts": lambda m: StreamingExperts(m.mlp.activation_fn),
+        "Llama4TextMoe": StreamingLlama4Moe,
+    }
+    for name, module in list(model.named_modules()):
+        make = replacements.get(type(module).__name__)
+        if make is not None:
+            model.set_submodule(name, make(module))
 
 
 @dataclass
@@ -57,8 +109,12 @@ class ExpertsEngine:
             prepared = self.store.get(layer, batch)
             for e in batch:
                 token_idx, slot = torch.where(top_k_index == e)
-                y = self.expert_output(module, prepared[e], hidden_states[token_idx])
-                y = y * top_k_weights[token_idx, slot, None].to(y.dtype)
+                weight = top_k_weights[token_idx, slot, None]
+                if getattr(module, "smoe_scale_input", False):
+                    y = self.expert_output(module, prepared[e], hidden_states[token_idx] * weight.to(hidden_states.dtype))
+                else:
+                    y = self.expert_output(module, prepared[e], hidden_states[token_idx])
+                    y = y * weight.to(y.dtype)
                 out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 
@@ -94,9 +150,10 @@ class StreamingModel:
         self.vault = Vault(vault_dir)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.config = AutoConfig.from_pretrained(self.vault.dir)
-        cache = default_cache_bytes(self.vault) if cache_bytes is None else cache_bytes
         prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path))
-        self.store = ExpertStore(self.vault, cache, prepare, threads=threads, direct_io=direct_io)
+        self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
+        if cache_bytes is None:  # the default counts experts in their prepared (compute) size
+            self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())
         self.model = build_model(self.config, self.dtype)
         load_trunk(self.model, self.vault, self.dtype)
         self.engine = ExpertsEngine(self.store, tuple(self.vault.meta["roles"]))
@@ -140,20 +197,25 @@ def causal_lm_class(config):
     return model_class if model_class is not None else AutoModelForCausalLM
 
 
-def build_model(config, dtype: torch.dtype):
-    """The transformers model with every parameter on the meta device (nothing allocated yet)."""
+def build_model(config, dtype: torch.dtype, streaming: bool = True):
+    """The transformers model with every parameter on the meta device (nothing allocated yet); with
+    `streaming`, MoE blocks outside the experts registry are swapped for streaming ones."""
     model_class = causal_lm_class(config)
     kwargs = {"experts_implementation": EXPERTS_IMPLEMENTATION, "dtype": dtype}
     try:
         with torch.device("meta"):
             if model_class is AutoModelForCausalLM:
-                return model_class.from_config(config, **kwargs).eval()
-            return model_class._from_config(config, **kwargs).eval()  # what the Auto classes call
+                model = model_class.from_config(config, **kwargs)
+            else:
+                model = model_class._from_config(config, **kwargs)  # what the Auto classes call
     except ValueError as e:
         raise SmoeError(f"cannot build a {config.model_type} model with transformers: {e}") from None
+    if streaming:
+        replace_unregistered_moe_blocks(model)
+    return model.eval()
 
 
-def load_trunk(model, vault: Vault, dtype: torch.dtype) -> None:
+def load_trunk(model, vault: Vault, dtype: torch.dtype, is_experts=is_experts_module) -> None:
     """Assign the trunk tensors (renamed as transformers renames checkpoint keys) and rebuild buffers."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -167,18 +229,18 @@ def load_trunk(model, vault: Vault, dtype: torch.dtype) -> None:
     if getattr(model.config, "tie_word_embeddings", False) or getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     rebuild_meta_buffers(model)
-    missing = [n for n, p in model.named_parameters() if p.is_meta and not is_experts_param(model, n)]
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not is_experts_param(model, n, is_experts)]
     if missing:
         raise SmoeError(f"trunk is missing {len(missing)} tensors the model needs (first: {missing[:3]}); "
                         f"unexpected trunk tensors: {result.unexpected_keys[:3]}")
 
 
-def experts_modules(model, vault: Vault) -> dict[int, torch.nn.Module]:
+def experts_modules(model, vault: Vault, is_experts=is_experts_module) -> dict[int, torch.nn.Module]:
     """layer -> the model's experts module, one for every MoE layer of the vault."""
     layers = set(vault.meta["moe_layers"])
     found = {}
     for name, module in model.named_modules():
-        if is_experts_module(module):
+        if is_experts(module):
             match = LAYER_RE.search(f".{name}.")
             if not match or int(match.group(1)) not in layers:
                 raise SmoeError(f"experts module {name}: no matching MoE layer in the vault")
@@ -189,9 +251,10 @@ def experts_modules(model, vault: Vault) -> dict[int, torch.nn.Module]:
     return found
 
 
-def is_experts_param(model, name: str) -> bool:
-    owner = model.get_submodule(name.rsplit(".", 1)[0])
-    return is_experts_module(owner)
+def is_experts_param(model, name: str, is_experts=is_experts_module) -> bool:
+    """Whether a parameter lives inside an experts module (whose weights come from the vault)."""
+    parts = name.split(".")[:-1]
+    return any(is_experts(model.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts) + 1))
 
 
 def rebuild_meta_buffers(model) -> None:

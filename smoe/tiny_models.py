@@ -81,7 +81,8 @@ TINY_CONFIGS: dict[str, dict] = {
         "num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "first_k_dense_replace": 0, "intermediate_size": 96, "moe_intermediate_size": 24,
         # its default YaRN rope does not fit heads this small
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **_DEEPSEEK_ATTENTION,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                            "original_max_position_embeddings": 128}, **_DEEPSEEK_ATTENTION,
     },
     "glm4_moe": {
         "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
@@ -234,7 +235,27 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0, layout: str
         _rewrite(out_dir / "model.safetensors", _fuse_experts)
     elif layout is not None:
         raise SmoeError(f"unknown expert layout {layout!r} (per_expert, fused)")
+    save_tiny_tokenizer(out_dir, model.config.get_text_config().vocab_size)
     return model
+
+
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times; "
+    "the sea was calm and the old man rowed out before the sun rose over the water."
+)
+
+
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A character-level BPE small enough for a tiny vocabulary, so tiny models can generate text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(set(TOKENIZER_TEXT))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, special_tokens=["<unk>", "</s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(out_dir)
 
 
 def _rewrite(path: Path, transform) -> None:
