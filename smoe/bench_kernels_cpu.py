@@ -125,8 +125,7 @@ def bench_cpu_kernels(json_out: bool = False, threads: int | None = None) -> dic
     if threads:
         torch.set_num_threads(threads)
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} torch threads",
+        "machine": machine_description(),
         "matmul_bf16": bench_matmul(torch.bfloat16),
         "matmul_slow_dtypes": [r for dt in SLOW_DTYPES for r in bench_matmul(dt, SHAPES[:1], SLOW_TOKENS)],
         "conversion": bench_conversion(),
@@ -134,6 +133,12 @@ def bench_cpu_kernels(json_out: bool = False, threads: int | None = None) -> dic
     }
     print(json.dumps(result, indent=1) if json_out else format_result(result))
     return result
+
+
+def machine_description() -> str:
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    build = f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
+    return f"{cpu}, {build}, {torch.get_num_threads()} torch threads"
 
 
 def format_result(result: dict) -> str:

@@ -8,6 +8,7 @@ import sys
 
 from smoe import __version__
 from smoe.errors import SmoeError
+from smoe.prompts import chat_prompt, load_tokenizer
 
 
 def cmd_quantize(args) -> int:
@@ -81,15 +82,6 @@ def open_model(args):
                           direct_io=args.direct_io)
 
 
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise SmoeError(f"{path}: no usable tokenizer ({e})") from None
-
-
 def cmd_generate(args) -> int:
     from smoe.generate import TextStreamer, generate
 
@@ -97,7 +89,8 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(args.vault)
     prompt = tok(args.prompt, add_special_tokens=True)["input_ids"]
     streamer = None if args.json else TextStreamer(tok, sys.stdout)
-    tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer)
+    tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer,
+                             engine=args.engine)
     if args.json:
         print(json.dumps({"text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens, "stats": stats.as_dict()}))
     else:
@@ -122,18 +115,11 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         prompt = chat_prompt(tok, history)
         streamer = TextStreamer(tok, sys.stdout)
-        tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer)
+        tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer,
+                                 engine=args.engine)
         history.append({"role": "assistant", "content": tok.decode(tokens, skip_special_tokens=True)})
         print("\n" + stats.line(), file=sys.stderr)
     return 0
-
-
-def chat_prompt(tok, history) -> list[int]:
-    """The tokenizer's chat template when it has one; plain "User:/Assistant:" turns otherwise."""
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
-    text = "".join(f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in history)
-    return tok(text + "Assistant:", add_special_tokens=True)["input_ids"]
 
 
 def cmd_eval(args) -> int:
@@ -160,6 +146,13 @@ def cmd_dequantize(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from smoe.serve import Limits, run_server
+
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens, max_queue=args.max_queue)
+    return run_server(lambda: open_model(args), load_tokenizer, args.vault, args.host, args.port, limits)
+
+
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("vault", metavar="VAULT_DIR")
     p.add_argument("--cache-gb", type=float, default=None,
@@ -174,6 +167,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"),
+                   help="lean: the fast decode path (Qwen3-MoE, Mixtral); transformers: the model's own modules")
 
 
 def cmd_bench(args) -> int:
@@ -256,6 +251,18 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     dq.add_argument("--force", action="store_true")
     dq.set_defaults(func=cmd_dequantize)
+
+    sv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a web chat page",
+                        description="Serve a vault over HTTP: the web chat at /, the OpenAI API at /v1 "
+                        "(chat/completions, completions, models), the Anthropic API at /v1/messages, "
+                        "/health and /metrics. Requests run one at a time, in arrival order.")
+    add_runtime_options(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    sv.add_argument("--max-tokens", type=int, default=4096, help="most new tokens one request may ask for (default 4096)")
+    sv.add_argument("--max-body-mb", type=float, default=1.0, help="largest request body in MiB (default 1)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running at once (default 64)")
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same process)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")

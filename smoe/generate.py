@@ -64,10 +64,36 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+ENGINES = ("auto", "lean", "transformers")
+
+
+def next_logits_function(sm, positions: int, engine: str = "auto"):
+    """step(new_token_ids) -> logits of the last position, continuing the same sequence.
+
+    "lean" is the fast path for the families that have one; "transformers" runs the model's own
+    modules with a DynamicCache (every family); "auto" picks lean where it exists."""
+    if engine not in ENGINES:
+        raise SmoeError(f"unknown engine {engine!r} ({', '.join(ENGINES)})")
+    lean = sm.lean_decoder(positions) if engine != "transformers" else None
+    if engine == "lean" and lean is None:
+        raise SmoeError(f"no lean decode path for the {sm.vault.meta['family']} family (use --engine transformers)")
+    if lean is not None:
+        return lambda ids: lean.forward(ids)[-1]
+    kv = {cache_keyword(sm.model): DynamicCache(config=sm.model.config)}
+
+    def step(ids):
+        return sm.model(input_ids=torch.tensor([ids]), use_cache=True, **kv).logits[0, -1]
+
+    return step
+
+
 @torch.inference_mode()
 def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, on_token=None) -> tuple[list[int], GenerationStats]:
-    """Prefill the prompt in one forward (each layer reads its experts once), then decode token by token."""
+             seed: int = 0, on_token=None, engine: str = "auto") -> tuple[list[int], GenerationStats]:
+    """Prefill the prompt in one forward (each layer reads its experts once), then decode token by token.
+
+    `on_token(token)` sees each new token; returning False stops generation after it (a server
+    cancels a request whose client went away this way)."""
     if not prompt_ids:
         raise SmoeError("empty prompt")
     limit = sm.max_positions
@@ -76,21 +102,17 @@ def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: floa
     stats0 = sm.store.stats.as_dict()
     generator = torch.Generator().manual_seed(seed)
     stop = eos_ids(sm.model)
-    kv = {cache_keyword(sm.model): DynamicCache(config=sm.model.config)}
+    step = next_logits_function(sm, len(prompt_ids) + max_tokens, engine)
     start = time.perf_counter()
-    out = sm.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **kv)
-    token = sample(out.logits[0, -1], temperature, top_p, generator)
+    token = sample(step(prompt_ids), temperature, top_p, generator)
     ttft = time.perf_counter() - start
     tokens = [token]
-    if on_token:
-        on_token(token)
+    go_on = not on_token or on_token(token) is not False
     decode_start = time.perf_counter()
-    while len(tokens) < max_tokens and token not in stop:
-        out = sm.model(input_ids=torch.tensor([[token]]), use_cache=True, **kv)
-        token = sample(out.logits[0, -1], temperature, top_p, generator)
+    while go_on and len(tokens) < max_tokens and token not in stop:
+        token = sample(step([token]), temperature, top_p, generator)
         tokens.append(token)
-        if on_token:
-            on_token(token)
+        go_on = not on_token or on_token(token) is not False
     decode_s = time.perf_counter() - decode_start
     return tokens, make_stats(sm, stats0, len(prompt_ids), tokens, ttft, decode_s)
 

@@ -172,6 +172,20 @@ class StreamingModel:
             raise SmoeError(f"--cache-gb {self.store.cache_bytes / 1e9:.4g} is smaller than one token's {top_k} experts "
                             f"of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
 
+    def lean_decoder(self, positions: int):
+        """The lean decode path when this family has one (else None), with a KV cache of at least
+        `positions`; kept between calls and regrown (doubling) when a longer sequence comes."""
+        from smoe import fast_decode
+
+        if not fast_decode.supports(self):
+            return None
+        current = getattr(self, "_lean", None)
+        if current is None or current.max_positions < positions:
+            capacity = max(positions, 2 * current.max_positions if current else 1024)
+            self._lean = fast_decode.LeanDecoder(self, min(capacity, self.max_positions or capacity))
+        self._lean.reset()
+        return self._lean
+
     @property
     def max_positions(self) -> int | None:
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config

@@ -197,3 +197,11 @@ def test_other_cpu_builds_layouts_are_detected_and_pass_the_self_check(capabilit
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(layout)
+
+
+def test_benchmark_reports_every_method_against_the_baseline():
+    from smoe import bench_kernels_cpu as bench
+
+    (row,) = bench.bench_matmul(torch.bfloat16, (("small", 96, 384),), (1,))
+    assert row["int4_fits"] and row["baseline_ms"] > 0
+    assert {"int4_kernel_speedup", "int4_path_speedup", "decode_per_call_speedup"} <= row.keys()

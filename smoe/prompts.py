@@ -1,0 +1,26 @@
+"""Prompts as token ids: the vault's tokenizer, and chat turns through its chat template."""
+
+from __future__ import annotations
+
+from smoe.errors import SmoeError
+
+ROLE_LABELS = {"user": "User", "system": "System"}
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SmoeError(f"{path}: no usable tokenizer ({e})") from None
+
+
+def chat_prompt(tok, history) -> list[int]:
+    """The tokenizer's chat template when it has one; plain "User:/Assistant:" turns otherwise.
+
+    history: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    text = "".join(f"{ROLE_LABELS.get(m['role'], 'Assistant')}: {m['content']}\n" for m in history)
+    return tok(text + "Assistant:", add_special_tokens=True)["input_ids"]
