@@ -27,10 +27,26 @@ def main(args) -> int:
         result = bench_quantize(args.mb, args.device)
     elif args.bench == "sculpt":
         result = bench_sculpt(args.gb, args.workdir, args.device)
+    elif args.bench in ("runtime", "runtime-synthetic"):
+        return bench_runtime_main(args)
     else:
         raise SmoeError(f"unknown benchmark {args.bench!r}")
     result["machine"] = machine_description(result.get("device", "cpu"))
     print(json.dumps(result, indent=1) if args.json else format_result(result))
+    return 0
+
+
+def bench_runtime_main(args) -> int:
+    from smoe import bench_runtime
+
+    budgets = [float(b) for b in args.budgets.split(",")]
+    if args.bench == "runtime":
+        result = bench_runtime.bench_model(args.vault, args.ref, args.gguf, budgets, args.tokens, args.dtype,
+                                           args.threads, args.engine)
+    else:
+        result = bench_runtime.bench_synthetic(args.workdir, args.layers, args.tokens, budgets)
+    result["machine"] = machine_description("cpu")
+    print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_runtime.format_result(result))
     return 0
 
 

@@ -77,6 +77,9 @@ def cmd_test_quant(args) -> int:
 def open_model(args):
     from smoe.runtime import StreamingModel
 
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     cache = None if args.cache_gb is None else int(args.cache_gb * 1e9)
     return StreamingModel(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
                           direct_io=args.direct_io)
@@ -153,6 +156,13 @@ def cmd_serve(args) -> int:
     return run_server(lambda: open_model(args), load_tokenizer, args.vault, args.host, args.port, limits)
 
 
+def default_torch_threads() -> int:
+    import os
+
+    cores = os.cpu_count() or 1
+    return 1 if cores <= 2 else cores
+
+
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("vault", metavar="VAULT_DIR")
     p.add_argument("--cache-gb", type=float, default=None,
@@ -160,6 +170,9 @@ def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> 
     p.add_argument("--dtype", default=dtype, choices=("float32", "bfloat16"), help=f"compute dtype (default {dtype})")
     p.add_argument("--threads", type=int, default=16, help="parallel expert reads (default 16, for NVMe)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT, bypassing the page cache")
+    p.add_argument("--torch-threads", type=int, default=default_torch_threads(),
+                   help="threads for torch's CPU ops (default: 1 on machines of 2 cores or fewer, where batch-1 "
+                   "ops are too small to split and a second thread mostly waits; else all cores)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -275,6 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--workdir", default=None, help="where to build it (default: a temporary directory)")
     bs.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the sculptor runs its search")
     bs.add_argument("--json", action="store_true")
+    br = bsub.add_parser("runtime", help="decode tok/s, hit rate, bytes read and peak RSS per cache budget (cold)")
+    br.add_argument("vault", metavar="VAULT_DIR")
+    br.add_argument("--ref", metavar="MODEL_DIR", help="also time transformers running this model resident in bf16")
+    br.add_argument("--gguf", metavar="FILE", help="also time llama.cpp (llama-cpp-python) on this GGUF")
+    br.add_argument("--budgets", default="0.05,0.25,1.0", help="cache budgets as fractions of all experts")
+    br.add_argument("--tokens", type=int, default=128)
+    br.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    br.add_argument("--threads", type=int, default=1)
+    br.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"))
+    br.add_argument("--json", action="store_true")
+    bsy = bsub.add_parser("runtime-synthetic", help="the expert store on a synthetic several-GB vault, skewed routing")
+    bsy.add_argument("--workdir", default="out/bench", help="where the synthetic vault is built (kept for reruns)")
+    bsy.add_argument("--layers", type=int, default=12, help="layers of 128 Qwen3-30B-A3B experts (12: 3.9 GB at Q4)")
+    bsy.add_argument("--tokens", type=int, default=32)
+    bsy.add_argument("--budgets", default="0.05,0.25,1.0")
+    bsy.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the main job end to end on a built-in default model")

@@ -8,6 +8,7 @@ store once per layer. The transformers path stays the reference and the fallback
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,8 @@ class LeanDecoder:
         self.v_cache = torch.zeros(shape, dtype=self.dtype)
         self.max_positions = max_positions
         self.pos = 0
+        # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
+        self.prefetch = os.environ.get("SMOE_PREFETCH") == "1"
 
     @staticmethod
     def layer_weights(layer, qk_norm: bool) -> LayerWeights:
@@ -120,7 +123,16 @@ class LeanDecoder:
         """New tokens see every cached token and the new ones up to themselves."""
         return torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
 
+    def prefetch_next(self, i: int, h) -> None:
+        """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
+        residual stream changes little between layers) and start reading them."""
+        if i + 1 < len(self.layers):
+            guess = torch.topk(F.linear(h, self.layers[i + 1].router), self.top_k, dim=-1).indices
+            self.store.prefetch(i + 1, torch.unique(guess).tolist())
+
     def experts(self, i: int, w: LayerWeights, h):
+        if self.prefetch:
+            self.prefetch_next(i, h)
         probs = torch.softmax(F.linear(h, w.router).float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

@@ -405,6 +405,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(2048)  # connections made while the model loads wait in the backlog
     except OSError as e:
         raise SmoeError(f"cannot listen on {host} port {port}: {e.strerror or e}") from None
     return sock

@@ -1,0 +1,529 @@
+"""Routed experts on CUDA straight from SMOE-Q4 / SMOE-Q2 codes: fused dequant-matmul in Triton.
+
+Input layout: the vault's own blob layout (docs/vault.md), unchanged. Blobs are copied as they are
+into one uint8 `pool` tensor on the GPU, each starting on a 64-byte boundary (any cache slot); an
+expert is named by the byte offset of its blob in the pool. Since every section of a blob is 64-byte
+aligned, the kernels read the codes as 32-bit words and the scales as fp16 straight from the pool.
+No float weight matrix is written to memory.
+
+One source serves both depths: BITS is a compile-time constant, and gate/up and down may differ.
+Supported: gated SiLU experts (gate, up, down) whose input widths are multiples of 64, so each group
+of 64 codes lies in one row; anything else runs `reference_forward` (decode, then matmul) after a
+one-line warning.
+
+Two paths, chosen by the number of tokens:
+
+* decode (one token, k experts): `_prep` rewrites x into "field-major" order (below), `_gate_up`
+  computes silu(gate) * up for every (expert, row block) and writes h in the same order, then `_down`
+  sums w_e * down_e(h_e) over the k experts for each block of output rows (no atomics: deterministic).
+* grouped (several tokens): (token, expert) pairs are sorted by expert and each expert's run is
+  padded to whole blocks of BT pairs; `_grouped_gate_up` and `_grouped_down` multiply a [BT, 64]
+  activation tile with one dequantised group of a [BN, 64] weight tile on the tensor cores, and the
+  k outputs of each token are summed in a fixed order. Pair counts are rounded up to powers of two
+  (and BT picked from 16/32/64), so a few compiled kernels and buffer sizes serve every batch;
+  padding pairs read a zero row, have weight 0 and are never stored.
+
+How the decode kernels turn codes into floats without int->float conversions (a slow instruction):
+each byte of a code word is shifted to mantissa bits 15..22 and OR-ed with the bits of 1.0, so the
+field j of the byte (BITS bits each) reads as f = 1 + c * 2^(BITS*j - 8). With the activation
+pre-scaled as x' = x * 2^(8 - BITS*j) (exact: a power of two), f * x' = x' + c * x, and per group
+
+    sum (c - h) x = sum f x' - C,   C = sum x' * (1 + h * 2^(BITS*j - 8))
+
+where C does not depend on the row. Per weight: one shift for every byte, one AND-OR, one FMA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from smoe import codec
+from smoe.errors import SmoeError
+
+GROUP = codec.GROUP_SIZE
+SLOT_ALIGNMENT = 64  # blob offsets in the pool must be multiples of this (the kernels read 32-bit words)
+PAIR_BUCKET_MIN = 64  # padded pair counts of the grouped path: powers of two from this
+
+
+# --- layout of one layer's blobs -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where gate, up and down sit inside a blob (byte offsets from its start), their depths and sizes.
+    All experts of a layer share it. gate/up are [inter, hidden]; down is [hidden, inter]."""
+
+    hidden: int
+    inter: int
+    bits_gate_up: int
+    bits_down: int
+    gate_codes: int
+    gate_scales: int
+    up_codes: int
+    up_scales: int
+    down_codes: int
+    down_scales: int
+
+    @classmethod
+    def from_entry(cls, entry) -> "ExpertLayout":
+        """From a vault index entry (smoe.vault.ExpertEntry) of a gated expert."""
+        t = {x.role: x for x in entry.tensors}
+        if set(t) != {"gate", "up", "down"}:
+            raise SmoeError(f"GPU experts need gate, up and down projections, got {sorted(t)}")
+        (inter, hidden), (h2, i2) = t["gate"].shape, t["down"].shape
+        if tuple(t["up"].shape) != (inter, hidden) or (h2, i2) != (hidden, inter):
+            raise SmoeError(f"inconsistent expert shapes: {[(x.role, x.shape) for x in entry.tensors]}")
+        if t["gate"].bits != t["up"].bits:
+            raise SmoeError("gate and up must share one depth")
+        return cls(hidden, inter, t["gate"].bits, t["down"].bits,
+                   t["gate"].codes_offset, t["gate"].scales_offset, t["up"].codes_offset, t["up"].scales_offset,
+                   t["down"].codes_offset, t["down"].scales_offset)
+
+    def offsets(self) -> tuple[int, ...]:
+        return (self.gate_codes, self.gate_scales, self.up_codes, self.up_scales, self.down_codes, self.down_scales)
+
+    def unsupported(self) -> str | None:
+        """Why the kernels cannot run this layout, or None."""
+        if self.hidden % GROUP or self.inter % GROUP:
+            return f"input widths {self.hidden} / {self.inter} are not multiples of {GROUP} (groups span rows)"
+        if any(o % SLOT_ALIGNMENT for o in self.offsets()):
+            return f"blob sections not {SLOT_ALIGNMENT}-byte aligned"
+        if self.bits_gate_up not in codec.DEPTHS or self.bits_down not in codec.DEPTHS:
+            return f"depths {self.bits_gate_up}/{self.bits_down}"
+        return None
+
+
+# --- Triton kernels ------------------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: only the reference path exists
+    triton = None
+
+if triton is not None:
+    ONE = tl.constexpr(0x3F800000)  # bits of 1.0f
+    FIELD_LOW = tl.constexpr(15)  # a byte is moved to mantissa bits 15..22
+
+    @triton.jit
+    def _byte_at_mantissa(w, B: tl.constexpr):
+        """Byte B of each 32-bit word moved to bits 15..22 (other bits: garbage, masked later)."""
+        if B * 8 < FIELD_LOW:
+            return w << (FIELD_LOW - B * 8)
+        else:
+            return w >> (B * 8 - FIELD_LOW)
+
+    @triton.jit
+    def _field(v, J: tl.constexpr, BITS: tl.constexpr):
+        """1 + code * 2^(BITS*J - 8) as fp32, for the field J of a byte placed by _byte_at_mantissa."""
+        mask: tl.constexpr = (2**BITS - 1) * 2 ** (FIELD_LOW + BITS * J)
+        return ((v & mask) | ONE).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _prep(x_ptr, xp_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """x [T, n] -> xp [T, 32/BITS, n*BITS/32] fp32: xp[t, f, w] = x[t, w*PW + f] * 2^(8 - BITS*(f % PB))."""
+        PW: tl.constexpr = 32 // BITS
+        PB: tl.constexpr = 8 // BITS
+        t = tl.program_id(1)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        x = tl.load(x_ptr + t * n + i, mask=ok, other=0.0).to(tl.float32)
+        f = i % PW
+        scale = (tl.full(f.shape, 256, tl.int32) >> (BITS * (f % PB))).to(tl.float32)
+        tl.store(xp_ptr + t * n + f * (n // PW) + i // PW, x * scale, mask=ok)
+
+    @triton.jit
+    def _group_products(words_ptr, code_off, xp_ptr, x_idx, x_stride, m3, c_first,
+                        words2_ptr, TWO: tl.constexpr, BITS: tl.constexpr):
+        """For a [BN, GW, WPG] tile of code words (and a second matrix when TWO), sum f * x' - C over
+        the words of each group: [BN, GW] (twice). x' of field f sits at xp_ptr + f * x_stride + x_idx."""
+        PB: tl.constexpr = 8 // BITS
+        a = tl.load(words_ptr + code_off, mask=m3, other=0)
+        if TWO:
+            b = tl.load(words2_ptr + code_off, mask=m3, other=0)
+        acc_a = c_first
+        acc_b = c_first
+        for byte in tl.static_range(4):
+            va = _byte_at_mantissa(a, byte)
+            if TWO:
+                vb = _byte_at_mantissa(b, byte)
+            for j in tl.static_range(PB):
+                xf = tl.load(xp_ptr + (byte * PB + j) * x_stride + x_idx)
+                acc_a += _field(va, j, BITS) * xf[None, :, :]
+                if TWO:
+                    acc_b += _field(vb, j, BITS) * xf[None, :, :]
+        return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2)
+
+    @triton.jit
+    def _neg_correction(xp_ptr, x_idx, x_stride, H: tl.constexpr, BITS: tl.constexpr):
+        """-C per word: -sum over the word's fields of x' * (1 + h * 2^(BITS*j - 8)); [GW, WPG]."""
+        PB: tl.constexpr = 8 // BITS
+        c = tl.zeros(x_idx.shape, tl.float32)
+        for f in tl.static_range(32 // BITS):
+            cf: tl.constexpr = 1.0 + H * 2 ** (BITS * (f % PB)) / 256.0
+            c += tl.load(xp_ptr + f * x_stride + x_idx) * cf
+        return -c
+
+    @triton.jit
+    def _gate_up(words_ptr, halves_ptr, units_ptr, route_ptr, xp_ptr, hp_ptr,
+                 gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
+                 BITS: tl.constexpr, BITS_OUT: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
+        """Program (row block, expert e): hp[e] = route[e] * silu(gate_e x) * up_e x, field-major for
+        the down projection's depth. gate_w/up_w: in-blob word offsets; gate_s/up_s: fp16 offsets."""
+        WPG: tl.constexpr = 2 * BITS  # 32-bit words per group of 64 codes
+        H: tl.constexpr = (2**BITS - 1) / 2
+        e = tl.program_id(1)
+        unit = tl.load(units_ptr + e)  # blob offset / 64
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        row_ok = rows < n_rows
+        wpr: tl.constexpr = n_in * BITS // 32
+        gpr: tl.constexpr = n_in // 64
+        gi = tl.arange(0, GW)
+        wi = tl.arange(0, WPG)
+        base_w = words_ptr + unit * 16
+        base_s = halves_ptr + unit * 32
+        acc_g = tl.zeros((BN, GW), tl.float32)
+        acc_u = tl.zeros((BN, GW), tl.float32)
+        for g0 in range(0, gpr, GW):
+            g_ok = (g0 + gi) < gpr
+            x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]  # [GW, WPG] word index along the row
+            m3 = row_ok[:, None, None] & g_ok[None, :, None]
+            code_off = rows[:, None, None] * wpr + x_idx[None, :, :]
+            c = _neg_correction(xp_ptr, x_idx, wpr, H, BITS)
+            c3 = tl.broadcast_to(c[None, :, :], (BN, GW, WPG))
+            pg, pu = _group_products(base_w + gate_w, code_off, xp_ptr, x_idx, wpr, m3, c3,
+                                     base_w + up_w, True, BITS)
+            s_off = rows[:, None] * gpr + (g0 + gi)[None, :]
+            m2 = row_ok[:, None] & g_ok[None, :]
+            acc_g += pg * tl.load(base_s + gate_s + s_off, mask=m2, other=0.0).to(tl.float32)
+            acc_u += pu * tl.load(base_s + up_s + s_off, mask=m2, other=0.0).to(tl.float32)
+        gate = tl.sum(acc_g, axis=1) / H
+        up = tl.sum(acc_u, axis=1) / H
+        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(route_ptr + e).to(tl.float32)
+        PW_O: tl.constexpr = 32 // BITS_OUT
+        PB_O: tl.constexpr = 8 // BITS_OUT
+        f = rows % PW_O
+        scale = (tl.full(f.shape, 256, tl.int32) >> (BITS_OUT * (f % PB_O))).to(tl.float32)
+        tl.store(hp_ptr + e * n_rows + f * (n_rows // PW_O) + rows // PW_O, h * scale, mask=row_ok)
+
+    @triton.jit
+    def _down(words_ptr, halves_ptr, units_ptr, hp_ptr, y_ptr, down_w, down_s,
+              n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
+              BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
+        """Program (row block): y = sum over the k experts of down_e hp[e] (routing already in hp)."""
+        WPG: tl.constexpr = 2 * BITS
+        H: tl.constexpr = (2**BITS - 1) / 2
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        row_ok = rows < n_rows
+        wpr: tl.constexpr = n_in * BITS // 32
+        gpr: tl.constexpr = n_in // 64
+        gi = tl.arange(0, GW)
+        wi = tl.arange(0, WPG)
+        acc = tl.zeros((BN, GW), tl.float32)
+        for e in range(k):
+            unit = tl.load(units_ptr + e)
+            base_w = words_ptr + unit * 16 + down_w
+            base_s = halves_ptr + unit * 32 + down_s
+            xp = hp_ptr + e * n_in
+            for g0 in range(0, gpr, GW):
+                g_ok = (g0 + gi) < gpr
+                x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]
+                m3 = row_ok[:, None, None] & g_ok[None, :, None]
+                code_off = rows[:, None, None] * wpr + x_idx[None, :, :]
+                c = _neg_correction(xp, x_idx, wpr, H, BITS)
+                c3 = tl.broadcast_to(c[None, :, :], (BN, GW, WPG))
+                p, _ = _group_products(base_w, code_off, xp, x_idx, wpr, m3, c3, base_w, False, BITS)
+                s_off = rows[:, None] * gpr + (g0 + gi)[None, :]
+                acc += p * tl.load(base_s + s_off, mask=row_ok[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
+        y = tl.sum(acc, axis=1) / H
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _dequant_group(words_ptr, halves_ptr, rows, row_ok, g, wpr, gpr, BITS: tl.constexpr, DT: tl.constexpr):
+        """Group g of rows [BN]: (code - h) as [BN, 64] in DT (exact), and the scales / h [BN] fp32."""
+        WPG: tl.constexpr = 2 * BITS
+        PW: tl.constexpr = 32 // BITS
+        H: tl.constexpr = (2**BITS - 1) / 2
+        wi = tl.arange(0, WPG)
+        fi = tl.arange(0, PW)
+        w = tl.load(words_ptr + rows[:, None] * wpr + g * WPG + wi[None, :], mask=row_ok[:, None], other=0)
+        codes = (w[:, :, None] >> (fi * BITS)[None, None, :]) & (2**BITS - 1)  # [BN, WPG, PW]
+        q = tl.reshape(codes, (codes.shape[0], WPG * PW)).to(tl.float32) - H
+        s = tl.load(halves_ptr + rows * gpr + g, mask=row_ok, other=0.0).to(tl.float32) / H
+        return q.to(DT), s
+
+    @triton.jit
+    def _grouped_gate_up(words_ptr, halves_ptr, block_units_ptr, pair_token_ptr, x_ptr, h_ptr,
+                         gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
+                         BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        """Program (block of BT sorted pairs of one expert, row block): h[pair] = silu(gate x) * up x.
+        pair_token[pair] is the pair's token (T for a padding pair: x row T is zero)."""
+        blk = tl.program_id(0)
+        unit = tl.load(block_units_ptr + blk)
+        if unit < 0:  # past the last expert's run
+            return
+        pairs = blk * BT + tl.arange(0, BT)
+        tok = tl.load(pair_token_ptr + pairs)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        row_ok = rows < n_rows
+        wpr: tl.constexpr = n_in * BITS // 32
+        gpr: tl.constexpr = n_in // 64
+        ki = tl.arange(0, 64)
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+        acc_g = tl.zeros((BT, BN), tl.float32)
+        acc_u = tl.zeros((BT, BN), tl.float32)
+        for g in range(gpr):
+            x = tl.load(x_ptr + tok[:, None] * n_in + g * 64 + ki[None, :])  # [BT, 64]
+            qg, sg = _dequant_group(words_ptr + unit * 16 + gate_w, halves_ptr + unit * 32 + gate_s,
+                                    rows, row_ok, g, wpr, gpr, BITS, DT)
+            qu, su = _dequant_group(words_ptr + unit * 16 + up_w, halves_ptr + unit * 32 + up_s,
+                                    rows, row_ok, g, wpr, gpr, BITS, DT)
+            if IEEE:
+                dg = tl.dot(x, tl.trans(qg), input_precision="ieee")
+                du = tl.dot(x, tl.trans(qu), input_precision="ieee")
+            else:
+                dg = tl.dot(x, tl.trans(qg))
+                du = tl.dot(x, tl.trans(qu))
+            acc_g += dg * sg[None, :]
+            acc_u += du * su[None, :]
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + pairs[:, None] * n_rows + rows[None, :], h.to(DT), mask=row_ok[None, :])
+
+    @triton.jit
+    def _grouped_down(words_ptr, halves_ptr, block_units_ptr, pair_id_ptr, h_ptr, route_ptr, y_ptr,
+                      down_w, down_s, n_rows: tl.constexpr, n_in: tl.constexpr, n_pairs,
+                      BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        """Program (block of BT sorted pairs, row block): y[pair_id] = route * down h[sorted pair]."""
+        blk = tl.program_id(0)
+        unit = tl.load(block_units_ptr + blk)
+        if unit < 0:
+            return
+        pairs = blk * BT + tl.arange(0, BT)
+        pid = tl.load(pair_id_ptr + pairs)  # original (token * k + slot); n_pairs for padding
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        row_ok = rows < n_rows
+        wpr: tl.constexpr = n_in * BITS // 32
+        gpr: tl.constexpr = n_in // 64
+        ki = tl.arange(0, 64)
+        DT: tl.constexpr = h_ptr.dtype.element_ty
+        acc = tl.zeros((BT, BN), tl.float32)
+        for g in range(gpr):
+            h = tl.load(h_ptr + pairs[:, None] * n_in + g * 64 + ki[None, :])
+            q, s = _dequant_group(words_ptr + unit * 16 + down_w, halves_ptr + unit * 32 + down_s,
+                                  rows, row_ok, g, wpr, gpr, BITS, DT)
+            if IEEE:
+                d = tl.dot(h, tl.trans(q), input_precision="ieee")
+            else:
+                d = tl.dot(h, tl.trans(q))
+            acc += d * s[None, :]
+        real = pid < n_pairs
+        route = tl.load(route_ptr + pid, mask=real, other=0.0).to(tl.float32)
+        y = acc * route[:, None]
+        tl.store(y_ptr + pid[:, None] * n_rows + rows[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=real[:, None] & row_ok[None, :])
+
+
+# --- launch configurations -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Rows per program, groups per loop step, warps: for _gate_up and for _down."""
+
+    gate_up: tuple[int, int, int] = (16, 4, 4)
+    down: tuple[int, int, int] = (8, 4, 4)
+
+
+DEFAULT_DECODE = DecodeConfig()
+
+
+def tokens_per_block(pairs: int, runs: int) -> int:
+    """BT of the grouped path from the mean pairs per expert: 16, 32 or 64 (the compiled variants)."""
+    mean = pairs / max(runs, 1)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def bucket(n: int) -> int:
+    return max(PAIR_BUCKET_MIN, 1 << math.ceil(math.log2(max(n, 1))))
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+
+def pool_views(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool as 32-bit words (codes) and fp16 (scales): the same bytes, no copy."""
+    if pool.dtype != torch.uint8 or pool.dim() != 1 or pool.numel() % 4:
+        raise SmoeError("the expert pool must be a 1-D uint8 tensor whose size is a multiple of 4")
+    return pool.view(torch.int32), pool.view(torch.float16)
+
+
+def experts_forward(pool: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor,
+                    weights: torch.Tensor, path: str = "auto", config: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+    """sum_k weights[t, k] * expert(x[t]) with expert = down(silu(gate x) * up x), for x [T, hidden].
+
+    offsets [T, k]: byte offset in `pool` of the blob of each token's k-th expert (multiples of 64).
+    path: "auto" (Triton kernels on CUDA tensors, else the reference), "triton" (forced: on CPU
+    tensors it needs TRITON_INTERPRET=1), "reference" (decode + matmul).
+    """
+    if path == "auto":
+        path = "triton" if x.is_cuda and triton is not None else "reference"
+    if path == "reference":
+        return reference_forward(pool, layout, x, offsets, weights)
+    if path != "triton":
+        raise SmoeError(f"unknown GPU kernel path {path!r} (auto, triton, reference)")
+    why = layout.unsupported()
+    if why is not None:
+        warn_once(f"Triton expert kernels cannot run this layer ({why}); decoding experts and using matmul")
+        return reference_forward(pool, layout, x, offsets, weights)
+    if triton is None:
+        raise SmoeError("the Triton kernels need the triton package")
+    x2 = x.reshape(-1, layout.hidden).contiguous()
+    offsets = offsets.reshape(x2.shape[0], -1)
+    weights = weights.reshape(x2.shape[0], -1)
+    if x2.shape[0] == 1:
+        y = decode_forward(pool, layout, x2, offsets[0], weights[0], config)
+    else:
+        y = grouped_forward(pool, layout, x2, offsets, weights)
+    return y.view(x.shape)
+
+
+def decode_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
+                   config: DecodeConfig = DEFAULT_DECODE, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token (x [1, hidden]) through its k experts (offsets [k], weights [k]): 3 launches."""
+    words, halves = pool_views(pool)
+    k = offsets.numel()
+    units = (offsets // SLOT_ALIGNMENT).to(torch.int64)
+    bg, bd = layout.bits_gate_up, layout.bits_down
+    xp = torch.empty(layout.hidden, dtype=torch.float32, device=x.device)
+    hp = torch.empty(k, layout.inter, dtype=torch.float32, device=x.device)
+    y = out if out is not None else torch.empty(1, layout.hidden, dtype=x.dtype, device=x.device)
+    _prep[(triton.cdiv(layout.hidden, 1024), 1)](x, xp, layout.hidden, BITS=bg, BLOCK=1024)
+    bn, gw, nw = config.gate_up
+    _gate_up[(triton.cdiv(layout.inter, bn), k)](
+        words, halves, units, weights, xp, hp,
+        layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2,
+        layout.inter, layout.hidden, BITS=bg, BITS_OUT=bd, BN=bn, GW=gw, num_warps=nw)
+    bn, gw, nw = config.down
+    _down[(triton.cdiv(layout.hidden, bn),)](
+        words, halves, units, hp, y, layout.down_codes // 4, layout.down_scales // 2,
+        layout.hidden, layout.inter, k, BITS=bd, BN=bn, GW=gw, num_warps=nw)
+    return y
+
+
+def sort_pairs(offsets: torch.Tensor, bt: int, capacity: int):
+    """(token, expert) pairs sorted by expert, each expert's run padded to whole blocks of bt.
+    Returns per padded position the original pair id (n_pairs for padding) and per block the
+    expert's blob unit (-1 past the end)."""
+    n_pairs = offsets.numel()
+    units = (offsets.reshape(-1) // SLOT_ALIGNMENT).to(torch.int64)
+    sorted_units, order = torch.sort(units, stable=True)
+    first = torch.ones(n_pairs, dtype=torch.bool, device=units.device)
+    first[1:] = sorted_units[1:] != sorted_units[:-1]
+    run = torch.cumsum(first.to(torch.int64), 0) - 1  # run index of each sorted pair
+    starts = torch.nonzero(first).reshape(-1)  # first sorted position of each run
+    counts = torch.diff(starts, append=torch.tensor([n_pairs], device=units.device))
+    padded = (counts + bt - 1) // bt * bt
+    pad_start = torch.cumsum(padded, 0) - padded
+    pos = pad_start[run] + torch.arange(n_pairs, device=units.device) - starts[run]
+    pair_id = torch.full((capacity,), n_pairs, dtype=torch.int64, device=units.device)
+    pair_id[pos] = order
+    block_units = torch.full((capacity // bt,), -1, dtype=torch.int64, device=units.device)
+    block_units[pos // bt] = sorted_units
+    return pair_id, block_units
+
+
+def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """Several tokens: x [T, hidden], offsets / weights [T, k]."""
+    words, halves = pool_views(pool)
+    n_tok, k = offsets.shape
+    n_pairs = n_tok * k
+    runs = int(torch.unique(offsets).numel())  # one host sync: sizes the padded pair list
+    bt = tokens_per_block(n_pairs, runs)
+    capacity = bucket(n_pairs + runs * (bt - 1))
+    pair_id, block_units = sort_pairs(offsets, bt, capacity)
+    dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    ieee = dt == torch.float32
+    x_pad = torch.cat([x.to(dt), x.new_zeros(1, layout.hidden, dtype=dt)])  # row n_tok: padding reads zeros
+    pair_token = torch.where(pair_id < n_pairs, pair_id // k, n_tok)
+    h = torch.empty(capacity, layout.inter, dtype=dt, device=x.device)
+    y = torch.empty(n_pairs, layout.hidden, dtype=torch.float32, device=x.device)
+    bn = 64
+    grid = (capacity // bt, triton.cdiv(layout.inter, bn))
+    _grouped_gate_up[grid](words, halves, block_units, pair_token, x_pad, h,
+                           layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4,
+                           layout.up_scales // 2, layout.inter, layout.hidden,
+                           BITS=layout.bits_gate_up, BT=bt, BN=bn, IEEE=ieee, num_warps=4)
+    grid = (capacity // bt, triton.cdiv(layout.hidden, bn))
+    _grouped_down[grid](words, halves, block_units, pair_id, h, weights.reshape(-1).contiguous(), y,
+                        layout.down_codes // 4, layout.down_scales // 2, layout.hidden, layout.inter, n_pairs,
+                        BITS=layout.bits_down, BT=bt, BN=bn, IEEE=ieee, num_warps=4)
+    return y.view(n_tok, k, layout.hidden).sum(1).to(x.dtype)
+
+
+# --- reference: decode, then matmul --------------------------------------------------------------
+
+
+def expert_weights(pool: torch.Tensor, layout: ExpertLayout, offset: int, dtype=torch.float32):
+    """(gate, up, down) decoded from the blob at `offset` of the pool."""
+    out = []
+    for role, (rows, cols), bits in (("gate", (layout.inter, layout.hidden), layout.bits_gate_up),
+                                     ("up", (layout.inter, layout.hidden), layout.bits_gate_up),
+                                     ("down", (layout.hidden, layout.inter), layout.bits_down)):
+        c_off, s_off = getattr(layout, f"{role}_codes"), getattr(layout, f"{role}_scales")
+        n_codes, n_scales = codec.encoded_nbytes(rows * cols, bits)
+        codes = pool[offset + c_off: offset + c_off + n_codes].view(-1, codec.packed_group_bytes(bits))
+        scales = pool[offset + s_off: offset + s_off + n_scales].view(torch.float16)
+        out.append(codec.decode(codes, scales, bits, (rows, cols), dtype))
+    return out
+
+
+def reference_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+    """The specification: each expert decoded with smoe.codec.decode, then plain fp32 matmuls."""
+    x2 = x.reshape(-1, layout.hidden).to(torch.float32)
+    offsets = offsets.reshape(x2.shape[0], -1)
+    weights = weights.reshape(x2.shape[0], -1).to(torch.float32)
+    y = torch.zeros_like(x2)
+    for off in torch.unique(offsets).tolist():
+        gate, up, down = expert_weights(pool, layout, int(off))
+        tok, slot = torch.where(offsets == off)
+        xs = x2[tok]
+        h = torch.nn.functional.silu(xs @ gate.t()) * (xs @ up.t())
+        y.index_add_(0, tok, (h @ down.t()) * weights[tok, slot, None])
+    return y.to(x.dtype).view(x.shape)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    print(f"smoe: warning: {message}", file=sys.stderr)
+
+
+# --- building a pool (tests, benchmarks) ---------------------------------------------------------
+
+
+def random_blob(layout_shape: tuple[int, int], bits_gate_up: int, bits_down: int, seed: int):
+    """A blob of one random expert (uniform codes, scales in [1e-3, 0.05)) in the vault's layout;
+    returns (bytes, ExpertLayout). layout_shape: (hidden, inter)."""
+    from smoe.vault import QuantisedTensor, build_blob
+
+    hidden, inter = layout_shape
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for role, shape, bits in (("gate", (inter, hidden), bits_gate_up), ("up", (inter, hidden), bits_gate_up),
+                              ("down", (hidden, inter), bits_down)):
+        groups = codec.num_groups(shape[0] * shape[1])
+        codes = torch.randint(0, 2**bits, (groups, GROUP), generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(groups, generator=gen) * 0.049 + 1e-3).to(torch.float16)
+        tensors.append(QuantisedTensor(role, shape, bits, codec.pack_codes(codes, bits), scales))
+    raw, entries, _ = build_blob(tensors)
+    t = {e.role: e for e in entries}
+    layout = ExpertLayout(hidden, inter, bits_gate_up, bits_down,
+                          t["gate"].codes_offset, t["gate"].scales_offset, t["up"].codes_offset,
+                          t["up"].scales_offset, t["down"].codes_offset, t["down"].scales_offset)
+    return raw, layout
