@@ -149,6 +149,19 @@ def cmd_dequantize(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from smoe.exports import export
+
+    options = {"progress": not args.quiet}
+    if args.trunk_type is not None:
+        if args.to != "gguf":
+            raise SmoeError("--trunk-type applies to --to gguf only (MLX keeps the trunk's precision)")
+        options["trunk_type"] = args.trunk_type
+    out = export(args.vault, args.to, args.output, force=args.force, **options)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from smoe.serve import Limits, run_server
 
@@ -264,6 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     dq.add_argument("--force", action="store_true")
     dq.set_defaults(func=cmd_dequantize)
+
+    ex = sub.add_parser("export", help="write a vault as GGUF (llama.cpp) or as an mlx-lm model",
+                        description="GGUF: one file, experts as Q4_1 (exact up to the fp16 rounding of each "
+                        "scale), trunk as --trunk-type. MLX: a directory of safetensors shards, experts in "
+                        "MLX affine form, trunk at the vault's precision.")
+    ex.add_argument("vault", metavar="VAULT_DIR")
+    ex.add_argument("--to", required=True, choices=("gguf", "mlx"))
+    ex.add_argument("-o", "--output", required=True, metavar="FILE_OR_DIR")
+    ex.add_argument("--trunk-type", choices=("bf16", "f16", "f32", "q8_0"), default=None,
+                    help="GGUF type of the trunk's matrices (default bf16)")
+    ex.add_argument("--force", action="store_true", help="replace an existing output")
+    ex.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ex.set_defaults(func=cmd_export)
 
     sv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a web chat page",
                         description="Serve a vault over HTTP: the web chat at /, the OpenAI API at /v1 "

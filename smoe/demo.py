@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from smoe.errors import SmoeError
 from smoe.inspect_model import format_report, inspect_path
 from smoe.sculpt import sculpt
-from smoe.vault import verify
+from smoe.vault import Vault, verify
 
-SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "qwen3-moe-28m"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m"
+PROMPT = "The old man looked out over the sea and"
 
 
 def default_model(workdir: Path) -> tuple[Path, str]:
@@ -53,4 +56,58 @@ def main(args) -> int:
         print("vault OK")
         banner(f"smoe inspect {out}")
         print(format_report(inspect_path(out)))
+    for bits in (4, 2):
+        out = workdir / f"vault-q{bits}"
+        banner(f'smoe generate {out} -p "{PROMPT}" --max-tokens 48 --cache-gb (a quarter of the experts)')
+        show_generation(out)
+        banner(f"smoe eval {out} --ref {model} --data {eval_text(workdir)}")
+        show_quality(out, model, eval_text(workdir))
     return 0
+
+
+def show_generation(vault: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from smoe.generate import TextStreamer, generate
+    from smoe.runtime import StreamingModel
+
+    with Vault(vault) as v:
+        quarter = sum(e.size for e in v.entries.values()) // 4
+    sm = StreamingModel(vault, dtype="float32")
+    sm.store.cache_bytes = max(int(quarter * sm.store.prepare_ratio()), sm.store.min_budget(sm.vault.meta["top_k"] or 1))
+    tok = AutoTokenizer.from_pretrained(vault)
+    print(PROMPT, end="")
+    _, stats = generate(sm, tok(PROMPT)["input_ids"], max_tokens=48, on_token=TextStreamer(tok, sys.stdout))
+    print("\n" + stats.line())
+    sm.close()
+
+
+def eval_text(workdir: Path) -> Path:
+    """The shared validation text when present, else a built-in passage written to the workdir."""
+    valid = SHARED / "corpus" / "valid.txt.gz"
+    if valid.exists():
+        return valid
+    path = workdir / "eval.txt"
+    path.write_text(FALLBACK_TEXT * 20)
+    return path
+
+
+def show_quality(vault: Path, model: Path, data: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from smoe.evaluate import compare, load_reference, token_stream
+    from smoe.runtime import StreamingModel
+
+    sm = StreamingModel(vault, dtype="float32")
+    ids = token_stream(AutoTokenizer.from_pretrained(vault), data, 16384)
+    r = compare(sm.logits, load_reference(model), ids, progress=False)
+    print(f"tokens {r['tokens']}  perplexity {r['ppl']:.3f} (bf16 reference {r['ref_ppl']:.3f})  "
+          f"KL {r['kl']:.5f}  top-1 agreement {r['top1']:.4f}")
+    sm.close()
+
+
+FALLBACK_TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
+    "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
+    "Darkness, it was the spring of hope, it was the winter of despair. "
+)

@@ -47,6 +47,7 @@ from smoe.errors import SmoeError
 
 GROUP = codec.GROUP_SIZE
 SLOT_ALIGNMENT = 64  # blob offsets in the pool must be multiples of this (the kernels read 32-bit words)
+ONE_BITS = 0x3F800000  # 1.0f
 PAIR_BUCKET_MIN = 64  # padded pair counts of the grouped path: powers of two from this
 
 
@@ -107,7 +108,6 @@ except ImportError:  # no Triton: only the reference path exists
     triton = None
 
 if triton is not None:
-    ONE = tl.constexpr(0x3F800000)  # bits of 1.0f
     FIELD_LOW = tl.constexpr(15)  # a byte is moved to mantissa bits 15..22
 
     @triton.jit
@@ -119,10 +119,11 @@ if triton is not None:
             return w >> (B * 8 - FIELD_LOW)
 
     @triton.jit
-    def _field(v, J: tl.constexpr, BITS: tl.constexpr):
-        """1 + code * 2^(BITS*J - 8) as fp32, for the field J of a byte placed by _byte_at_mantissa."""
+    def _field(v, one, J: tl.constexpr, BITS: tl.constexpr):
+        """1 + code * 2^(BITS*J - 8) as fp32, for the field J of a byte placed by _byte_at_mantissa.
+        `one` holds the bits of 1.0f in a register: with two immediates ptxas emits two LOP3s."""
         mask: tl.constexpr = (2**BITS - 1) * 2 ** (FIELD_LOW + BITS * J)
-        return ((v & mask) | ONE).to(tl.float32, bitcast=True)
+        return ((v & mask) | one).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _prep(x_ptr, xp_ptr, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -138,72 +139,64 @@ if triton is not None:
         tl.store(xp_ptr + t * n + f * (n // PW) + i // PW, x * scale, mask=ok)
 
     @triton.jit
-    def _group_products(words_ptr, code_off, xp_ptr, x_idx, x_stride, m3, c_first,
-                        words2_ptr, TWO: tl.constexpr, BITS: tl.constexpr):
-        """For a [BN, GW, WPG] tile of code words (and a second matrix when TWO), sum f * x' - C over
-        the words of each group: [BN, GW] (twice). x' of field f sits at xp_ptr + f * x_stride + x_idx."""
+    def _group_products(words_ptr, code_off, m3, xp_ptr, x_idx, x_stride, one, words2_ptr,
+                        TWO: tl.constexpr, BITS: tl.constexpr):
+        """For a [GW, BN, WPG] tile of code words (groups, rows, words of a group), and a second
+        matrix when TWO: sum over each group's words of f * x' - C, as [GW, BN] (twice).
+        x' of field f sits at xp_ptr + f * x_stride + x_idx, x_idx [GW, WPG]."""
         PB: tl.constexpr = 8 // BITS
+        H: tl.constexpr = (2**BITS - 1) / 2
         a = tl.load(words_ptr + code_off, mask=m3, other=0)
         if TWO:
             b = tl.load(words2_ptr + code_off, mask=m3, other=0)
-        acc_a = c_first
-        acc_b = c_first
+        acc_a = tl.zeros(code_off.shape, tl.float32)
+        acc_b = tl.zeros(code_off.shape, tl.float32)
+        c = tl.zeros(x_idx.shape, tl.float32)
         for byte in tl.static_range(4):
             va = _byte_at_mantissa(a, byte)
             if TWO:
                 vb = _byte_at_mantissa(b, byte)
             for j in tl.static_range(PB):
                 xf = tl.load(xp_ptr + (byte * PB + j) * x_stride + x_idx)
-                acc_a += _field(va, j, BITS) * xf[None, :, :]
+                c += xf * (1.0 + H * 2 ** (BITS * j) / 256.0)
+                acc_a += _field(va, one, j, BITS) * xf[:, None, :]
                 if TWO:
-                    acc_b += _field(vb, j, BITS) * xf[None, :, :]
-        return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2)
-
-    @triton.jit
-    def _neg_correction(xp_ptr, x_idx, x_stride, H: tl.constexpr, BITS: tl.constexpr):
-        """-C per word: -sum over the word's fields of x' * (1 + h * 2^(BITS*j - 8)); [GW, WPG]."""
-        PB: tl.constexpr = 8 // BITS
-        c = tl.zeros(x_idx.shape, tl.float32)
-        for f in tl.static_range(32 // BITS):
-            cf: tl.constexpr = 1.0 + H * 2 ** (BITS * (f % PB)) / 256.0
-            c += tl.load(xp_ptr + f * x_stride + x_idx) * cf
-        return -c
+                    acc_b += _field(vb, one, j, BITS) * xf[:, None, :]
+        return acc_a - c[:, None, :], acc_b - c[:, None, :]
 
     @triton.jit
     def _gate_up(words_ptr, halves_ptr, units_ptr, route_ptr, xp_ptr, hp_ptr,
-                 gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
+                 gate_w, gate_s, up_w, up_s, one, n_rows: tl.constexpr, n_in: tl.constexpr,
                  BITS: tl.constexpr, BITS_OUT: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
         """Program (row block, expert e): hp[e] = route[e] * silu(gate_e x) * up_e x, field-major for
         the down projection's depth. gate_w/up_w: in-blob word offsets; gate_s/up_s: fp16 offsets."""
         WPG: tl.constexpr = 2 * BITS  # 32-bit words per group of 64 codes
         H: tl.constexpr = (2**BITS - 1) / 2
+        wpr: tl.constexpr = n_in * BITS // 32
+        gpr: tl.constexpr = n_in // 64
         e = tl.program_id(1)
         unit = tl.load(units_ptr + e)  # blob offset / 64
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         row_ok = rows < n_rows
-        wpr: tl.constexpr = n_in * BITS // 32
-        gpr: tl.constexpr = n_in // 64
         gi = tl.arange(0, GW)
         wi = tl.arange(0, WPG)
         base_w = words_ptr + unit * 16
         base_s = halves_ptr + unit * 32
-        acc_g = tl.zeros((BN, GW), tl.float32)
-        acc_u = tl.zeros((BN, GW), tl.float32)
+        acc_g = tl.zeros((GW, BN, WPG), tl.float32)
+        acc_u = tl.zeros((GW, BN, WPG), tl.float32)
         for g0 in range(0, gpr, GW):
             g_ok = (g0 + gi) < gpr
-            x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]  # [GW, WPG] word index along the row
-            m3 = row_ok[:, None, None] & g_ok[None, :, None]
-            code_off = rows[:, None, None] * wpr + x_idx[None, :, :]
-            c = _neg_correction(xp_ptr, x_idx, wpr, H, BITS)
-            c3 = tl.broadcast_to(c[None, :, :], (BN, GW, WPG))
-            pg, pu = _group_products(base_w + gate_w, code_off, xp_ptr, x_idx, wpr, m3, c3,
+            x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]  # [GW, WPG] word index along a row
+            code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
+            m3 = g_ok[:, None, None] & row_ok[None, :, None]
+            pg, pu = _group_products(base_w + gate_w, code_off, m3, xp_ptr, x_idx, wpr, one,
                                      base_w + up_w, True, BITS)
-            s_off = rows[:, None] * gpr + (g0 + gi)[None, :]
-            m2 = row_ok[:, None] & g_ok[None, :]
-            acc_g += pg * tl.load(base_s + gate_s + s_off, mask=m2, other=0.0).to(tl.float32)
-            acc_u += pu * tl.load(base_s + up_s + s_off, mask=m2, other=0.0).to(tl.float32)
-        gate = tl.sum(acc_g, axis=1) / H
-        up = tl.sum(acc_u, axis=1) / H
+            s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
+            m2 = g_ok[:, None] & row_ok[None, :]
+            acc_g += pg * tl.load(base_s + gate_s + s_off, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+            acc_u += pu * tl.load(base_s + up_s + s_off, mask=m2, other=0.0).to(tl.float32)[:, :, None]
+        gate = tl.sum(tl.sum(acc_g, axis=2), axis=0) / H
+        up = tl.sum(tl.sum(acc_u, axis=2), axis=0) / H
         h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(route_ptr + e).to(tl.float32)
         PW_O: tl.constexpr = 32 // BITS_OUT
         PB_O: tl.constexpr = 8 // BITS_OUT
@@ -212,19 +205,19 @@ if triton is not None:
         tl.store(hp_ptr + e * n_rows + f * (n_rows // PW_O) + rows // PW_O, h * scale, mask=row_ok)
 
     @triton.jit
-    def _down(words_ptr, halves_ptr, units_ptr, hp_ptr, y_ptr, down_w, down_s,
+    def _down(words_ptr, halves_ptr, units_ptr, hp_ptr, y_ptr, down_w, down_s, one,
               n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
               BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
         """Program (row block): y = sum over the k experts of down_e hp[e] (routing already in hp)."""
         WPG: tl.constexpr = 2 * BITS
         H: tl.constexpr = (2**BITS - 1) / 2
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
-        row_ok = rows < n_rows
         wpr: tl.constexpr = n_in * BITS // 32
         gpr: tl.constexpr = n_in // 64
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        row_ok = rows < n_rows
         gi = tl.arange(0, GW)
         wi = tl.arange(0, WPG)
-        acc = tl.zeros((BN, GW), tl.float32)
+        acc = tl.zeros((GW, BN, WPG), tl.float32)
         for e in range(k):
             unit = tl.load(units_ptr + e)
             base_w = words_ptr + unit * 16 + down_w
@@ -233,14 +226,13 @@ if triton is not None:
             for g0 in range(0, gpr, GW):
                 g_ok = (g0 + gi) < gpr
                 x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]
-                m3 = row_ok[:, None, None] & g_ok[None, :, None]
-                code_off = rows[:, None, None] * wpr + x_idx[None, :, :]
-                c = _neg_correction(xp, x_idx, wpr, H, BITS)
-                c3 = tl.broadcast_to(c[None, :, :], (BN, GW, WPG))
-                p, _ = _group_products(base_w, code_off, xp, x_idx, wpr, m3, c3, base_w, False, BITS)
-                s_off = rows[:, None] * gpr + (g0 + gi)[None, :]
-                acc += p * tl.load(base_s + s_off, mask=row_ok[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
-        y = tl.sum(acc, axis=1) / H
+                code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
+                m3 = g_ok[:, None, None] & row_ok[None, :, None]
+                p, _ = _group_products(base_w, code_off, m3, xp, x_idx, wpr, one, base_w, False, BITS)
+                s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
+                s = tl.load(base_s + s_off, mask=g_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+                acc += p * s[:, :, None]
+        y = tl.sum(tl.sum(acc, axis=2), axis=0) / H
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
@@ -259,7 +251,7 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gate_up(words_ptr, halves_ptr, block_units_ptr, pair_token_ptr, x_ptr, h_ptr,
-                         gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
+                         gate_w, gate_s, up_w, up_s, one, n_rows: tl.constexpr, n_in: tl.constexpr,
                          BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         """Program (block of BT sorted pairs of one expert, row block): h[pair] = silu(gate x) * up x.
         pair_token[pair] is the pair's token (T for a padding pair: x row T is zero)."""
@@ -406,11 +398,11 @@ def decode_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.T
     bn, gw, nw = config.gate_up
     _gate_up[(triton.cdiv(layout.inter, bn), k)](
         words, halves, units, weights, xp, hp,
-        layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2,
+        layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2, ONE_BITS,
         layout.inter, layout.hidden, BITS=bg, BITS_OUT=bd, BN=bn, GW=gw, num_warps=nw)
     bn, gw, nw = config.down
     _down[(triton.cdiv(layout.hidden, bn),)](
-        words, halves, units, hp, y, layout.down_codes // 4, layout.down_scales // 2,
+        words, halves, units, hp, y, layout.down_codes // 4, layout.down_scales // 2, ONE_BITS,
         layout.hidden, layout.inter, k, BITS=bd, BN=bn, GW=gw, num_warps=nw)
     return y
 

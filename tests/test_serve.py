@@ -1,0 +1,502 @@
+"""`smoe serve` over real sockets: the official openai and anthropic clients, raw HTTP and SSE, errors,
+a fuzzer, fair queueing and cancellation. The server's text is checked against `generate` run on the
+same vault in this process."""
+
+import http.client
+import json
+import random
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import openai
+import pytest
+
+from smoe.generate import generate
+from smoe.prompts import chat_prompt, load_tokenizer
+from smoe.runtime import StreamingModel
+from smoe.serve_engine import TextStream
+
+MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
+PROMPT = "The sea was"
+GREEDY = {"temperature": 0}  # the anthropic client no longer has sampling arguments; the server still takes them
+CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def server(serve_vault, start_server):
+    return start_server(serve_vault, "--max-tokens", str(MAX_TOKENS_LIMIT))
+
+
+@pytest.fixture(scope="module")
+def local(serve_vault):
+    """The same vault run in this process: what the server must say."""
+    sm = StreamingModel(serve_vault, dtype="float32")
+    yield sm, load_tokenizer(serve_vault)
+    sm.close()
+
+
+def expected_text(local, prompt_ids, max_tokens, temperature=0.0, top_p=1.0, seed=0) -> tuple[str, list[int]]:
+    sm, tok = local
+    tokens, _ = generate(sm, prompt_ids, max_tokens, temperature, top_p, seed)
+    return tok.decode(tokens, skip_special_tokens=True), tokens
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+
+
+def call(server, method: str, path: str, body=None, headers=None) -> tuple[int, str, bytes]:
+    """One raw HTTP request: (status, content type, body)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    out = r.status, r.getheader("content-type", ""), r.read()
+    conn.close()
+    return out
+
+
+def sse_events(response) -> list[tuple[str | None, str]]:
+    """(event name, data) of each server-sent event of a streaming http.client response."""
+    events, name = [], None
+    for raw in response:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            events.append((name, line[6:]))
+            name = None
+    return events
+
+
+# --- the pieces the server is made of -------------------------------------------------------------
+
+def test_generate_stops_after_the_token_for_which_on_token_returns_false(local):
+    sm, tok = local
+    seen = []
+    tokens, _ = generate(sm, tok(PROMPT)["input_ids"], 20, on_token=lambda t: seen.append(t) or len(seen) < 3)
+    assert tokens == seen and len(tokens) == 3
+
+
+def test_text_stream_sends_exactly_the_text_before_the_first_stop_sequence(local):
+    _, tok = local
+    ids = tok("The sea was calm, and the ship sailed on, and on.", add_special_tokens=False)["input_ids"]
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    full = decode(ids)
+    words = full.split()
+    for stop in [words[1], f"{words[2]} {words[3]}", ", ", words[-1], "never in the text"]:
+        stream, sent = TextStream(decode, ("zzz", stop)), []
+        for token in ids:
+            sent.append(stream.push(token))
+            if stream.stop_sequence:
+                break
+        sent.append(stream.finish())
+        assert "".join(sent) == (full[:full.find(stop)] if stop in full else full), stop
+        assert stream.stop_sequence == (stop if stop in full else None)
+
+
+# --- the OpenAI API -------------------------------------------------------------------------------
+
+def test_server_binds_loopback_and_lists_its_model(server, oai):
+    assert server.url.startswith("http://127.0.0.1:")
+    assert server.health["status"] == "ok" and server.health["max_tokens"] == MAX_TOKENS_LIMIT
+    assert [m.id for m in oai.models.list().data] == [server.health["model"]]
+    assert oai.models.retrieve(server.health["model"]).id == server.health["model"]
+
+
+def test_text_completion_is_what_generate_produces_on_the_same_vault(oai, local):
+    ids = local[1](PROMPT)["input_ids"]
+    text, tokens = expected_text(local, ids, 24)
+    r = oai.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert r.choices[0].text == text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(tokens))
+    assert r.choices[0].finish_reason == ("length" if len(tokens) == 24 else "stop")
+    by_ids = oai.completions.create(model="any", prompt=ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+def test_seeded_sampling_is_what_generate_samples_with_that_seed(oai, local):
+    text, _ = expected_text(local, local[1](PROMPT)["input_ids"], 24, temperature=1.0, top_p=0.9, seed=7)
+    r = oai.completions.create(model="any", prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
+    assert r.choices[0].text == text
+
+
+def test_chat_completion_uses_the_chat_prompt_and_streams_the_same_text(oai, local):
+    prompt = chat_prompt(local[1], CHAT)
+    text, tokens = expected_text(local, prompt, 32)
+    whole = oai.chat.completions.create(model="any", messages=CHAT, max_tokens=32, temperature=0)
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt), len(tokens))
+    pieces, finish, usage = [], None, None
+    for chunk in oai.chat.completions.create(model="any", messages=CHAT, max_tokens=32, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            pieces += [choice.delta.content] if choice.delta.content else []
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == text and len(pieces) > 1
+    assert finish == whole.choices[0].finish_reason and usage.completion_tokens == len(tokens)
+
+
+def test_stop_sequence_ends_the_text_just_before_it(oai):
+    full = oai.completions.create(model="any", prompt=PROMPT, max_tokens=48, temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    r = oai.completions.create(model="any", prompt=PROMPT, max_tokens=48, temperature=0, stop=["never", stop])
+    assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = oai.completions.create(model="any", prompt=PROMPT, max_tokens=48, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:full.find(stop)]
+
+
+def test_raw_http_stream_is_server_sent_events_ending_in_done(server):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    body = {"messages": CHAT, "max_tokens": 16, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == (None, "[DONE]")
+    chunks = [json.loads(data) for _, data in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 1
+
+
+def test_raw_http_keeps_the_connection_alive_across_requests(server):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    for _ in range(2):
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 4, "temperature": 0}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["prompt_tokens"] > 0
+    conn.request("GET", "/metrics")
+    metrics = json.loads(conn.getresponse().read())
+    assert {"hit_rate", "bytes_read"} <= metrics["cache"].keys() and metrics["decode_tok_s"] > 0
+
+
+# --- the Anthropic API ----------------------------------------------------------------------------
+
+def test_anthropic_messages_whole_and_streamed_match_generate(claude, local):
+    prompt = chat_prompt(local[1], CHAT)
+    text, tokens = expected_text(local, prompt, 24)
+    args = dict(model="any", max_tokens=24, system=CHAT[0]["content"], messages=CHAT[1:], extra_body=GREEDY)
+    msg = claude.messages.create(**args)
+    assert msg.content[0].text == text and msg.role == "assistant"
+    assert msg.stop_reason == ("max_tokens" if len(tokens) == 24 else "end_turn")
+    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (len(prompt), len(tokens))
+    with claude.messages.stream(**args) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text and final.stop_reason == msg.stop_reason and final.usage.output_tokens == len(tokens)
+
+
+def test_anthropic_stream_sends_the_events_in_the_documented_order(server):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    body = {"max_tokens": 8, "temperature": 0, "stream": True, "messages": CHAT[1:]}
+    conn.request("POST", "/v1/messages", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    names = [name for name, _ in sse_events(conn.getresponse())]
+    deltas = names.count("content_block_delta")
+    assert deltas > 0
+    assert names == (["message_start", "content_block_start", "ping"] + ["content_block_delta"] * deltas
+                     + ["content_block_stop", "message_delta", "message_stop"])
+
+
+def test_anthropic_stop_sequence_is_reported(claude):
+    full = claude.messages.create(model="any", max_tokens=32, messages=CHAT[1:], extra_body=GREEDY).content[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    msg = claude.messages.create(model="any", max_tokens=32, messages=CHAT[1:], stop_sequences=[stop],
+                                 extra_body=GREEDY)
+    assert msg.content[0].text == full[:full.find(stop)]
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", stop)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+
+M = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", b"\xff\xfe\x00garbage", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[" * 100_000, 400, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": M, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": M, "temperature": 7}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": M, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": M, "max_tokens": 10**6}, 400, "limit"),
+    ("/v1/chat/completions", {"messages": M, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": M, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": M, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": M, "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "NaN"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/messages", {"messages": M}, 400, "max_tokens"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400, "role"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, "content"),
+    ("/v1/messages", {"max_tokens": 5, "messages": M, "temperature": 1.5}, 400, "temperature"),
+    ("/v1/messages", {"max_tokens": 10**6, "messages": M}, 400, "limit"),
+    ("/v1/messages", b"{", 400, "not valid JSON"),
+    ("/v1/nowhere", {}, 404, "Not Found"),
+    ("/v1/models/some-other-model", None, 404, "not served"),
+]
+
+
+def assert_api_error(path: str, content_type: str, body: bytes, status: int, fragment: str = "") -> None:
+    assert content_type == "application/json"
+    error = json.loads(body)
+    if path.startswith("/v1/messages"):
+        assert error["type"] == "error" and isinstance(error["error"]["type"], str)
+        message = error["error"]["message"]
+    else:
+        assert error["error"]["type"] == "invalid_request_error" and "param" in error["error"]
+        message = error["error"]["message"]
+    assert fragment in message, (status, message)
+
+
+@pytest.mark.parametrize("path, body, status, fragment", BAD_REQUESTS)
+def test_bad_requests_get_a_4xx_json_error_in_the_api_shape(server, path, body, status, fragment):
+    method = "GET" if path.startswith("/v1/models") else "POST"
+    got, content_type, reply = call(server, method, path, body)
+    assert got == status
+    assert_api_error(path, content_type, reply, status, fragment)
+
+
+def test_wrong_method_gets_405_json(server):
+    status, content_type, body = call(server, "GET", "/v1/messages")
+    assert status == 405
+    assert_api_error("/v1/messages", content_type, body, 405)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_prompt_over_the_context_gets_400(server, path):
+    context = server.health["context"]
+    content = "sea " * (context + 10)  # at least one token a word
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    status, content_type, reply = call(server, "POST", path, body)
+    assert status == 400
+    assert_api_error(path, content_type, reply, 400, "context")
+    status, _, _ = call(server, "POST", "/v1/completions", {"prompt": [5] * context, "max_tokens": 1})
+    assert status == 400
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_body_over_the_size_limit_gets_413(server, chunked):
+    body = json.dumps({"prompt": "x" * (1 << 20), "max_tokens": 1}).encode()
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    if chunked:  # no Content-Length: the server must count what arrives
+        conn.request("POST", "/v1/completions", body=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]),
+                     headers={"Content-Type": "application/json"}, encode_chunked=True)
+    else:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 413
+    assert_api_error("/v1/completions", r.getheader("content-type"), r.read(), 413, "limit")
+
+
+def test_official_clients_raise_their_bad_request_errors(oai, claude):
+    with pytest.raises(openai.BadRequestError, match="limit of 256"):
+        oai.chat.completions.create(model="any", messages=M, max_tokens=100_000)
+    with pytest.raises(anthropic.BadRequestError, match="limit of 256"):
+        claude.messages.create(model="any", messages=M, max_tokens=100_000)
+
+
+def test_serve_refuses_a_busy_port_with_a_one_line_error(serve_vault):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "smoe.cli", "serve", str(serve_vault), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"smoe: error: cannot listen on 127.0.0.1 port {port}") and "Traceback" not in proc.stderr
+
+
+# --- queueing and cancellation --------------------------------------------------------------------
+
+def raw_request(server, path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
+def open_stream(server, prompt: str, max_tokens: int) -> tuple[socket.socket, bytes]:
+    """A streaming completion whose response headers have arrived (so it is queued on the server), and
+    what came after the headers."""
+    sock = socket.create_connection((server.host, server.port), timeout=120)
+    sock.sendall(raw_request(server, "/v1/completions",
+                             {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}))
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200")
+    return sock, head.split(b"\r\n\r\n", 1)[1]
+
+
+def test_requests_run_one_at_a_time_in_arrival_order(server):
+    socks, buffers = zip(*[open_stream(server, f"{PROMPT} {word}", 12) for word in ("calm", "rough", "grey")])
+    buffers, order, open_ = list(buffers), [], set(range(3))
+    while open_:
+        ready, _, _ = select.select([socks[i] for i in open_], [], [], 60)
+        assert ready
+        for i in sorted(open_):  # drain in arrival order, so bytes sent earlier are read earlier
+            if socks[i] in ready:
+                data = socks[i].recv(65536)
+                if not data:
+                    open_.discard(i)
+                buffers[i] += data
+                texts = re.findall(rb'"text": "((?:[^"\\]|\\.)+)"', buffers[i])
+                order += [i] * (len(texts) - order.count(i))
+    for s in socks:
+        s.close()
+    assert order == sorted(order) and set(order) == {0, 1, 2}
+
+
+def long_prompt_and_budget(oai, server) -> tuple[str, int]:
+    """A prompt whose greedy continuation runs to the token limit (no end of text), and that limit."""
+    for prompt in (PROMPT, "Once upon a time", "It was a dark and stormy night"):
+        budget = min(MAX_TOKENS_LIMIT, server.health["context"] - 16)
+        r = oai.completions.create(model="any", prompt=prompt, max_tokens=budget, temperature=0)
+        if r.choices[0].finish_reason == "length":
+            return prompt, budget
+    pytest.fail("every prompt reached the end of text before the token limit")
+
+
+def test_client_leaving_mid_stream_cancels_its_generation(server, oai):
+    prompt, budget = long_prompt_and_budget(oai, server)
+    before = server.wait_idle()["requests"]["cancelled"]
+    sock, received = open_stream(server, prompt, budget)
+    while b'"text": "' not in received:
+        received += sock.recv(65536)
+    sock.close()
+    metrics = server.wait_idle()
+    assert metrics["requests"]["cancelled"] == before + 1
+    assert metrics["last_request"]["generated_tokens"] < budget
+
+
+def test_client_leaving_a_whole_response_request_cancels_it(server, oai):
+    prompt, budget = long_prompt_and_budget(oai, server)
+    before = server.wait_idle()["requests"]["cancelled"]
+    sock = socket.create_connection((server.host, server.port), timeout=60)
+    sock.sendall(raw_request(server, "/v1/completions", {"prompt": prompt, "max_tokens": budget, "temperature": 0}))
+    while not server.get_json("/metrics")["running"]:
+        time.sleep(0.005)
+    sock.close()
+    metrics = server.wait_idle()
+    assert metrics["requests"]["cancelled"] == before + 1
+    assert metrics["last_request"]["generated_tokens"] < budget
+
+
+def test_a_request_whose_client_leaves_while_queued_never_runs(server, oai):
+    prompt, budget = long_prompt_and_budget(oai, server)
+    before = server.wait_idle()
+    running, _ = open_stream(server, prompt, budget)
+    queued, _ = open_stream(server, prompt, budget)
+    queued.close()
+    running.close()
+    after = server.wait_idle()
+    assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 2
+    assert after["tokens"]["prompt"] - before["tokens"]["prompt"] == after["last_request"]["prompt_tokens"]
+
+
+# --- robustness -----------------------------------------------------------------------------------
+
+def http_bytes(path: str, body: bytes, extra: str = "", method: str = "POST") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+WRONG_VALUES = ["x", 1, -1, 2.5, None, True, [], {}, [1, "a"], {"a": 1}, 10**30, "0" * 5000]
+
+
+def fuzz_case(rng: random.Random) -> tuple[bytes, bool]:
+    """(bytes to send, read the reply?) — malformed, oversized or cut short."""
+    valid = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    path = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+    body = json.dumps(valid).encode()
+    kind = rng.randrange(10)
+    if kind == 0:  # not HTTP at all
+        return rng.randbytes(rng.randint(1, 400)) + b"\r\n\r\n", True
+    if kind == 1:  # JSON cut short or with flipped bytes
+        cut = bytearray(body[:rng.randrange(len(body))])
+        for _ in range(rng.randint(0, 3)):
+            if cut:
+                cut[rng.randrange(len(cut))] = rng.randrange(256)
+        return http_bytes(path, bytes(cut)), True
+    if kind == 2:  # a field of the wrong type or out of range
+        bad = dict(valid, **{rng.choice(["messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
+                                         "prompt", "system", "n"]): rng.choice(WRONG_VALUES)})
+        return http_bytes(path, json.dumps(bad).encode()), True
+    if kind == 3:  # declares a huge body, sends a little, hangs up
+        return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n").encode() + body, rng.random() < 0.5
+    if kind == 4:  # a request cut at a random byte, connection closed
+        whole = http_bytes(path, body)
+        return whole[:rng.randrange(len(whole))], False
+    if kind == 5:  # a whole valid request, connection closed without reading
+        return http_bytes(path, body), False
+    if kind == 6:  # oversized headers
+        return http_bytes(path, body, f"X-Pad: {'a' * rng.randint(20_000, 100_000)}\r\n"), True
+    if kind == 7:  # deeply nested or huge JSON values
+        nested = b"[" * rng.randint(1000, 200_000)
+        return http_bytes(path, rng.choice([nested, b'{"messages": ' + nested])), True
+    if kind == 8:  # odd methods, paths and lengths
+        return rng.choice([http_bytes("/v1/../../etc/passwd", b"", method="GET"),
+                           http_bytes(path, body, method="PUT"), http_bytes("/%00%ff", b"", method="GET"),
+                           f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n".encode(),
+                           f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n".encode(),
+                           f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".encode()]), True
+    return http_bytes(path, body[:-1] + b', "extra": ' + json.dumps(rng.choice(WRONG_VALUES)).encode() + b"}"), True
+
+
+def send_case(server, case: tuple[bytes, bool]) -> int | None:
+    """The reply's status code, or None when nothing was read."""
+    data, read = case
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        try:
+            sock.sendall(data)
+        except OSError:  # the server answered early and closed (e.g. 413 before the body arrived)
+            pass
+        if not read:
+            return None
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    status = re.match(rb"HTTP/1\.1 (\d{3})", reply)
+    return int(status.group(1)) if status else None
+
+
+def test_a_thousand_malformed_oversized_and_cut_requests_leave_the_server_correct(server, oai):
+    before = oai.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    rng = random.Random(0)
+    cases = [fuzz_case(rng) for _ in range(1200)]
+    start = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda c: send_case(server, c), cases))
+    answered = [s for s in statuses if s is not None]
+    assert len(answered) > 700, f"only {len(answered)} replies"
+    assert all(s < 500 for s in answered), sorted(set(answered))
+    assert time.monotonic() - start < 240
+    assert server.proc.poll() is None
+    assert server.wait_idle()["queued_or_running"] == 0
+    after = oai.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    assert after == before
+    assert "Traceback" not in server.stderr()
