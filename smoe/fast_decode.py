@@ -29,13 +29,14 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    router: torch.Tensor
+    router: torch.Tensor | None  # None: a dense layer (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
 
 
 def supports(sm) -> bool:
     text = sm.config.get_text_config()
     return (sm.vault.meta["family"] in SUPPORTED and getattr(text, "sliding_window", None) in (None, 0)
-            and not getattr(text, "attention_bias", False) and sm.vault.meta["moe_layers"] == list(range(text.num_hidden_layers)))
+            and not getattr(text, "attention_bias", False) and getattr(text, "hidden_act", "silu") == "silu")
 
 
 class LeanDecoder:
@@ -66,14 +67,16 @@ class LeanDecoder:
 
     @staticmethod
     def layer_weights(layer, qk_norm: bool) -> LayerWeights:
-        attn = layer.self_attn
-        router = layer.mlp.gate if hasattr(layer.mlp, "gate") else layer.block_sparse_moe.gate
+        attn, mlp = layer.self_attn, layer.mlp
+        moe = hasattr(mlp, "experts")
+        dense = None if moe else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         return LayerWeights(
             input_norm=layer.input_layernorm.weight,
             q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight,
             q_norm=attn.q_norm.weight if qk_norm else None,
             k_norm=attn.k_norm.weight if qk_norm else None,
-            o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight, router=router.weight,
+            o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
+            router=mlp.gate.weight if moe else None, dense=dense,
         )
 
     def rope_tables(self, rotary, n: int):
@@ -95,7 +98,8 @@ class LeanDecoder:
         cos, sin = self.cos[start : start + t], self.sin[start : start + t]
         for i, w in enumerate(self.layers):
             x = x + self.attention(i, w, F.rms_norm(x, x.shape[-1:], w.input_norm, self.eps), cos, sin, start)
-            x = x + self.experts(i, w, F.rms_norm(x, x.shape[-1:], w.post_norm, self.eps))
+            h = F.rms_norm(x, x.shape[-1:], w.post_norm, self.eps)
+            x = x + (self.experts(i, w, h) if w.router is not None else dense_mlp(w.dense, h))
         self.pos = start + t
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
 
@@ -126,7 +130,7 @@ class LeanDecoder:
     def prefetch_next(self, i: int, h) -> None:
         """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
         residual stream changes little between layers) and start reading them."""
-        if i + 1 < len(self.layers):
+        if i + 1 < len(self.layers) and self.layers[i + 1].router is not None:
             guess = torch.topk(F.linear(h, self.layers[i + 1].router), self.top_k, dim=-1).indices
             self.store.prefetch(i + 1, torch.unique(guess).tolist())
 
@@ -157,6 +161,11 @@ class LeanDecoder:
                 y = expert_mlp(prepared[e], h[token_idx]) * top_w[token_idx, slot, None]
                 out.index_add_(0, token_idx, y)
         return out
+
+
+def dense_mlp(weights, x):
+    gate, up, down = weights
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def expert_mlp(expert, x):

@@ -162,7 +162,7 @@ if triton is not None:
                 acc_a += _field(va, one, j, BITS) * xf[:, None, :]
                 if TWO:
                     acc_b += _field(vb, one, j, BITS) * xf[:, None, :]
-        return acc_a - c[:, None, :], acc_b - c[:, None, :]
+        return tl.sum(acc_a - c[:, None, :], axis=2), tl.sum(acc_b - c[:, None, :], axis=2)
 
     @triton.jit
     def _gate_up(words_ptr, halves_ptr, units_ptr, route_ptr, xp_ptr, hp_ptr,
@@ -182,8 +182,8 @@ if triton is not None:
         wi = tl.arange(0, WPG)
         base_w = words_ptr + unit * 16
         base_s = halves_ptr + unit * 32
-        acc_g = tl.zeros((GW, BN, WPG), tl.float32)
-        acc_u = tl.zeros((GW, BN, WPG), tl.float32)
+        acc_g = tl.zeros((GW, BN), tl.float32)
+        acc_u = tl.zeros((GW, BN), tl.float32)
         for g0 in range(0, gpr, GW):
             g_ok = (g0 + gi) < gpr
             x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]  # [GW, WPG] word index along a row
@@ -193,10 +193,10 @@ if triton is not None:
                                      base_w + up_w, True, BITS)
             s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
             m2 = g_ok[:, None] & row_ok[None, :]
-            acc_g += pg * tl.load(base_s + gate_s + s_off, mask=m2, other=0.0).to(tl.float32)[:, :, None]
-            acc_u += pu * tl.load(base_s + up_s + s_off, mask=m2, other=0.0).to(tl.float32)[:, :, None]
-        gate = tl.sum(tl.sum(acc_g, axis=2), axis=0) / H
-        up = tl.sum(tl.sum(acc_u, axis=2), axis=0) / H
+            acc_g += pg * tl.load(base_s + gate_s + s_off, mask=m2, other=0.0).to(tl.float32)
+            acc_u += pu * tl.load(base_s + up_s + s_off, mask=m2, other=0.0).to(tl.float32)
+        gate = tl.sum(acc_g, axis=0) / H
+        up = tl.sum(acc_u, axis=0) / H
         h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(route_ptr + e).to(tl.float32)
         PW_O: tl.constexpr = 32 // BITS_OUT
         PB_O: tl.constexpr = 8 // BITS_OUT
@@ -205,35 +205,44 @@ if triton is not None:
         tl.store(hp_ptr + e * n_rows + f * (n_rows // PW_O) + rows // PW_O, h * scale, mask=row_ok)
 
     @triton.jit
-    def _down(words_ptr, halves_ptr, units_ptr, hp_ptr, y_ptr, down_w, down_s, one,
+    def _down(words_ptr, halves_ptr, units_ptr, hp_ptr, part_ptr, count_ptr, y_ptr, down_w, down_s, one,
               n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
               BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
-        """Program (row block): y = sum over the k experts of down_e hp[e] (routing already in hp)."""
+        """Program (row block, expert e): part[e] = down_e hp[e] (routing already in hp). The last
+        program of a row block to finish sums the k parts in expert order into y (deterministic),
+        and resets the block's counter for the next call."""
         WPG: tl.constexpr = 2 * BITS
         H: tl.constexpr = (2**BITS - 1) / 2
         wpr: tl.constexpr = n_in * BITS // 32
         gpr: tl.constexpr = n_in // 64
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        rb = tl.program_id(0)
+        e = tl.program_id(1)
+        rows = rb * BN + tl.arange(0, BN)
         row_ok = rows < n_rows
         gi = tl.arange(0, GW)
         wi = tl.arange(0, WPG)
-        acc = tl.zeros((GW, BN, WPG), tl.float32)
-        for e in range(k):
-            unit = tl.load(units_ptr + e)
-            base_w = words_ptr + unit * 16 + down_w
-            base_s = halves_ptr + unit * 32 + down_s
-            xp = hp_ptr + e * n_in
-            for g0 in range(0, gpr, GW):
-                g_ok = (g0 + gi) < gpr
-                x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]
-                code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
-                m3 = g_ok[:, None, None] & row_ok[None, :, None]
-                p, _ = _group_products(base_w, code_off, m3, xp, x_idx, wpr, one, base_w, False, BITS)
-                s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
-                s = tl.load(base_s + s_off, mask=g_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
-                acc += p * s[:, :, None]
-        y = tl.sum(tl.sum(acc, axis=2), axis=0) / H
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        unit = tl.load(units_ptr + e)
+        base_w = words_ptr + unit * 16 + down_w
+        base_s = halves_ptr + unit * 32 + down_s
+        xp = hp_ptr + e * n_in
+        acc = tl.zeros((GW, BN), tl.float32)
+        for g0 in range(0, gpr, GW):
+            g_ok = (g0 + gi) < gpr
+            x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]
+            code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
+            m3 = g_ok[:, None, None] & row_ok[None, :, None]
+            p, _ = _group_products(base_w, code_off, m3, xp, x_idx, wpr, one, base_w, False, BITS)
+            s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
+            acc += p * tl.load(base_s + s_off, mask=g_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(part_ptr + e * n_rows + rows, tl.sum(acc, axis=0) / H, mask=row_ok)
+        tl.debug_barrier()  # every thread's part is written before the arrival is counted
+        arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
+        if arrived == k - 1:
+            y = tl.zeros((BN,), tl.float32)
+            for j in range(k):  # .cg: read from L2, where the other programs' parts are
+                y += tl.load(part_ptr + j * n_rows + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(count_ptr + rb, 0)
 
     @triton.jit
     def _dequant_group(words_ptr, halves_ptr, rows, row_ok, g, wpr, gpr, BITS: tl.constexpr, DT: tl.constexpr):
@@ -251,7 +260,7 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gate_up(words_ptr, halves_ptr, block_units_ptr, pair_token_ptr, x_ptr, h_ptr,
-                         gate_w, gate_s, up_w, up_s, one, n_rows: tl.constexpr, n_in: tl.constexpr,
+                         gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
                          BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
         """Program (block of BT sorted pairs of one expert, row block): h[pair] = silu(gate x) * up x.
         pair_token[pair] is the pair's token (T for a padding pair: x row T is zero)."""
@@ -401,10 +410,25 @@ def decode_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.T
         layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2, ONE_BITS,
         layout.inter, layout.hidden, BITS=bg, BITS_OUT=bd, BN=bn, GW=gw, num_warps=nw)
     bn, gw, nw = config.down
-    _down[(triton.cdiv(layout.hidden, bn),)](
-        words, halves, units, hp, y, layout.down_codes // 4, layout.down_scales // 2, ONE_BITS,
+    blocks = triton.cdiv(layout.hidden, bn)
+    part = torch.empty(k, layout.hidden, dtype=torch.float32, device=x.device)
+    _down[(blocks, k)](
+        words, halves, units, hp, part, arrival_counters(x.device, blocks), y,
+        layout.down_codes // 4, layout.down_scales // 2, ONE_BITS,
         layout.hidden, layout.inter, k, BITS=bd, BN=bn, GW=gw, num_warps=nw)
     return y
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for _down's row blocks; the kernel leaves them zeroed again. One set per
+    device: decode calls on one device must run on one stream."""
+    key = str(device)
+    if key not in _COUNTERS or _COUNTERS[key].numel() < n:
+        _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def sort_pairs(offsets: torch.Tensor, bt: int, capacity: int):

@@ -144,3 +144,37 @@ def test_eval_reproduces_the_reference_perplexity_of_the_shared_model(tmp_path):
     r = json.loads(proc.stdout)
     assert r["tokens"] == 16384 and abs(r["ref_ppl"] - 36.670) < 0.001
     assert 0.005 < r["kl"] < 0.03 and r["top1"] > 0.88 and r["ppl"] > r["ref_ppl"]
+
+
+def test_chat_answers_each_line_until_an_empty_one(tmp_path):
+    vault, _ = build(tmp_path, "qwen3_moe")
+    proc = subprocess.run([sys.executable, "-m", "smoe.cli", "chat", str(vault), "--max-tokens", "4", "--dtype", "float32"],
+                          input="the old man\nthe sea\n\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("prompt tokens") == 2 and proc.stdout.count("> ") == 3
+
+
+def test_lean_decode_path_matches_the_transformers_path(tmp_path):
+    if not SHARED_MODEL.exists():
+        pytest.skip(f"{SHARED_MODEL} not present: the lean path is checked on tiny models below")
+    sculpt(SHARED_MODEL, tmp_path / "vault", bits=4, progress=False)
+    check_lean_against_transformers(tmp_path / "vault")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_lean_decode_path_matches_the_transformers_path_on_tiny_models(family, tmp_path):
+    vault, _ = build(tmp_path, family)
+    check_lean_against_transformers(vault)
+
+
+def check_lean_against_transformers(vault: Path) -> None:
+    from smoe.generate import next_logits_function
+
+    sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
+    assert sm.lean_decoder(64) is not None
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    lean = next_logits_function(sm, 64, "lean")
+    slow = next_logits_function(sm, 64, "transformers")
+    for chunk in (ids[:30], ids[30:31], ids[31:32], ids[32:40]):  # prefill, decode steps, a second prefill
+        a, b = slow(chunk), lean(chunk)
+        assert relative_error(a, b) < TOLERANCE
