@@ -91,7 +91,7 @@ def prepared_expert_bytes(vault_dir: Path, dtype: str) -> int:
     from smoe.store import ExpertStore
 
     def prepare(tensors, biases):
-        prepared = kernels_cpu.prepare_expert(tensors, biases, DTYPES[dtype])
+        prepared = kernels_cpu.prepare_expert(tensors, biases, DTYPES[dtype], fuse=True)
         return prepared, prepared.nbytes
 
     with Vault(vault_dir) as vault:
@@ -173,11 +173,12 @@ from smoe import kernels_cpu
 from smoe.store import ExpertStore
 from smoe.vault import Vault
 vault, cache, routing, prefetch = Vault(sys.argv[1]), int(sys.argv[2]), np.load(sys.argv[3]), sys.argv[4] == "1"
-prepare = lambda t, b: (lambda p: (p, p.nbytes))(kernels_cpu.prepare_expert(t, b, torch.bfloat16))
+prepare = lambda t, b: (lambda p: (p, p.nbytes))(kernels_cpu.prepare_expert(t, b, torch.bfloat16, fuse=True))
 store = ExpertStore(vault, cache, prepare)
 x = torch.randn(1, 2048, dtype=torch.bfloat16) * 0.1
 def mlp(e, h):
-    return kernels_cpu.linear(F.silu(kernels_cpu.linear(h, e, "gate")) * kernels_cpu.linear(h, e, "up"), e, "down")
+    gate, up = kernels_cpu.gate_and_up(h, e)
+    return kernels_cpu.linear(F.silu(gate) * up, e, "down")
 t0 = time.perf_counter()
 for t in range(routing.shape[0]):
     for layer in range(routing.shape[1]):

@@ -169,8 +169,8 @@ def dense_mlp(weights, x):
 
 
 def expert_mlp(expert, x):
-    return kernels_cpu.linear(F.silu(kernels_cpu.linear(x, expert, "gate")) * kernels_cpu.linear(x, expert, "up"),
-                              expert, "down")
+    gate, up = kernels_cpu.gate_and_up(x, expert)
+    return kernels_cpu.linear(F.silu(gate) * up, expert, "down")
 
 
 def rotate(x, cos, sin):

@@ -127,8 +127,7 @@ class ExpertsEngine:
     def expert_output(self, module, expert, x):
         """One expert as transformers computes it: gate/up, the module's own gating, down."""
         if module.has_gate:
-            gate = kernels_cpu.linear(x, expert, "gate")
-            up = kernels_cpu.linear(x, expert, "up")
+            gate, up = kernels_cpu.gate_and_up(x, expert)
             if module.is_concatenated:
                 gate_up = torch.cat([gate, up], dim=-1)
             else:  # interleaved [g0, u0, g1, u1, ...] (gpt-oss)
@@ -150,7 +149,8 @@ class StreamingModel:
         self.vault = Vault(vault_dir)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.config = AutoConfig.from_pretrained(self.vault.dir)
-        prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path))
+        prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path,
+                                                                              fuse=True))
         self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
         if cache_bytes is None:  # the default counts experts in their prepared (compute) size
             self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())

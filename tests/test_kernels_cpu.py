@@ -205,3 +205,20 @@ def test_benchmark_reports_every_method_against_the_baseline():
     (row,) = bench.bench_matmul(torch.bfloat16, (("small", 96, 384),), (1,))
     assert row["int4_fits"] and row["baseline_ms"] > 0
     assert {"int4_kernel_speedup", "int4_path_speedup", "decode_per_call_speedup"} <= row.keys()
+
+
+@pytest.mark.parametrize("path", ["dequant", "int4"])
+@pytest.mark.parametrize("shape", [(128, 256), (96, 96)])
+def test_fused_gate_up_gives_the_same_gate_and_up_as_separate_projections(path, shape):
+    g = torch.Generator().manual_seed(3)
+    tensors = []
+    for role in ("gate", "up", "down"):
+        w = torch.randn(shape if role != "down" else shape[::-1], generator=g)
+        tensors.append(vault.QuantisedTensor(role, tuple(w.shape), 4, *codec.encode(w, 4)))
+    biases = {"gate": torch.randn(shape[0], generator=g), "up": torch.randn(shape[0], generator=g)}
+    fused = kc.prepare_expert(tensors, biases, torch.bfloat16, path, fuse=True)
+    plain = kc.prepare_expert(tensors, biases, torch.bfloat16, path)
+    assert "gate_up" in fused.weights and "gate" not in fused.weights
+    x = activations(3, shape[1], torch.bfloat16)
+    for a, b in zip(kc.gate_and_up(x, fused), kc.gate_and_up(x, plain)):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
