@@ -95,7 +95,7 @@ class LeanDecoder:
         if start + t > self.max_positions:
             raise ValueError("sequence longer than the decoder's cache")
         x = self.embed[torch.tensor(ids)]  # [T, H]
-        cos, sin = self.cos[start : start + t], self.sin[start : start + t]
+        cos, sin = self.cos[start : start + t, None], self.sin[start : start + t, None]  # [T, 1, hd]
         for i, w in enumerate(self.layers):
             x = x + self.attention(i, w, F.rms_norm(x, x.shape[-1:], w.input_norm, self.eps), cos, sin, start)
             h = F.rms_norm(x, x.shape[-1:], w.post_norm, self.eps)
@@ -111,7 +111,7 @@ class LeanDecoder:
         if w.q_norm is not None:
             q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
             k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([self.heads, self.kv_heads], dim=1)
         end = start + t
         self.k_cache[i, 0, :, start:end] = k.transpose(0, 1)
         self.v_cache[i, 0, :, start:end] = v.view(t, self.kv_heads, hd).transpose(0, 1)
@@ -137,19 +137,17 @@ class LeanDecoder:
     def experts(self, i: int, w: LayerWeights, h):
         if self.prefetch:
             self.prefetch_next(i, h)
-        probs = torch.softmax(F.linear(h, w.router).float(), dim=-1)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        logits = F.linear(h, w.router).float()
+        if self.normalize:  # softmax then renormalising the top k = softmax over the top-k logits
+            top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)
+            top_w = torch.softmax(top_logits, dim=-1)
+        else:
+            top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         top_w = top_w.to(h.dtype)
-        if h.shape[0] == 1:  # decode: one token, k experts, no gathers
-            ids, weights = top_i[0].tolist(), top_w[0]
+        if h.shape[0] == 1:  # decode: one token, k experts: stack their outputs, weight them in one matmul
+            ids = top_i[0].tolist()
             prepared = self.store.get(i, ids)
-            out = None
-            for slot, e in enumerate(ids):
-                y = expert_mlp(prepared[e], h) * weights[slot]
-                out = y if out is None else out + y
-            return out
+            return top_w @ torch.cat([expert_mlp(prepared[e], h) for e in ids])
         return self.experts_batched(i, h, top_i, top_w)
 
     def experts_batched(self, i: int, h, top_i, top_w):
@@ -174,7 +172,7 @@ def expert_mlp(expert, x):
 
 
 def rotate(x, cos, sin):
-    """Rotary embedding, half-split layout (rotate_half), x [T, heads, hd], cos/sin [T, hd]."""
+    """Rotary embedding, half-split layout (rotate_half), x [T, heads, hd], cos/sin [T, 1, hd]."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin

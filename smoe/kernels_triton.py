@@ -139,11 +139,11 @@ if triton is not None:
         tl.store(xp_ptr + t * n + f * (n // PW) + i // PW, x * scale, mask=ok)
 
     @triton.jit
-    def _group_products(words_ptr, code_off, m3, xp_ptr, x_idx, x_stride, one, words2_ptr,
+    def _group_products(words_ptr, code_off, m3, xp_ptr, x_idx, x_ok, x_stride, one, words2_ptr,
                         TWO: tl.constexpr, BITS: tl.constexpr):
         """For a [GW, BN, WPG] tile of code words (groups, rows, words of a group), and a second
         matrix when TWO: sum over each group's words of f * x' - C, as [GW, BN] (twice).
-        x' of field f sits at xp_ptr + f * x_stride + x_idx, x_idx [GW, WPG]."""
+        x' of field f sits at xp_ptr + f * x_stride + x_idx, x_idx [GW, WPG]; x_ok [GW]: groups in the row."""
         PB: tl.constexpr = 8 // BITS
         H: tl.constexpr = (2**BITS - 1) / 2
         a = tl.load(words_ptr + code_off, mask=m3, other=0)
@@ -157,7 +157,7 @@ if triton is not None:
             if TWO:
                 vb = _byte_at_mantissa(b, byte)
             for j in tl.static_range(PB):
-                xf = tl.load(xp_ptr + (byte * PB + j) * x_stride + x_idx)
+                xf = tl.load(xp_ptr + (byte * PB + j) * x_stride + x_idx, mask=x_ok[:, None], other=0.0)
                 c += xf * (1.0 + H * 2 ** (BITS * j) / 256.0)
                 acc_a += _field(va, one, j, BITS) * xf[:, None, :]
                 if TWO:
@@ -189,7 +189,7 @@ if triton is not None:
             x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]  # [GW, WPG] word index along a row
             code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
             m3 = g_ok[:, None, None] & row_ok[None, :, None]
-            pg, pu = _group_products(base_w + gate_w, code_off, m3, xp_ptr, x_idx, wpr, one,
+            pg, pu = _group_products(base_w + gate_w, code_off, m3, xp_ptr, x_idx, g_ok, wpr, one,
                                      base_w + up_w, True, BITS)
             s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
             m2 = g_ok[:, None] & row_ok[None, :]
@@ -231,7 +231,7 @@ if triton is not None:
             x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]
             code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
             m3 = g_ok[:, None, None] & row_ok[None, :, None]
-            p, _ = _group_products(base_w, code_off, m3, xp, x_idx, wpr, one, base_w, False, BITS)
+            p, _ = _group_products(base_w, code_off, m3, xp, x_idx, g_ok, wpr, one, base_w, False, BITS)
             s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
             acc += p * tl.load(base_s + s_off, mask=g_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
         tl.store(part_ptr + e * n_rows + rows, tl.sum(acc, axis=0) / H, mask=row_ok)
