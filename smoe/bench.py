@@ -42,7 +42,7 @@ def bench_runtime_main(args) -> int:
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.bench == "runtime":
         result = bench_runtime.bench_model(args.vault, args.ref, args.gguf, budgets, args.tokens, args.dtype,
-                                           args.threads, args.engine)
+                                           args.threads, args.engine, args.memory_limit_gb)
     else:
         result = bench_runtime.bench_synthetic(args.workdir, args.layers, args.tokens, budgets)
     result["machine"] = machine_description("cpu")

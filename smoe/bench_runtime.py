@@ -32,9 +32,32 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def child(code: str, *args) -> dict:
-    """Run `code` in a fresh interpreter (its own peak RSS, no warm caches); it prints one JSON line."""
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+def memory_cgroup(limit_bytes: int) -> Path:
+    """A memory cgroup capped at limit_bytes (page cache included, so an mmap cannot lean on it)."""
+    v1 = CGROUP_V1 / "memory.limit_in_bytes"
+    base = CGROUP_V1 if v1.exists() else CGROUP_V2
+    group = base / f"smoe-bench-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        limit_file = "memory.limit_in_bytes" if base == CGROUP_V1 else "memory.max"
+        (group / limit_file).write_text(str(limit_bytes))
+    except OSError as e:
+        raise SmoeError(f"cannot create a memory cgroup under {base} ({e}); run as root on a cgroup-enabled system") from None
+    return group
+
+
+def child(code: str, *args, memory_limit: int | None = None) -> dict:
+    """Run `code` in a fresh interpreter (its own peak RSS, no warm caches), optionally inside a
+    memory cgroup; it prints one JSON line."""
+    join = None
+    if memory_limit:
+        procs = memory_cgroup(memory_limit) / "cgroup.procs"
+        join = lambda: procs.write_text(str(os.getpid()))
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, preexec_fn=join)
     if proc.returncode != 0:
         raise SmoeError(f"benchmark child failed: {proc.stderr.strip()[-800:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -103,20 +126,25 @@ def prepared_expert_bytes(vault_dir: Path, dtype: str) -> int:
 
 
 def bench_model(vault: str, ref: str | None, gguf: str | None, budgets: list[float], tokens: int, dtype: str,
-                threads: int, engine: str) -> dict:
+                threads: int, engine: str, memory_limit_gb: float | None = None) -> dict:
+    """Each budget cold, in its own process; with a memory limit every engine runs in the same cgroup
+    cap, so llama.cpp's mmap cannot lean on the page cache beyond it."""
     vault_dir = Path(vault)
     total = prepared_expert_bytes(vault_dir, dtype)
+    limit = int(memory_limit_gb * 1e9) if memory_limit_gb else None
     rows = []
     for fraction in budgets:
         drop_page_cache(vault_dir / DATA_FILE)
-        r = child(STREAMING_RUN, vault_dir, int(total * fraction), tokens, dtype, threads, engine, PROMPT)
+        r = child(STREAMING_RUN, vault_dir, int(total * fraction), tokens, dtype, threads, engine, PROMPT, memory_limit=limit)
         rows.append(r | {"budget_fraction": fraction, "read_gbps": r["bytes_read"] / max(r["read_wait_s"], 1e-9) / 1e9})
     result = {"benchmark": "runtime", "vault": vault, "dtype": dtype, "engine": engine, "threads": threads,
-              "tokens": tokens, "prepared_expert_bytes": total, "rows": rows, "baselines": {}}
-    if ref:
+              "tokens": tokens, "prepared_expert_bytes": total, "rows": rows, "baselines": {},
+              "memory_limit_gb": memory_limit_gb}
+    if ref and not limit:
         result["baselines"]["transformers_bf16_resident"] = child(TRANSFORMERS_RUN, ref, tokens, threads, PROMPT)
     if gguf:
-        result["baselines"]["llama_cpp"] = child(LLAMA_CPP_RUN, gguf, tokens, threads, PROMPT) | {"gguf": gguf}
+        drop_page_cache(Path(gguf))
+        result["baselines"]["llama_cpp"] = child(LLAMA_CPP_RUN, gguf, tokens, threads, PROMPT, memory_limit=limit) | {"gguf": gguf}
     return result
 
 
@@ -235,7 +263,8 @@ def format_result(r: dict) -> str:
     lines = []
     if r["benchmark"] == "runtime":
         lines.append(f"{r['vault']}: {r['tokens']} tokens greedy, {r['dtype']}, engine {r['engine']}, "
-                     f"{r['threads']} thread(s); all experts prepared = {r['prepared_expert_bytes'] / 1e6:.1f} MB")
+                     f"{r['threads']} thread(s); all experts prepared = {r['prepared_expert_bytes'] / 1e6:.1f} MB"
+                     + (f"; memory limit {r['memory_limit_gb']} GB (cgroup)" if r.get("memory_limit_gb") else ""))
         for row in r["rows"]:
             lines.append(f"  budget {100 * row['budget_fraction']:5.1f}%  decode {row['decode_tok_s']:7.1f} tok/s  "
                          f"prefill {row['prefill_tok_s']:7.1f} tok/s  hit rate {100 * row['hit_rate']:5.1f}%  "

@@ -323,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     br.add_argument("--threads", type=int, default=1)
     br.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"))
+    br.add_argument("--memory-limit-gb", type=float, help="run smoe and llama.cpp inside a memory cgroup of this size")
     br.add_argument("--json", action="store_true")
     bsy = bsub.add_parser("runtime-synthetic", help="the expert store on a synthetic several-GB vault, skewed routing")
     bsy.add_argument("--workdir", default="out/bench", help="where the synthetic vault is built (kept for reruns)")
