@@ -180,3 +180,21 @@ def test_verify_cli_exit_code_is_zero_only_for_a_sound_vault(tmp_path):
     assert bad.returncode == 1
     report = json.loads(bad.stdout)
     assert not report["ok"] and any("checksum mismatch" in p for p in report["problems"])
+
+
+def test_a_vault_of_a_newer_format_version_is_refused_clearly(tmp_path):
+    import struct
+
+    import xxhash
+
+    from smoe.vault import HEADER
+
+    build_vault(tmp_path / "v")
+    data = tmp_path / "v" / DATA_FILE
+    with open(data, "r+b") as f:
+        fields = bytearray(f.read(HEADER.size))
+        fields[8:12] = struct.pack("<I", 2)
+        f.seek(0)
+        f.write(bytes(fields) + struct.pack("<Q", xxhash.xxh64_intdigest(bytes(fields))))
+    with pytest.raises(SmoeError, match="format version 2, this smoe reads version 1"):
+        Vault(tmp_path / "v")
