@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SMOE := $(VENV)/bin/smoe
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quant bench-quantize venv clean
+.PHONY: demo test test-integrations browser test-quant bench-quantize venv clean
 
 venv: $(STAMP)
 
@@ -19,7 +19,17 @@ demo: $(STAMP)
 	$(SMOE) demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/integration
+
+# Slow tests against real outside programs (a browser, llama.cpp, mlx): everything under tests/integration.
+test-integrations: $(STAMP) browser
+	$(PY) -m pytest -q tests/integration
+
+# Debian's headless Chromium and its WebDriver, for the web chat test.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; }
 
 test-quant: $(STAMP)
 	$(SMOE) test-quant

@@ -29,6 +29,8 @@ def main(args) -> int:
         result = bench_sculpt(args.gb, args.workdir, args.device)
     elif args.bench in ("runtime", "runtime-synthetic"):
         return bench_runtime_main(args)
+    elif args.bench == "kernels":
+        return bench_kernels_main(args)
     else:
         raise SmoeError(f"unknown benchmark {args.bench!r}")
     result["machine"] = machine_description(result.get("device", "cpu"))
@@ -47,6 +49,17 @@ def bench_runtime_main(args) -> int:
         result = bench_runtime.bench_synthetic(args.workdir, args.layers, args.tokens, budgets)
     result["machine"] = machine_description("cpu")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_runtime.format_result(result))
+    return 0
+
+
+def bench_kernels_main(args) -> int:
+    """The Triton expert kernels against cuBLAS bf16 and torch int4 (smoe/bench_kernels_gpu.py)."""
+    if resolve_device(args.device).type != "cuda":
+        raise SmoeError("smoe bench kernels measures the CUDA kernels: no CUDA device is available")
+    from smoe import bench_kernels_gpu
+
+    result = bench_kernels_gpu.bench_kernels(args.shape, args.pool_gb)
+    print(json.dumps(result, indent=1) if args.json else bench_kernels_gpu.format_result(result))
     return 0
 
 

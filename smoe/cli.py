@@ -280,13 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write a vault as GGUF (llama.cpp) or as an mlx-lm model",
                         description="GGUF: one file, experts as Q4_1 (exact up to the fp16 rounding of each "
-                        "scale), trunk as --trunk-type. MLX: a directory of safetensors shards, experts in "
+                        "scale), trunk at the vault's precision or as --trunk-type. MLX: a directory of safetensors shards, experts in "
                         "MLX affine form, trunk at the vault's precision.")
     ex.add_argument("vault", metavar="VAULT_DIR")
     ex.add_argument("--to", required=True, choices=("gguf", "mlx"))
     ex.add_argument("-o", "--output", required=True, metavar="FILE_OR_DIR")
     ex.add_argument("--trunk-type", choices=("bf16", "f16", "f32", "q8_0"), default=None,
-                    help="GGUF type of the trunk's matrices (default bf16)")
+                    help="GGUF type of the trunk's matrices (default: the vault's own dtype, exact)")
     ex.add_argument("--force", action="store_true", help="replace an existing output")
     ex.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ex.set_defaults(func=cmd_export)
@@ -314,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--workdir", default=None, help="where to build it (default: a temporary directory)")
     bs.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the sculptor runs its search")
     bs.add_argument("--json", action="store_true")
+    bk = bsub.add_parser("kernels", help="Triton expert kernels vs cuBLAS bf16 and torch int4 (effective GB/s, CUDA only)")
+    bk.add_argument("--device", default="auto", choices=("auto", "cuda"))
+    bk.add_argument("--shape", action="append", choices=("qwen3-235b-a22b", "qwen3-30b-a3b"),
+                    help="expert shapes to measure (default: both)")
+    bk.add_argument("--pool-gb", type=float, default=1.2, help="GB of distinct experts each variant rotates over")
+    bk.add_argument("--json", action="store_true")
     br = bsub.add_parser("runtime", help="decode tok/s, hit rate, bytes read and peak RSS per cache budget (cold)")
     br.add_argument("vault", metavar="VAULT_DIR")
     br.add_argument("--ref", metavar="MODEL_DIR", help="also time transformers running this model resident in bf16")

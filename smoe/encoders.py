@@ -80,6 +80,10 @@ def weighted_error(groups, weights, s, h) -> torch.Tensor:
 def search_weighted(groups, weights, bits: int, grid_scales: torch.Tensor) -> torch.Tensor:
     """Best fp16 scale per group [G] for the weighted error, never worse than `grid_scales`."""
     h = half_range(bits)
+    if not groups.is_cuda:
+        from smoe.encoders_numba import search_weighted_numba
+
+        return search_weighted_numba(groups, weights, h, grid_scales, REFIT_ITERATIONS)
     absmax = codec.group_absmax(groups)
     candidates = codec.candidate_scales(absmax)
     best_s = grid_scales.to(torch.float32)
@@ -173,6 +177,13 @@ def gptq_codes(w: torch.Tensor, hessian: torch.Tensor, scales: torch.Tensor, bit
     order = torch.argsort(torch.diagonal(hessian), descending=True)
     U = inverse_factor(hessian, order)
     W, inv, step = w[:, order].clone(), inv[:, order], step[:, order]
+    if not W.is_cuda:
+        from smoe.encoders_numba import gptq_numba
+
+        codes = gptq_numba(W, inv, step, U, h)
+        out = torch.empty_like(codes)
+        out[:, order] = codes
+        return out
     codes = torch.zeros_like(W)
     n = W.shape[1]
     for i1 in range(0, n, BLOCK):

@@ -4,8 +4,8 @@ Q4_1 blocks hold 32 weights as w = q·d + m (4-bit q, fp16 d and m). An SMOE gro
 such blocks with d = s/h and m = −s, the same q (h = 7.5 at Q4; at Q2 h = 1.5 and q ∈ 0..3, a
 subset of Q4_1's 16 levels). Q4_1 packs byte j of a block as weight j (low nibble) and weight
 j + 16 (high nibble). Tensor names, metadata keys and layouts follow llama.cpp's own converter
-(convert_hf_to_gguf.py) for the same architectures; the trunk keeps the vault's precision (BF16 by
-default), norms and routers in F32 as llama.cpp expects.
+(convert_hf_to_gguf.py) for the same architectures; the trunk keeps the vault's precision by default
+(`--trunk-type` converts it), norms and routers in F32 as llama.cpp expects.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from smoe.errors import SmoeError
 from smoe.exports import ExportSource, ExpertTensor, Planned, produce, require, scales_over
 
 TRUNK_TYPES = ("bf16", "f16", "f32", "q8_0")
+GGML_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 Q4_1_BLOCK = 32
 
 
@@ -46,19 +47,23 @@ SPLIT_PATTERNS = {
 }
 
 
-def write_gguf(source: ExportSource, path: Path, trunk_type: str = "bf16", progress: bool = False) -> None:
+def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, progress: bool = False,
+               decoded_experts: bool = False) -> None:
+    """`trunk_type` (bf16, f16, f32, q8_0) converts the trunk's matrices; by default they keep the
+    vault's dtype, which is exact. `decoded_experts` writes the experts' SMOE-decoded weights in F32
+    instead of Q4_1 (4x larger; for checking llama.cpp's graph against smoe without Q4_1 arithmetic)."""
     import gguf
 
     arch = architecture(source)
     config = text_config(source)
     check_config(source, config)
-    if trunk_type not in TRUNK_TYPES:
+    if trunk_type is not None and trunk_type not in TRUNK_TYPES:
         raise SmoeError(f"unknown trunk type {trunk_type!r} ({', '.join(TRUNK_TYPES)})")
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)])
     writer.add_name(source.dir.name)
     write_hyperparameters(writer, source, config, arch)
     write_tokenizer(writer, source.dir, config["vocab_size"])
-    plan = trunk_plan(source, config, arch, trunk_type) + experts_plan(source)
+    plan = trunk_plan(source, config, arch, trunk_type) + experts_plan(source, decoded_experts)
     for p in plan:
         writer.add_tensor_info(p.name, p.shape, np.uint8, p.nbytes, raw_dtype=p.dtype)
     writer.write_header_to_file(path)
@@ -245,7 +250,7 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
         elif trunk_type == "q8_0" and shape[-1] % 32:
             qtype = ggml_type("f16")  # as llama.cpp's converter does for rows Q8_0 cannot hold
         else:
-            qtype = ggml_type(trunk_type)
+            qtype = ggml_type(trunk_type or GGML_NAMES.get(source.trunk_dtype(key), "f32"))
         plan.append(planned(name, shape, qtype, lambda key=key, qtype=qtype: trunk_bytes(source, key, config, arch, qtype)))
     return plan
 
@@ -268,7 +273,7 @@ def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def experts_plan(source: ExportSource) -> list[Planned]:
+def experts_plan(source: ExportSource, decoded: bool = False) -> list[Planned]:
     import gguf
 
     tensor_of = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
@@ -279,7 +284,7 @@ def experts_plan(source: ExportSource) -> list[Planned]:
             out, inp = source.expert_shape(role)
             # Q4_1 blocks run along rows: a row of a width that is not a multiple of 32 cannot hold
             # SMOE's groups, so such (toy-sized) tensors are written decoded, in F32.
-            qtype = ggml_type("q4_1" if inp % Q4_1_BLOCK == 0 else "f32")
+            qtype = ggml_type("q4_1" if inp % Q4_1_BLOCK == 0 and not decoded else "f32")
             name = gguf.TENSOR_NAMES[tensor_of[role]].format(bid=layer) + ".weight"
             load = lambda layer=layer, role=role, qtype=qtype: np.stack(
                 [expert_bytes(e, qtype) for e in source.experts(layer, role)])

@@ -44,7 +44,7 @@ FAMILIES = {
 PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
-def write_mlx(source: ExportSource, out: Path, progress: bool = False) -> None:
+def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> None:
     family = FAMILIES.get(source.model_type)
     if family is None:
         raise SmoeError(f"MLX export supports {', '.join(FAMILIES)}; this vault is {source.model_type}")
@@ -52,7 +52,7 @@ def write_mlx(source: ExportSource, out: Path, progress: bool = False) -> None:
     config = json.loads((source.dir / "config.json").read_text())
     quantization = {"group_size": codec.GROUP_SIZE, "bits": source.vault.bits, "mode": "affine"}
     plan = trunk_plan(source, family) + experts_plan(source, family, quantization)
-    write_shards(out, plan, progress)
+    write_shards(out, plan, progress, shard_bytes)
     (out / "config.json").write_text(json.dumps(mlx_config(source, config, quantization), indent=2))
     for name in COPIED_FILES:
         if name != "config.json" and (source.dir / name).exists():
@@ -162,8 +162,8 @@ def shards(plan: list[Planned], limit: int = SHARD_BYTES) -> list[list[Planned]]
     return runs
 
 
-def write_shards(out: Path, plan: list[Planned], progress: bool) -> None:
-    runs = shards(plan)
+def write_shards(out: Path, plan: list[Planned], progress: bool, limit: int) -> None:
+    runs = shards(plan, limit)
     names = ["model.safetensors"] if len(runs) == 1 else [
         f"model-{i + 1:05d}-of-{len(runs):05d}.safetensors" for i in range(len(runs))]
     data = produce(plan, progress)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from dataclasses import dataclass
 
@@ -48,7 +49,8 @@ from smoe.errors import SmoeError
 GROUP = codec.GROUP_SIZE
 SLOT_ALIGNMENT = 64  # blob offsets in the pool must be multiples of this (the kernels read 32-bit words)
 ONE_BITS = 0x3F800000  # 1.0f
-PAIR_BUCKET_MIN = 64  # padded pair counts of the grouped path: powers of two from this
+PAIR_BUCKET_MIN = 64
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # padded pair counts of the grouped path: powers of two from this
 
 
 # --- layout of one layer's blobs -----------------------------------------------------------------
@@ -139,18 +141,27 @@ if triton is not None:
         tl.store(xp_ptr + t * n + f * (n // PW) + i // PW, x * scale, mask=ok)
 
     @triton.jit
-    def _group_products(words_ptr, code_off, m3, xp_ptr, x_idx, x_ok, x_stride, one, words2_ptr,
-                        TWO: tl.constexpr, BITS: tl.constexpr):
-        """For a [GW, BN, WPG] tile of code words (groups, rows, words of a group), and a second
-        matrix when TWO: sum over each group's words of f * x' - C, as [GW, BN] (twice).
-        x' of field f sits at xp_ptr + f * x_stride + x_idx, x_idx [GW, WPG]; x_ok [GW]: groups in the row."""
+    def _tile(g0, rows, row_ok, wpr: tl.constexpr, gpr: tl.constexpr, GW: tl.constexpr, WPG: tl.constexpr):
+        """Addresses of loop step g0: groups g0 .. g0+GW-1 of the rows. Returns x_idx [GW, WPG] (word
+        index along a row), g_ok [GW], code offsets and mask [GW, BN, WPG], scale offsets and mask [GW, BN]."""
+        gi = g0 + tl.arange(0, GW)
+        g_ok = gi < gpr
+        x_idx = gi[:, None] * WPG + tl.arange(0, WPG)[None, :]
+        code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
+        m3 = g_ok[:, None, None] & row_ok[None, :, None]
+        s_off = gi[:, None] + rows[None, :] * gpr
+        m2 = g_ok[:, None] & row_ok[None, :]
+        return x_idx, g_ok, code_off, m3, s_off, m2
+
+    @triton.jit
+    def _group_products(a, b, xp_ptr, x_idx, x_ok, x_stride, one, TWO: tl.constexpr, BITS: tl.constexpr):
+        """For a [GW, BN, WPG] tile of code words a (groups, rows, words of a group), and b when TWO:
+        sum over each group's words of f * x' - C, as [GW, BN] (twice). x' of field f sits at
+        xp_ptr + f * x_stride + x_idx, x_idx [GW, WPG]; x_ok [GW]: groups inside the row."""
         PB: tl.constexpr = 8 // BITS
         H: tl.constexpr = (2**BITS - 1) / 2
-        a = tl.load(words_ptr + code_off, mask=m3, other=0)
-        if TWO:
-            b = tl.load(words2_ptr + code_off, mask=m3, other=0)
-        acc_a = tl.zeros(code_off.shape, tl.float32)
-        acc_b = tl.zeros(code_off.shape, tl.float32)
+        acc_a = tl.zeros(a.shape, tl.float32)
+        acc_b = tl.zeros(a.shape, tl.float32)
         c = tl.zeros(x_idx.shape, tl.float32)
         for byte in tl.static_range(4):
             va = _byte_at_mantissa(a, byte)
@@ -165,36 +176,51 @@ if triton is not None:
         return tl.sum(acc_a - c[:, None, :], axis=2), tl.sum(acc_b - c[:, None, :], axis=2)
 
     @triton.jit
-    def _gate_up(words_ptr, halves_ptr, units_ptr, route_ptr, xp_ptr, hp_ptr,
+    def _gate_up(words_ptr, halves_ptr, offsets_ptr, route_ptr, xp_ptr, hp_ptr,
                  gate_w, gate_s, up_w, up_s, one, n_rows: tl.constexpr, n_in: tl.constexpr,
-                 BITS: tl.constexpr, BITS_OUT: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
+                 BITS: tl.constexpr, BITS_OUT: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr,
+                 STAGES: tl.constexpr, PREFETCH: tl.constexpr):
         """Program (row block, expert e): hp[e] = route[e] * silu(gate_e x) * up_e x, field-major for
-        the down projection's depth. gate_w/up_w: in-blob word offsets; gate_s/up_s: fp16 offsets."""
+        the down projection's depth. gate_w/up_w: in-blob word offsets; gate_s/up_s: fp16 offsets.
+        STAGES > 1: Triton pipelines the loop's loads through shared memory; PREFETCH: the codes and
+        scales of the next step are loaded into registers before this step is computed."""
         WPG: tl.constexpr = 2 * BITS  # 32-bit words per group of 64 codes
         H: tl.constexpr = (2**BITS - 1) / 2
         wpr: tl.constexpr = n_in * BITS // 32
         gpr: tl.constexpr = n_in // 64
         e = tl.program_id(1)
-        unit = tl.load(units_ptr + e)  # blob offset / 64
+        unit = tl.load(offsets_ptr + e) // 64  # the blob's offset in 64-byte units
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         row_ok = rows < n_rows
-        gi = tl.arange(0, GW)
-        wi = tl.arange(0, WPG)
-        base_w = words_ptr + unit * 16
-        base_s = halves_ptr + unit * 32
+        gw_ptr = words_ptr + unit * 16 + gate_w
+        uw_ptr = words_ptr + unit * 16 + up_w
+        gs_ptr = halves_ptr + unit * 32 + gate_s
+        us_ptr = halves_ptr + unit * 32 + up_s
         acc_g = tl.zeros((GW, BN), tl.float32)
         acc_u = tl.zeros((GW, BN), tl.float32)
-        for g0 in range(0, gpr, GW):
-            g_ok = (g0 + gi) < gpr
-            x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]  # [GW, WPG] word index along a row
-            code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
-            m3 = g_ok[:, None, None] & row_ok[None, :, None]
-            pg, pu = _group_products(base_w + gate_w, code_off, m3, xp_ptr, x_idx, g_ok, wpr, one,
-                                     base_w + up_w, True, BITS)
-            s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
-            m2 = g_ok[:, None] & row_ok[None, :]
-            acc_g += pg * tl.load(base_s + gate_s + s_off, mask=m2, other=0.0).to(tl.float32)
-            acc_u += pu * tl.load(base_s + up_s + s_off, mask=m2, other=0.0).to(tl.float32)
+        if PREFETCH:
+            _, _, code_off, m3, s_off, m2 = _tile(0, rows, row_ok, wpr, gpr, GW, WPG)
+            a_next = tl.load(gw_ptr + code_off, mask=m3, other=0)
+            b_next = tl.load(uw_ptr + code_off, mask=m3, other=0)
+            sa_next = tl.load(gs_ptr + s_off, mask=m2, other=0.0)
+            sb_next = tl.load(us_ptr + s_off, mask=m2, other=0.0)
+        for g0 in tl.range(0, gpr, GW, num_stages=STAGES):
+            x_idx, g_ok, code_off, m3, s_off, m2 = _tile(g0, rows, row_ok, wpr, gpr, GW, WPG)
+            if PREFETCH:
+                a, b, sa, sb = a_next, b_next, sa_next, sb_next
+                _, _, code_off, m3, s_off, m2 = _tile(g0 + GW, rows, row_ok, wpr, gpr, GW, WPG)
+                a_next = tl.load(gw_ptr + code_off, mask=m3, other=0)
+                b_next = tl.load(uw_ptr + code_off, mask=m3, other=0)
+                sa_next = tl.load(gs_ptr + s_off, mask=m2, other=0.0)
+                sb_next = tl.load(us_ptr + s_off, mask=m2, other=0.0)
+            else:
+                a = tl.load(gw_ptr + code_off, mask=m3, other=0)
+                b = tl.load(uw_ptr + code_off, mask=m3, other=0)
+                sa = tl.load(gs_ptr + s_off, mask=m2, other=0.0)
+                sb = tl.load(us_ptr + s_off, mask=m2, other=0.0)
+            pg, pu = _group_products(a, b, xp_ptr, x_idx, g_ok, wpr, one, True, BITS)
+            acc_g += pg * sa.to(tl.float32)
+            acc_u += pu * sb.to(tl.float32)
         gate = tl.sum(acc_g, axis=0) / H
         up = tl.sum(acc_u, axis=0) / H
         h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(route_ptr + e).to(tl.float32)
@@ -205,9 +231,9 @@ if triton is not None:
         tl.store(hp_ptr + e * n_rows + f * (n_rows // PW_O) + rows // PW_O, h * scale, mask=row_ok)
 
     @triton.jit
-    def _down(words_ptr, halves_ptr, units_ptr, hp_ptr, part_ptr, count_ptr, y_ptr, down_w, down_s, one,
+    def _down(words_ptr, halves_ptr, offsets_ptr, hp_ptr, part_ptr, count_ptr, y_ptr, down_w, down_s, one,
               n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
-              BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr):
+              BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
         """Program (row block, expert e): part[e] = down_e hp[e] (routing already in hp). The last
         program of a row block to finish sums the k parts in expert order into y (deterministic),
         and resets the block's counter for the next call."""
@@ -219,21 +245,27 @@ if triton is not None:
         e = tl.program_id(1)
         rows = rb * BN + tl.arange(0, BN)
         row_ok = rows < n_rows
-        gi = tl.arange(0, GW)
-        wi = tl.arange(0, WPG)
-        unit = tl.load(units_ptr + e)
-        base_w = words_ptr + unit * 16 + down_w
-        base_s = halves_ptr + unit * 32 + down_s
+        unit = tl.load(offsets_ptr + e) // 64
+        w_ptr = words_ptr + unit * 16 + down_w
+        s_ptr = halves_ptr + unit * 32 + down_s
         xp = hp_ptr + e * n_in
         acc = tl.zeros((GW, BN), tl.float32)
-        for g0 in range(0, gpr, GW):
-            g_ok = (g0 + gi) < gpr
-            x_idx = (g0 + gi)[:, None] * WPG + wi[None, :]
-            code_off = rows[None, :, None] * wpr + x_idx[:, None, :]
-            m3 = g_ok[:, None, None] & row_ok[None, :, None]
-            p, _ = _group_products(base_w, code_off, m3, xp, x_idx, g_ok, wpr, one, base_w, False, BITS)
-            s_off = (g0 + gi)[:, None] + rows[None, :] * gpr
-            acc += p * tl.load(base_s + s_off, mask=g_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+        if PREFETCH:
+            _, _, code_off, m3, s_off, m2 = _tile(0, rows, row_ok, wpr, gpr, GW, WPG)
+            a_next = tl.load(w_ptr + code_off, mask=m3, other=0)
+            s_next = tl.load(s_ptr + s_off, mask=m2, other=0.0)
+        for g0 in tl.range(0, gpr, GW, num_stages=STAGES):
+            x_idx, g_ok, code_off, m3, s_off, m2 = _tile(g0, rows, row_ok, wpr, gpr, GW, WPG)
+            if PREFETCH:
+                a, s = a_next, s_next
+                _, _, code_off, m3, s_off, m2 = _tile(g0 + GW, rows, row_ok, wpr, gpr, GW, WPG)
+                a_next = tl.load(w_ptr + code_off, mask=m3, other=0)
+                s_next = tl.load(s_ptr + s_off, mask=m2, other=0.0)
+            else:
+                a = tl.load(w_ptr + code_off, mask=m3, other=0)
+                s = tl.load(s_ptr + s_off, mask=m2, other=0.0)
+            p, unused = _group_products(a, a, xp, x_idx, g_ok, wpr, one, False, BITS)
+            acc += p * s.to(tl.float32)
         tl.store(part_ptr + e * n_rows + rows, tl.sum(acc, axis=0) / H, mask=row_ok)
         tl.debug_barrier()  # every thread's part is written before the arrival is counted
         arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
@@ -334,13 +366,16 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Rows per program, groups per loop step, warps: for _gate_up and for _down."""
+    """(rows per program, groups per loop step, warps, pipeline stages, register prefetch 0/1) for
+    _gate_up and for _down."""
 
-    gate_up: tuple[int, int, int] = (16, 4, 4)
-    down: tuple[int, int, int] = (8, 4, 4)
+    gate_up: tuple[int, int, int, int, int]
+    down: tuple[int, int, int, int, int]
 
 
-DEFAULT_DECODE = DecodeConfig()
+def decode_config(layout: ExpertLayout) -> DecodeConfig:
+    """Tile sizes for the decode kernels (measured on an H200: BENCHMARKS.md)."""
+    return DecodeConfig(gate_up=(32, 8, 4, 1, 1), down=(32, 8, 4, 1, 1))
 
 
 def tokens_per_block(pairs: int, runs: int) -> int:
@@ -364,7 +399,7 @@ def pool_views(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def experts_forward(pool: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor,
-                    weights: torch.Tensor, path: str = "auto", config: DecodeConfig = DEFAULT_DECODE) -> torch.Tensor:
+                    weights: torch.Tensor, path: str = "auto", config: DecodeConfig | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert(x[t]) with expert = down(silu(gate x) * up x), for x [T, hidden].
 
     offsets [T, k]: byte offset in `pool` of the blob of each token's k-th expert (multiples of 64).
@@ -384,39 +419,64 @@ def experts_forward(pool: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, o
     if triton is None:
         raise SmoeError("the Triton kernels need the triton package")
     x2 = x.reshape(-1, layout.hidden).contiguous()
-    offsets = offsets.reshape(x2.shape[0], -1)
-    weights = weights.reshape(x2.shape[0], -1)
+    offsets = offsets.reshape(x2.shape[0], -1).to(torch.int64).contiguous()
+    weights = weights.reshape(x2.shape[0], -1).contiguous()
+    if bool((offsets % SLOT_ALIGNMENT).any()):
+        raise SmoeError(f"expert blob offsets must be multiples of {SLOT_ALIGNMENT} bytes")
     if x2.shape[0] == 1:
-        y = decode_forward(pool, layout, x2, offsets[0], weights[0], config)
+        y = decode_forward(pool, layout, x2, offsets[0], weights[0], config or decode_config(layout))
     else:
         y = grouped_forward(pool, layout, x2, offsets, weights)
     return y.view(x.shape)
 
 
 def decode_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-                   config: DecodeConfig = DEFAULT_DECODE, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One token (x [1, hidden]) through its k experts (offsets [k], weights [k]): 3 launches."""
+                   config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token (x [1, hidden], contiguous) through its k experts: offsets int64 [k] (blob byte offsets,
+    multiples of 64: not checked here, so that the call can be captured in a CUDA graph), weights [k].
+    Three launches and no host synchronisation."""
+    config = config or decode_config(layout)
+    xp = launch_prep(x, layout.bits_gate_up)
+    hp = launch_gate_up(pool, layout, xp, offsets, weights, config.gate_up)
+    y = out if out is not None else torch.empty(1, layout.hidden, dtype=x.dtype, device=x.device)
+    launch_down(pool, layout, hp, offsets, y, config.down)
+    return y
+
+
+def launch_prep(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [1, n] -> x' [32/bits, n*bits/32] fp32 (field-major, pre-scaled; see the module docstring)."""
+    n = x.shape[-1]
+    xp = torch.empty(n, dtype=torch.float32, device=x.device)
+    _prep[(triton.cdiv(n, 1024), 1)](x, xp, n, BITS=bits, BLOCK=1024)
+    return xp
+
+
+def launch_gate_up(pool, layout: ExpertLayout, xp, offsets, weights, tiles: tuple[int, int, int]) -> torch.Tensor:
+    """h' [k, inter] fp32: routing weight * silu(gate x) * up x, field-major for the down projection."""
     words, halves = pool_views(pool)
     k = offsets.numel()
-    units = (offsets // SLOT_ALIGNMENT).to(torch.int64)
-    bg, bd = layout.bits_gate_up, layout.bits_down
-    xp = torch.empty(layout.hidden, dtype=torch.float32, device=x.device)
-    hp = torch.empty(k, layout.inter, dtype=torch.float32, device=x.device)
-    y = out if out is not None else torch.empty(1, layout.hidden, dtype=x.dtype, device=x.device)
-    _prep[(triton.cdiv(layout.hidden, 1024), 1)](x, xp, layout.hidden, BITS=bg, BLOCK=1024)
-    bn, gw, nw = config.gate_up
+    hp = torch.empty(k, layout.inter, dtype=torch.float32, device=xp.device)
+    bn, gw, nw, stages, prefetch = tiles
     _gate_up[(triton.cdiv(layout.inter, bn), k)](
-        words, halves, units, weights, xp, hp,
+        words, halves, offsets, weights, xp, hp,
         layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2, ONE_BITS,
-        layout.inter, layout.hidden, BITS=bg, BITS_OUT=bd, BN=bn, GW=gw, num_warps=nw)
-    bn, gw, nw = config.down
+        layout.inter, layout.hidden, BITS=layout.bits_gate_up, BITS_OUT=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
+        PREFETCH=bool(prefetch), num_warps=nw)
+    return hp
+
+
+def launch_down(pool, layout: ExpertLayout, hp, offsets, y, tiles: tuple[int, int, int]) -> None:
+    """y [1, hidden] = sum over the k experts of down_e h'_e."""
+    words, halves = pool_views(pool)
+    k = offsets.numel()
+    bn, gw, nw, stages, prefetch = tiles
     blocks = triton.cdiv(layout.hidden, bn)
-    part = torch.empty(k, layout.hidden, dtype=torch.float32, device=x.device)
+    part = torch.empty(k, layout.hidden, dtype=torch.float32, device=hp.device)
     _down[(blocks, k)](
-        words, halves, units, hp, part, arrival_counters(x.device, blocks), y,
+        words, halves, offsets, hp, part, arrival_counters(hp.device, blocks), y,
         layout.down_codes // 4, layout.down_scales // 2, ONE_BITS,
-        layout.hidden, layout.inter, k, BITS=bd, BN=bn, GW=gw, num_warps=nw)
-    return y
+        layout.hidden, layout.inter, k, BITS=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
+        PREFETCH=bool(prefetch), num_warps=nw)
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}
@@ -463,7 +523,9 @@ def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.
     bt = tokens_per_block(n_pairs, runs)
     capacity = bucket(n_pairs + runs * (bt - 1))
     pair_id, block_units = sort_pairs(offsets, bt, capacity)
-    dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    # tensor-core tiles in the activation dtype; fp32 for fp32 activations, and under Triton's
+    # interpreter, whose bf16 tl.dot is wrong (triton 3.6)
+    dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) and not INTERPRETED else torch.float32
     ieee = dt == torch.float32
     x_pad = torch.cat([x.to(dt), x.new_zeros(1, layout.hidden, dtype=dt)])  # row n_tok: padding reads zeros
     pair_token = torch.where(pair_id < n_pairs, pair_id // k, n_tok)
@@ -521,6 +583,17 @@ def warn_once(message: str) -> None:
 
 
 # --- building a pool (tests, benchmarks) ---------------------------------------------------------
+
+
+def layout_for_shape(hidden: int, inter: int, bits_gate_up: int, bits_down: int) -> tuple[ExpertLayout, int]:
+    """The blob layout smoe.vault.build_blob produces for a gated expert, and the blob's size."""
+    offsets, end = [], 0
+    for rows, cols, bits in ((inter, hidden, bits_gate_up), (inter, hidden, bits_gate_up), (hidden, inter, bits_down)):
+        for nbytes in codec.encoded_nbytes(rows * cols, bits):
+            start = -(-end // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+            offsets.append(start)
+            end = start + nbytes
+    return ExpertLayout(hidden, inter, bits_gate_up, bits_down, *offsets), end
 
 
 def random_blob(layout_shape: tuple[int, int], bits_gate_up: int, bits_down: int, seed: int):

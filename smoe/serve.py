@@ -40,6 +40,7 @@ ANTHROPIC_TYPES = {404: "not_found_error", 413: "request_too_large", 500: "api_e
 OPENAI_FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "stop"}
 ANTHROPIC_STOP = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "cancelled": "end_turn"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DRAIN_BYTES = 16 << 20  # how far past the body limit a request is still read (and dropped)
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ class Limits:
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, close: bool = False):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.close = status, message, param, close
 
 
 def error_body(path: str, status: int, message: str, param: str | None = None) -> dict:
@@ -62,22 +63,33 @@ def error_body(path: str, status: int, message: str, param: str | None = None) -
                       "code": None}}
 
 
-def error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(request.url.path, status, message, param), status_code=status)
+def error_response(request: Request, status: int, message: str, param: str | None = None,
+                   close: bool = False) -> JSONResponse:
+    headers = {"Connection": "close"} if close else None
+    return JSONResponse(error_body(request.url.path, status, message, param), status_code=status, headers=headers)
 
 
 # --- request bodies -------------------------------------------------------------------------------
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused as soon as it is known to exceed `limit` (declared or actually sent)."""
+    """The body, or a 413 when it exceeds `limit`.
+
+    A body somewhat over the limit is read to its end and dropped, so that the client, still
+    sending, gets the 413 instead of a connection reset; past DRAIN_BYTES more, the connection is
+    closed at once."""
+    too_large = f"request body is over the limit of {limit:,} bytes"
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {int(declared):,} bytes is over the limit of {limit:,}")
-    body = bytearray()
+    if declared.isdigit() and int(declared) > limit + DRAIN_BYTES:
+        raise ApiError(413, f"request body of {int(declared):,} bytes is over the limit of {limit:,}", close=True)
+    body, size = bytearray(), 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body is over the limit of {limit:,} bytes")
+        size += len(chunk)
+        if size > limit + DRAIN_BYTES:
+            raise ApiError(413, too_large, close=True)
+        if size <= limit:
+            body += chunk
+    if size > limit:
+        raise ApiError(413, too_large)
     return bytes(body)
 
 
@@ -341,7 +353,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return error_response(request, e.status, e.message, e.param)
+        return error_response(request, e.status, e.message, e.param, e.close)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes (404), wrong methods (405)

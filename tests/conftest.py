@@ -27,6 +27,9 @@ def serve_vault(tmp_path_factory) -> Path:
               "serving a tiny random Qwen3-MoE instead")
         model = out / "model"
         save_tiny_model("qwen3_moe", model, seed=2)
+        # the tiny config's 128 positions end a reply before a test can stop it mid-stream
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
     sculpt(model, out / "vault", bits=4, progress=False)
     return out / "vault"
 

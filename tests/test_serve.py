@@ -2,6 +2,7 @@
 a fuzzer, fair queueing and cancellation. The server's text is checked against `generate` run on the
 same vault in this process."""
 
+import asyncio
 import http.client
 import json
 import random
@@ -20,7 +21,7 @@ import pytest
 from smoe.generate import generate
 from smoe.prompts import chat_prompt, load_tokenizer
 from smoe.runtime import StreamingModel
-from smoe.serve_engine import TextStream
+from smoe.serve_engine import Engine, Overloaded, Sampling, TextStream
 
 MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
 PROMPT = "The sea was"
@@ -105,6 +106,21 @@ def test_text_stream_sends_exactly_the_text_before_the_first_stop_sequence(local
         sent.append(stream.finish())
         assert "".join(sent) == (full[:full.find(stop)] if stop in full else full), stop
         assert stream.stop_sequence == (stop if stop in full else None)
+
+
+def test_engine_refuses_requests_beyond_its_queue_limit(local):
+    sm, tok = local
+    engine = Engine(sm, tok, "m", max_queue=2)  # worker not started: submitted jobs stay queued
+
+    async def submit_three():
+        sampling = Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=0)
+        engine.submit([1, 2], sampling)
+        engine.submit([1, 2], sampling)
+        with pytest.raises(Overloaded, match="limit is 2"):
+            engine.submit([1, 2], sampling)
+
+    asyncio.run(submit_three())
+    assert engine.waiting == 2
 
 
 # --- the OpenAI API -------------------------------------------------------------------------------
@@ -368,6 +384,7 @@ def test_requests_run_one_at_a_time_in_arrival_order(server):
     assert order == sorted(order) and set(order) == {0, 1, 2}
 
 
+@pytest.fixture(scope="module")
 def long_prompt_and_budget(oai, server) -> tuple[str, int]:
     """A prompt whose greedy continuation runs to the token limit (no end of text), and that limit."""
     for prompt in (PROMPT, "Once upon a time", "It was a dark and stormy night"):
@@ -378,8 +395,8 @@ def long_prompt_and_budget(oai, server) -> tuple[str, int]:
     pytest.fail("every prompt reached the end of text before the token limit")
 
 
-def test_client_leaving_mid_stream_cancels_its_generation(server, oai):
-    prompt, budget = long_prompt_and_budget(oai, server)
+def test_client_leaving_mid_stream_cancels_its_generation(server, long_prompt_and_budget):
+    prompt, budget = long_prompt_and_budget
     before = server.wait_idle()["requests"]["cancelled"]
     sock, received = open_stream(server, prompt, budget)
     while b'"text": "' not in received:
@@ -390,8 +407,8 @@ def test_client_leaving_mid_stream_cancels_its_generation(server, oai):
     assert metrics["last_request"]["generated_tokens"] < budget
 
 
-def test_client_leaving_a_whole_response_request_cancels_it(server, oai):
-    prompt, budget = long_prompt_and_budget(oai, server)
+def test_client_leaving_a_whole_response_request_cancels_it(server, long_prompt_and_budget):
+    prompt, budget = long_prompt_and_budget
     before = server.wait_idle()["requests"]["cancelled"]
     sock = socket.create_connection((server.host, server.port), timeout=60)
     sock.sendall(raw_request(server, "/v1/completions", {"prompt": prompt, "max_tokens": budget, "temperature": 0}))
@@ -403,8 +420,8 @@ def test_client_leaving_a_whole_response_request_cancels_it(server, oai):
     assert metrics["last_request"]["generated_tokens"] < budget
 
 
-def test_a_request_whose_client_leaves_while_queued_never_runs(server, oai):
-    prompt, budget = long_prompt_and_budget(oai, server)
+def test_a_request_whose_client_leaves_while_queued_never_runs(server, long_prompt_and_budget):
+    prompt, budget = long_prompt_and_budget
     before = server.wait_idle()
     running, _ = open_stream(server, prompt, budget)
     while not server.get_json("/metrics")["running"]:

@@ -1,0 +1,134 @@
+"""Tiny models the GGUF and MLX exports can hold: every layer MoE, rows that Q4_1 / MLX groups fit,
+and a byte-level BPE tokenizer (what llama.cpp's "gpt2" tokenizer reads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from smoe.sculpt import sculpt
+from smoe.tiny_models import TOKENIZER_TEXT, tiny_config
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b"}
+VOCAB = 300  # 256 byte symbols + merges + one special token
+
+
+def exportable_config(family: str, expert_width: int = 32):
+    config = tiny_config(family)
+    config.vocab_size = VOCAB
+    if family == "qwen3_moe":
+        config.moe_intermediate_size = expert_width
+        config.decoder_sparse_step = 1
+        config.norm_topk_prob = True
+    else:
+        config.intermediate_size = expert_width
+    config.bos_token_id = config.eos_token_id = 0
+    return config
+
+
+def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, seed: int = 0) -> Path:
+    """A random model of `family` whose experts are `expert_width` wide (32: fits Q4_1 and MLX groups)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(exportable_config(family, expert_width), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.save_pretrained(out_dir)
+    save_byte_level_tokenizer(out_dir)
+    return out_dir
+
+
+def save_byte_level_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>").save_pretrained(out_dir)
+
+
+def exportable_vault(tmp: Path, family: str, bits: int = 4, expert_width: int = 32) -> Path:
+    model = save_exportable_model(family, tmp / f"{family}-model-{expert_width}", expert_width)
+    vault = tmp / f"{family}-q{bits}-{expert_width}"
+    sculpt(model, vault, bits=bits, progress=False)
+    return vault
+
+
+# --- integration: the shared trained models when present, else tiny ones ----------------------
+
+
+def integration_vault(tmp_path_factory, family: str, bits: int) -> Path:
+    """A vault of the shared trained `family` model (sculpted once per test session), or of a tiny
+    exportable model when ../shared is absent (the reason is printed)."""
+    root = tmp_path_factory.getbasetemp() / "export-vaults"
+    vault = root / f"{family}-q{bits}"
+    if vault.exists():
+        return vault
+    root.mkdir(parents=True, exist_ok=True)
+    model = SHARED_MODELS[family]
+    if not model.exists():
+        print(f"{model} is absent: using a tiny random {family} model instead")
+        model = root / f"{family}-tiny-model"
+        if not model.exists():
+            save_exportable_model(family, model)
+    sculpt(model, vault, bits=bits, progress=False)
+    return vault
+
+
+def prompt_ids(vault: Path, tokens: int = 128) -> list[int]:
+    """`tokens` ids of prose: the shared validation text when present, else the tiny models' text."""
+    import gzip
+
+    from transformers import AutoTokenizer
+
+    from smoe.tiny_models import TOKENIZER_TEXT
+
+    corpus = SHARED / "corpus" / "valid.txt.gz"
+    text = gzip.open(corpus, "rt").read(40_000)[20_000:] if corpus.exists() else TOKENIZER_TEXT * 8
+    return AutoTokenizer.from_pretrained(vault)(text)["input_ids"][:tokens]
+
+
+def smoe_logits(vault: Path, ids: list[int]):
+    """fp32 logits [T, V] of the streaming runtime."""
+    from smoe.runtime import StreamingModel
+
+    sm = StreamingModel(vault, dtype="float32")
+    try:
+        return sm.logits(torch.tensor([ids]))[0].numpy()
+    finally:
+        sm.close()
+
+
+def agreement(ref, got) -> dict:
+    """How closely logits `got` [T, V] follow `ref`: largest and typical |Δ|, KL(ref‖got), top-1."""
+    import numpy as np
+
+    diff = np.abs(ref - got)
+    log_softmax = lambda x: x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    p, q = log_softmax(ref.astype(np.float64)), log_softmax(got.astype(np.float64))
+    kl = (np.exp(p) * (p - q)).sum(-1)
+    return {"positions": ref.shape[0], "max_abs": float(diff.max()), "median_pos_max_abs": float(np.median(diff.max(-1))),
+            "max_rel": float(diff.max() / np.abs(ref).max()), "ref_max_abs": float(np.abs(ref).max()), "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+            "top1": float((ref.argmax(-1) == got.argmax(-1)).mean())}
+
+
+def figures_line(what: str, a: dict) -> str:
+    return (f"{what}: {a['positions']} positions, max |Δlogit| {a['max_abs']:.4f} (relative {a['max_rel']:.2e}), "
+            f"median per-position max {a['median_pos_max_abs']:.4f}, mean KL {a['mean_kl']:.2e}, "
+            f"max KL {a['max_kl']:.2e}, top-1 {100 * a['top1']:.1f}%")
+
+
+def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int]) -> float:
+    """Share of another runtime's greedy tokens that smoe's own argmax picks at the same step, smoe
+    reading that runtime's sequence (so one early near-tie does not cascade)."""
+    logits = smoe_logits(vault, prompt + generated[:-1])
+    picks = logits[len(prompt) - 1 :].argmax(-1)
+    return float((picks == torch.tensor(generated).numpy()).mean())

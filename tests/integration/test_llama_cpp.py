@@ -1,0 +1,79 @@
+"""GGUF exports loaded by llama.cpp itself (llama-cpp-python, built from source): tokenizer, logits and
+greedy tokens against smoe's streaming runtime on the same vault."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
+
+from export_models import agreement, figures_line, integration_vault, prompt_ids, smoe_logits, teacher_forced_agreement  # noqa: E402
+from llama_cpp import Llama  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from smoe.exports import export  # noqa: E402
+
+# llama.cpp multiplies Q4_1 weights with activations it rounds to 8 bits (Q8_1) per 32 values, and a
+# BF16 trunk with BF16 activations: logits differ by a few hundredths typically, and a near-tie of
+# the router can move one position further. Measured on the shared models: mean KL ≤ 6e-4, top-1 100%.
+MEAN_KL = 5e-3
+TOP1 = 0.95
+
+
+def load(path: Path) -> Llama:
+    return Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_llama_cpp_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
+    vault = integration_vault(tmp_path_factory, family, bits)
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
+    ids = prompt_ids(vault)
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    a = agreement(smoe_logits(vault, ids), got)
+    print("\n" + figures_line(f"llama.cpp {family} Q{bits}", a))
+    assert a["mean_kl"] < MEAN_KL and a["top1"] >= TOP1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_llama_cpp_tokenizes_like_the_vault_tokenizer(tmp_path_factory, tmp_path, family):
+    vault = integration_vault(tmp_path_factory, family, 4)
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
+    hf = AutoTokenizer.from_pretrained(vault)
+    for text in ["The quick brown fox jumps over the lazy dog.", "  It's 1895;\n\tWatson  said: \"no!\" ", "café naïve — ok"]:
+        ids = hf(text)["input_ids"]
+        assert llm.tokenize(text.encode(), add_bos=True, special=False) == ids
+        assert llm.detokenize(ids).decode() == hf.decode(ids)
+
+
+def test_llama_cpp_greedy_tokens_are_smoe_argmax(tmp_path_factory, tmp_path):
+    vault = integration_vault(tmp_path_factory, "qwen3_moe", 4)
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
+    prompt = prompt_ids(vault, 48)
+    generated = []
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        generated.append(token)
+        if len(generated) == 24:
+            break
+    share = teacher_forced_agreement(vault, prompt, generated)
+    print(f"\nllama.cpp greedy tokens smoe also picks: {100 * share:.1f}% of {len(generated)}")
+    assert share >= TOP1
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_factory, tmp_path, family):
+    """With F32 trunk and F32 decoded experts llama.cpp computes what smoe computes (up to summation
+    order, which can still flip a near-tie of the router at a rare position): the metadata, tensor
+    names and q/k layout are right, and the gap above is Q4_1/BF16 arithmetic alone."""
+    vault = integration_vault(tmp_path_factory, family, 4)
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True))
+    ids = prompt_ids(vault)
+    llm.eval(ids)
+    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
+    print("\n" + figures_line(f"llama.cpp {family} Q4, F32 trunk and decoded experts", a))
+    assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
+    assert a["mean_kl"] < 1e-5 and a["top1"] == 1.0

@@ -1,0 +1,54 @@
+"""MLX exports loaded by mlx-lm itself (mlx[cpu] on Linux): logits and greedy generation against
+smoe's streaming runtime on the same vault."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
+
+import mlx.core as mx  # noqa: E402
+from export_models import agreement, figures_line, integration_vault, prompt_ids, smoe_logits, teacher_forced_agreement  # noqa: E402
+from mlx_lm import load  # noqa: E402
+from mlx_lm.generate import generate, generate_step  # noqa: E402
+
+from smoe.exports import export  # noqa: E402
+
+
+def mlx_logits(model, ids: list[int]) -> np.ndarray:
+    return np.array(model(mx.array([ids])).astype(mx.float32))[0]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mlx_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
+    vault = integration_vault(tmp_path_factory, family, bits)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    ids = prompt_ids(vault)
+    ref = smoe_logits(vault, ids)
+    # as loaded: the trunk computes in its own bf16, experts in fp32 (fp16 scales meet bf16 inputs)
+    native = agreement(ref, mlx_logits(model, ids))
+    print("\n" + figures_line(f"mlx-lm {family} Q{bits} (bf16 trunk)", native))
+    assert native["mean_kl"] < 5e-3 and native["top1"] >= 0.95
+    # in fp32 throughout, only the fp16 rounding of s/h separates the two (≤ s/1024 per weight); it
+    # can still tip a near-tie of the router at a rare position, hence the median and mean bounds
+    model.set_dtype(mx.float32)
+    fp32 = agreement(ref, mlx_logits(model, ids))
+    print(figures_line(f"mlx-lm {family} Q{bits} (fp32)", fp32))
+    assert fp32["median_pos_max_abs"] < 1e-3 * fp32["ref_max_abs"]
+    assert fp32["mean_kl"] < 1e-4 and fp32["top1"] >= 0.99
+
+
+def test_mlx_lm_generates_smoe_greedy_tokens(tmp_path_factory, tmp_path):
+    vault = integration_vault(tmp_path_factory, "mixtral", 4)
+    model, tokenizer = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    model.set_dtype(mx.float32)
+    prompt = prompt_ids(vault, 48)
+    generated = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]  # greedy by default
+    share = teacher_forced_agreement(vault, prompt, generated)
+    print(f"\nmlx-lm greedy tokens smoe also picks: {100 * share:.1f}% of {len(generated)}")
+    assert share == 1.0
+    text = generate(model, tokenizer, tokenizer.decode(prompt), max_tokens=8)
+    assert text.strip() == tokenizer.decode(generated[:8]).strip()  # mlx-lm's detokenizer drops a leading space

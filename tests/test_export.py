@@ -1,0 +1,303 @@
+"""`smoe export`: GGUF and MLX files read back with their own readers decode to the vault's weights."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+gguf = pytest.importorskip("gguf")
+
+from export_models import exportable_vault  # noqa: E402
+
+from smoe.exports import export  # noqa: E402
+from smoe.export_mlx import shards  # noqa: E402
+from smoe.sculpt import sculpt  # noqa: E402
+from smoe.tiny_models import save_tiny_model  # noqa: E402
+from smoe.vault import Vault  # noqa: E402
+
+ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+MLX_ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+@pytest.fixture(scope="module")
+def vaults(tmp_path_factory):
+    """(family, bits) -> vault of a tiny exportable model; expert rows 64 (gate/up) and 32 (down) wide."""
+    tmp = tmp_path_factory.mktemp("vaults")
+    return {(f, b): exportable_vault(tmp, f, b) for f in ("qwen3_moe", "mixtral") for b in (4, 2)}
+
+
+def smoe_cli(*args):
+    return subprocess.run([sys.executable, "-m", "smoe.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def vault_experts(vault: Path, layer: int, role: str):
+    """SMOE's own decode [E, out, in] and every weight's group scale s [E, out, in], from the vault."""
+    with Vault(vault) as v:
+        decoded, scales = [], []
+        for e in range(v.meta["num_experts"]):
+            t = next(t for t in v.read_expert(layer, e)[0] if t.role == role)
+            decoded.append(t.decode())
+            s = t.scales.float().repeat_interleave(64)[: t.shape[0] * t.shape[1]]
+            scales.append(s.reshape(t.shape))
+        return torch.stack(decoded).numpy(), torch.stack(scales).numpy(), v.meta
+
+
+def assert_within_fp16_rounding_of_d(got: np.ndarray, want: np.ndarray, s: np.ndarray) -> None:
+    """|q·fp16(s/h) − q·s/h| ≤ 2h · (s/h) · 2^-11 = s/1024 for every weight."""
+    assert got.shape == want.shape
+    assert np.all(np.abs(got - want) <= s / 1024 + 1e-7 * s)
+
+
+def gguf_tensors(path: Path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def field(reader, key):
+    return reader.fields[key].contents()
+
+
+# --- GGUF ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_gguf_holds_the_tensors_and_metadata_llama_cpp_reads(vaults, tmp_path, family, arch):
+    vault = vaults[(family, 4)]
+    out = export(vault, "gguf", tmp_path / "m.gguf", trunk_type="bf16")
+    reader = gguf.GGUFReader(out)
+    config = json.loads((vault / "config.json").read_text())
+    assert field(reader, "general.architecture") == arch
+    assert field(reader, f"{arch}.block_count") == config["num_hidden_layers"]
+    assert field(reader, f"{arch}.expert_count") == config["num_local_experts"]
+    assert field(reader, f"{arch}.expert_used_count") == config["num_experts_per_tok"]
+    assert field(reader, f"{arch}.embedding_length") == config["hidden_size"]
+    tensors = gguf_tensors(out)
+    per_block = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate_inp", *ROLES.values()}
+    if family == "qwen3_moe":
+        per_block |= {"attn_q_norm", "attn_k_norm"}
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{b}.{n}.weight" for b in range(config["num_hidden_layers"]) for n in per_block}
+    assert set(tensors) == expected
+    Q = gguf.GGMLQuantizationType
+    for name, t in tensors.items():
+        if name.endswith(("_exps.weight",)):
+            assert t.tensor_type == Q.Q4_1
+        elif name.endswith(("_norm.weight", "ffn_gate_inp.weight")):
+            assert t.tensor_type == Q.F32
+        else:
+            assert t.tensor_type == Q.BF16
+    hidden, experts = config["hidden_size"], config["num_local_experts"]
+    # GGUF lists dimensions innermost first: [in, out, experts]
+    assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [hidden, 32, experts]
+    assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [32, hidden, experts]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gguf_q4_1_experts_decode_to_the_vault_weights(vaults, tmp_path, family, bits):
+    vault = vaults[(family, bits)]
+    tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf"))
+    with Vault(vault) as v:
+        layers = v.meta["moe_layers"]
+    for layer in layers:
+        for role, name in ROLES.items():
+            t = tensors[f"blk.{layer}.{name}.weight"]
+            got = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.Q4_1)  # gguf's own Q4_1 decoder
+            want, s, _ = vault_experts(vault, layer, role)
+            assert_within_fp16_rounding_of_d(got, want, s)
+
+
+def test_gguf_q4_1_blocks_are_smoe_codes_with_d_and_m_from_the_scale(vaults, tmp_path):
+    """Block layout: fp16 d = s/7.5, fp16 m = −s, byte j = weight j (low nibble) | weight j+16 (high)."""
+    vault = vaults[("qwen3_moe", 4)]
+    block = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf"))["blk.0.ffn_gate_exps.weight"].data[0, 0, :20]
+    with Vault(vault) as v:
+        gate = v.read_expert(0, 0)[0][0]
+    codes = gate.codes[0].numpy()
+    q = np.stack([codes & 15, codes >> 4], axis=1).reshape(-1)[:32]  # SMOE: byte k = codes 2k, 2k+1
+    s = np.float64(gate.scales[0].item())
+    assert block[:2].view(np.float16)[0] == np.float16(s / 7.5)
+    assert block[2:4].view(np.float16)[0] == np.float16(-s)
+    assert np.array_equal(block[4:] & 15, q[:16]) and np.array_equal(block[4:] >> 4, q[16:])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gguf_trunk_is_the_vault_trunk(vaults, tmp_path, family):
+    vault = vaults[(family, 4)]
+    tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf"))
+    trunk = load_file(vault / "trunk.safetensors")  # float32 here: the export keeps it so
+    value = lambda name: torch.from_numpy(tensors[name].data.copy())
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(value("token_embd.weight"), trunk["model.embed_tokens.weight"])
+    assert torch.equal(value("output_norm.weight"), trunk["model.norm.weight"])
+    q = value("blk.0.attn_q.weight")
+    hf_q = trunk["model.layers.0.self_attn.q_proj.weight"]
+    if family == "mixtral":  # llama.cpp's "llama" graph wants each head's rows as interleaved pairs
+        heads = json.loads((vault / "config.json").read_text())["num_attention_heads"]
+        q = q.reshape(heads, -1, 2, q.shape[1]).transpose(1, 2).reshape(hf_q.shape)
+    assert torch.equal(q, hf_q)
+
+
+@pytest.mark.parametrize("trunk_type,qtype", [("f16", "F16"), ("q8_0", "Q8_0"), ("bf16", "BF16")])
+def test_gguf_trunk_type_sets_the_matrices_type(vaults, tmp_path, trunk_type, qtype):
+    vault = vaults[("qwen3_moe", 4)]
+    tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf", trunk_type=trunk_type))
+    embd = tensors["token_embd.weight"]
+    assert embd.tensor_type == getattr(gguf.GGMLQuantizationType, qtype)
+    want = load_file(vault / "trunk.safetensors")["model.embed_tokens.weight"].float().numpy()
+    got = gguf.quants.dequantize(embd.data, embd.tensor_type).reshape(want.shape)
+    rounding = {"F16": 2**-11, "BF16": 2**-8, "Q8_0": 1 / 254}[qtype]  # relative to the row's / value's magnitude
+    assert np.abs(got - want).max() <= rounding * np.abs(want).max()
+
+
+def test_gguf_tokenizer_is_the_vault_tokenizer(vaults, tmp_path):
+    vault = vaults[("qwen3_moe", 4)]
+    reader = gguf.GGUFReader(export(vault, "gguf", tmp_path / "m.gguf"))
+    spec = json.loads((vault / "tokenizer.json").read_text())
+    vocab = {i: t for t, i in spec["model"]["vocab"].items()}
+    assert field(reader, "tokenizer.ggml.model") == "gpt2"
+    assert field(reader, "tokenizer.ggml.pre") == "gpt-2"
+    assert field(reader, "tokenizer.ggml.tokens") == [vocab[i] for i in range(len(vocab))]
+    assert len(field(reader, "tokenizer.ggml.merges")) == len(spec["model"]["merges"])
+    assert field(reader, "tokenizer.ggml.eos_token_id") == 0
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False  # the HF tokenizer adds no BOS either
+
+
+def test_gguf_rows_narrower_than_a_block_are_written_decoded(tmp_path):
+    vault = exportable_vault(tmp_path, "mixtral", 4, expert_width=24)  # down rows 24 wide: no Q4_1 block fits
+    tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf"))
+    down, gate = tensors["blk.0.ffn_down_exps.weight"], tensors["blk.0.ffn_gate_exps.weight"]
+    assert down.tensor_type == gguf.GGMLQuantizationType.F32 and gate.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    want, _, _ = vault_experts(vault, 0, "down")
+    assert np.array_equal(down.data, want)
+
+
+# --- MLX -----------------------------------------------------------------------------------------
+
+
+def mlx_decode(weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """MLX affine: q LSB-first in uint32 words, w = scale·q + bias per group."""
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
+    q = ((weight[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*weight.shape[:-1], -1).astype(np.float32)
+    group = q.shape[-1] // scales.shape[-1]
+    expand = lambda a: np.repeat(a.astype(np.float32), group, axis=-1)
+    return expand(scales) * q + expand(biases)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mlx_experts_decode_to_the_vault_weights(vaults, tmp_path, family, bits):
+    vault = vaults[(family, bits)]
+    out = export(vault, "mlx", tmp_path / "mlx")
+    config = json.loads((out / "config.json").read_text())
+    block = "mlp" if family == "qwen3_moe" else "block_sparse_moe"
+    with safe_open(out / "model.safetensors", "numpy") as f:
+        for layer in json.loads((vault / "index.json").read_text())["moe_layers"]:
+            for role, proj in MLX_ROLES.items():
+                module = f"model.layers.{layer}.{block}.switch_mlp.{proj}"
+                want, s, _ = vault_experts(vault, layer, role)
+                width = 64 if want.shape[-1] % 64 == 0 else 32  # down rows here are 32 wide: half groups
+                assert config["quantization"][module] == {"group_size": width, "bits": bits, "mode": "affine"}
+                weight, scales, biases = (f.get_tensor(f"{module}.{k}") for k in ("weight", "scales", "biases"))
+                assert weight.dtype == np.uint32 and scales.dtype == np.float16 and biases.dtype == np.float16
+                assert weight.shape == (want.shape[0], want.shape[1], want.shape[2] * bits // 32)
+                assert scales.shape == biases.shape == (*want.shape[:2], want.shape[2] // width)
+                assert_within_fp16_rounding_of_d(mlx_decode(weight, scales, biases, bits), want, s)
+
+
+def test_mlx_trunk_and_files_are_what_mlx_lm_reads(vaults, tmp_path):
+    vault = vaults[("mixtral", 4)]
+    out = export(vault, "mlx", tmp_path / "mlx")
+    trunk = load_file(vault / "trunk.safetensors")
+    exported = load_file(out / "model.safetensors")  # torch reads the trunk's bf16 too
+    for name, tensor in trunk.items():
+        assert torch.equal(exported[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")], tensor)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(exported)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == json.loads((vault / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    assert (out / "tokenizer.json").read_bytes() == (vault / "tokenizer.json").read_bytes()
+
+
+def test_mlx_shards_stay_under_the_limit_and_the_index_names_them_all(vaults, tmp_path):
+    vault = vaults[("qwen3_moe", 4)]
+    limit = 40_000
+    out = export(vault, "mlx", tmp_path / "mlx", shard_bytes=limit)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 2 and set(index["weight_map"].values()) == {f.name for f in files}
+    for f in files:
+        with safe_open(f, "pt") as st:
+            names = list(st.keys())
+        tensor_bytes = f.stat().st_size - 8 - int.from_bytes(f.read_bytes()[:8], "little")
+        assert len(names) == 1 or tensor_bytes <= limit  # a tensor larger than the limit sits alone
+        assert all(index["weight_map"][n] == f.name for n in names)
+
+
+def test_shards_split_consecutive_tensors_at_the_limit():
+    from smoe.exports import Planned
+
+    plan = [Planned(str(i), "U8", (n,), n, None) for i, n in enumerate([3, 3, 5, 1, 9, 2])]
+    assert [[p.nbytes for p in run] for run in shards(plan, limit=6)] == [[3, 3], [5, 1], [9], [2]]
+
+
+def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
+    vault = exportable_vault(tmp_path, "mixtral", 4, expert_width=24)
+    out = export(vault, "mlx", tmp_path / "mlx")
+    config = json.loads((out / "config.json").read_text())
+    module = "model.layers.0.block_sparse_moe.switch_mlp.down_proj"
+    assert module not in config["quantization"]
+    with safe_open(out / "model.safetensors", "numpy") as f:
+        assert f"{module}.scales" not in f.keys()
+        want, _, _ = vault_experts(vault, 0, "down")
+        assert np.array_equal(f.get_tensor(f"{module}.weight"), want)
+
+
+# --- errors and atomic output --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("to", ["gguf", "mlx"])
+def test_unsupported_family_is_refused_by_name(tmp_path, to):
+    save_tiny_model("olmoe", tmp_path / "model")
+    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
+    r = smoe_cli("export", tmp_path / "vault", "--to", to, "-o", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "olmoe" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "vault"]  # nothing half-written
+
+
+def test_gguf_refuses_dense_layers_and_non_byte_level_tokenizers(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path / "model")  # decoder_sparse_step 2: dense layers between MoE ones
+    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
+    r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "every layer to be MoE" in r.stderr
+    save_tiny_model("mixtral", tmp_path / "model2")  # its tokenizer splits on whitespace, not byte-level
+    sculpt(tmp_path / "model2", tmp_path / "vault2", bits=4, progress=False)
+    r = smoe_cli("export", tmp_path / "vault2", "--to", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "byte-level BPE" in r.stderr
+    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob("m.gguf.partial-*"))
+
+
+def test_existing_output_needs_force_and_is_replaced_whole(vaults, tmp_path):
+    vault = vaults[("qwen3_moe", 4)]
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"old")
+    r = smoe_cli("export", vault, "--to", "gguf", "-o", out)
+    assert r.returncode == 2 and "already exists" in r.stderr and out.read_bytes() == b"old"
+    r = smoe_cli("export", vault, "--to", "gguf", "-o", out, "--force", "-q")
+    assert r.returncode == 0, r.stderr
+    assert field(gguf.GGUFReader(out), "general.architecture") == "qwen3moe"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_bad_inputs_give_one_line_errors(vaults, tmp_path):
+    r = smoe_cli("export", tmp_path / "missing", "--to", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "not a vault" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = smoe_cli("export", vaults[("qwen3_moe", 4)], "--to", "mlx", "-o", tmp_path / "d", "--trunk-type", "f16")
+    assert r.returncode == 2 and "--trunk-type" in r.stderr

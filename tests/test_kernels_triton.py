@@ -1,0 +1,207 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from smoe import cli, codec
+from smoe import kernels_triton as kt
+from smoe.errors import SmoeError
+from smoe.vault import ExpertEntry, QuantisedTensor, build_blob
+
+pytest.importorskip("triton", reason="triton not installed: the Triton kernels cannot be checked")
+
+# hidden 320 = 5 groups, inter 192 = 3 groups: with the tiles below, row blocks and group steps end
+# part-way (masked tails) in both kernels.
+HIDDEN, INTER = 320, 192
+ODD_TILES = {"gate_up": (128, 4, 4, 1, 1), "down": (128, 4, 4, 2, 0)}
+DEPTHS = [(4, 4), (2, 2), (4, 2)]  # (gate/up, down)
+CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device: the kernels run on the GPU only here; the interpreter tests cover them on CPU"
+
+
+def build_pool(hidden, inter, bits_gu, bits_d, n, device="cpu", spacing=64 * 3):
+    """n random experts' blobs, in reverse order with gaps between them (arbitrary cache slots)."""
+    blobs = [kt.random_blob((hidden, inter), bits_gu, bits_d, seed=i) for i in range(n)]
+    layout = blobs[0][1]
+    slot = -(-len(blobs[0][0]) // 64) * 64 + spacing
+    pool = torch.zeros(n * slot + 64, dtype=torch.uint8)
+    offsets = []
+    for i, (raw, _) in enumerate(blobs):
+        at = (n - 1 - i) * slot
+        pool[at:at + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        offsets.append(at)
+    return pool.to(device), layout, torch.tensor(offsets, device=device)
+
+
+def routing(n_experts, tokens, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)])
+    return idx, torch.rand(tokens, k, generator=gen)
+
+
+def relative_error(y, ref):
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+# The interpreter runs in a child process: TRITON_INTERPRET must be set before triton is imported.
+INTERPRETED = """
+import sys, torch
+from smoe import kernels_triton as kt
+cases = torch.load(sys.argv[1])
+out = []
+for c in cases:
+    cfg = kt.DecodeConfig(**c["tiles"]) if c["tiles"] else None
+    out.append(kt.experts_forward(c["pool"], kt.ExpertLayout(**c["layout"]), c["x"], c["offsets"], c["weights"], path="triton", config=cfg))
+torch.save(out, sys.argv[2])
+"""
+
+
+def run_interpreted(cases, tmp_path):
+    torch.save(cases, tmp_path / "cases.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True, env=env, timeout=600)
+    return torch.load(tmp_path / "out.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    return {bits: build_pool(HIDDEN, INTER, *bits, n=9) for bits in DEPTHS}
+
+
+def test_interpreted_kernels_match_decode_then_matmul(pools, tmp_path):
+    """One token with k = 1..8 experts (decode kernels) and several tokens (grouped kernels), both
+    depths and mixed, fp32 and bf16 activations, odd shapes, experts in arbitrary slots."""
+    cases = []
+    for bits, (pool, layout, offsets) in pools.items():
+        for k in range(1, 9):
+            idx, w = routing(len(offsets), 1, k, seed=k)
+            x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(k))
+            cases.append({"pool": pool, "layout": vars(layout), "x": x, "offsets": offsets[idx], "weights": w,
+                          "tiles": ODD_TILES if k % 2 else None})
+        for tokens, k in ((3, 2), (6, 4)):
+            idx, w = routing(len(offsets), tokens, k, seed=tokens)
+            idx[1] = idx[0]  # two tokens with the same experts: one run each, several pairs
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+            cases.append({"pool": pool, "layout": vars(layout), "x": x, "offsets": offsets[idx], "weights": w, "tiles": None})
+    cases.append(dict(cases[3], x=cases[3]["x"].to(torch.bfloat16)))
+    cases.append(dict(cases[-3], x=cases[-3]["x"].to(torch.bfloat16)))
+    outs = run_interpreted(cases, tmp_path)
+    for c, y in zip(cases, outs):
+        layout = kt.ExpertLayout(**c["layout"])
+        ref = kt.reference_forward(c["pool"], layout, c["x"].float(), c["offsets"], c["weights"])
+        assert y.shape == c["x"].shape and y.dtype == c["x"].dtype
+        assert torch.isfinite(y).all()
+        # fp32: the decode kernels lose a few bits to the cancellation of x' against C (module docstring);
+        # bf16: one rounding of the output (and of h and the dequantised tile in the grouped kernels)
+        limit = 1e-4 if c["x"].dtype == torch.float32 else 1e-2
+        err = relative_error(y, ref)
+        assert err < limit, (layout.bits_gate_up, layout.bits_down, tuple(c["offsets"].shape), err)
+
+
+def test_cpu_tensors_never_select_the_cuda_kernels(pools):
+    pool, layout, offsets = pools[(4, 4)]
+    idx, w = routing(len(offsets), 2, 3, seed=0)
+    x = torch.randn(2, HIDDEN)
+    y = kt.experts_forward(pool, layout, x, offsets[idx], w)  # path="auto"
+    assert torch.equal(y, kt.reference_forward(pool, layout, x, offsets[idx], w))
+
+
+def test_unsupported_shape_falls_back_to_decode_then_matmul_with_one_warning(capsys):
+    pool, layout, offsets = build_pool(100, 64, 4, 4, n=3)  # 100 inputs per row: groups span rows
+    assert layout.unsupported() is not None
+    kt.warn_once.cache_clear()
+    x = torch.randn(1, 100)
+    idx, w = routing(3, 1, 2, seed=1)
+    for _ in range(2):
+        y = kt.experts_forward(pool, layout, x, offsets[idx], w, path="triton")
+    assert torch.equal(y, kt.reference_forward(pool, layout, x, offsets[idx], w))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("smoe: warning:") and "decoding experts" in err[0]
+
+
+def test_reference_is_decode_then_matmul():
+    pool, layout, offsets = build_pool(128, 64, 2, 4, n=2)
+    x = torch.randn(1, 128)
+    y = kt.reference_forward(pool, layout, x, offsets[None, :], torch.tensor([[0.25, 0.75]]))
+    want = torch.zeros(1, 128)
+    for off, w in zip(offsets.tolist(), (0.25, 0.75)):
+        gate, up, down = kt.expert_weights(pool, layout, off)
+        want += w * (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    assert torch.allclose(y, want, rtol=1e-6, atol=1e-7)
+
+
+def test_misaligned_blob_offsets_are_refused(pools):
+    pool, layout, offsets = pools[(4, 4)]
+    with pytest.raises(SmoeError, match="multiples of 64"):
+        kt.experts_forward(pool, layout, torch.randn(1, HIDDEN), offsets[:2] + 4, torch.ones(2), path="triton")
+
+
+@pytest.mark.parametrize("bits", DEPTHS)
+def test_layout_is_the_vault_blob_layout(bits):
+    raw, layout = kt.random_blob((HIDDEN, INTER), *bits, seed=0)
+    assert kt.layout_for_shape(HIDDEN, INTER, *bits) == (layout, len(raw))
+    tensors = [QuantisedTensor(r, s, b, *codec.encode(torch.randn(s), b)) for r, s, b in
+               (("gate", (INTER, HIDDEN), bits[0]), ("up", (INTER, HIDDEN), bits[0]), ("down", (HIDDEN, INTER), bits[1]))]
+    blob, entries, _ = build_blob(tensors)
+    entry = ExpertEntry(0, 0, 0, len(blob), "", entries)
+    assert kt.ExpertLayout.from_entry(entry) == layout
+
+
+def test_up_only_experts_are_refused_by_name():
+    t = QuantisedTensor("up", (64, 128), 4, *codec.encode(torch.randn(64, 128), 4))
+    d = QuantisedTensor("down", (128, 64), 4, *codec.encode(torch.randn(128, 64), 4))
+    blob, entries, _ = build_blob([t, d])
+    with pytest.raises(SmoeError, match="gate, up and down"):
+        kt.ExpertLayout.from_entry(ExpertEntry(0, 0, 0, len(blob), "", entries))
+
+
+@pytest.mark.skipif(CUDA, reason="a CUDA device is present: the no-GPU error cannot be provoked")
+def test_bench_kernels_on_cuda_without_a_gpu_fails_with_one_line(capsys):
+    assert cli.main(["bench", "kernels", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("smoe: error:") and "no CUDA device" in err[0]
+
+
+# --- on a GPU: real shapes ----------------------------------------------------------------------
+
+REAL = [(4096, 1536), (2048, 768)]
+
+
+def gpu_pool(hidden, inter, bits, n=12):
+    from smoe.bench_kernels_gpu import random_pool
+
+    pool, offsets, layout, _ = random_pool(hidden, inter, bits, bits, "cuda", n_experts=n)
+    return pool, offsets, layout
+
+
+@pytest.mark.skipif(not CUDA, reason=NO_CUDA)
+@pytest.mark.parametrize("bits", codec.DEPTHS)
+@pytest.mark.parametrize("shape", REAL)
+def test_cuda_decode_matches_reference_at_real_shapes_and_is_deterministic(bits, shape):
+    pool, offsets, layout = gpu_pool(*shape, bits)
+    idx, w = routing(len(offsets), 1, 8, seed=bits)
+    x = torch.randn(1, shape[0], device="cuda").to(torch.bfloat16)
+    sel, w = offsets[idx.cuda()], w.cuda()
+    out = torch.full((1, shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = kt.decode_forward(pool, layout, x, sel[0], w[0], out=out).clone()
+    again = kt.decode_forward(pool, layout, x, sel[0], w[0])
+    ref = kt.reference_forward(pool, layout, x.float(), sel, w)
+    assert torch.isfinite(y).all() and torch.equal(y, again)
+    assert relative_error(y, ref) < 1e-2
+
+
+@pytest.mark.skipif(not CUDA, reason=NO_CUDA)
+@pytest.mark.parametrize("bits", codec.DEPTHS)
+@pytest.mark.parametrize("tokens", [5, 64])
+def test_cuda_grouped_matches_reference_at_real_shapes(bits, tokens):
+    pool, offsets, layout = gpu_pool(*REAL[0], bits)
+    idx, w = routing(len(offsets), tokens, 8, seed=tokens)
+    x = torch.randn(tokens, REAL[0][0], device="cuda").to(torch.bfloat16)
+    sel, w = offsets[idx.cuda()], w.cuda()
+    y = kt.experts_forward(pool, layout, x, sel, w)
+    ref = kt.reference_forward(pool, layout, x.float(), sel, w)
+    assert torch.isfinite(y).all() and relative_error(y, ref) < 1e-2
+
