@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOE := $(VENV)/bin/smoe
 STAMP := $(VENV)/.installed
+INTEGRATIONS := $(VENV)/.installed-integrations
 
 .PHONY: demo test test-integrations browser test-quant bench-quantize venv clean
 
@@ -22,8 +23,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/integration
 
 # Slow tests against real outside programs (a browser, llama.cpp, mlx): everything under tests/integration.
-test-integrations: $(STAMP) browser
+test-integrations: $(INTEGRATIONS) browser
 	$(PY) -m pytest -q tests/integration
+
+# llama-cpp-python, mlx[cpu] and mlx-lm at the versions in constraints.txt; llama-cpp-python compiles
+# llama.cpp from its source release once (pip keeps the built wheel).
+$(INTEGRATIONS): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,integrations]'
+	touch $(INTEGRATIONS)
 
 # Debian's headless Chromium and its WebDriver, for the web chat test.
 browser:

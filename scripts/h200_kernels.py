@@ -24,10 +24,13 @@ import torch  # noqa: E402
 
 from smoe import bench_kernels_gpu as bk  # noqa: E402
 
-# (rows per program, groups per loop step, warps)
-GATE_UP_TILES = [(32, 8, 4), (16, 16, 4), (64, 4, 4), (16, 8, 4), (32, 16, 8)]
-DOWN_TILES = [(32, 8, 4), (64, 4, 4), (16, 8, 4), (32, 4, 4), (64, 8, 8)]
-
+# (rows per program, groups per loop step, warps, pipeline stages, register prefetch)
+GATE_UP_TILES = [(32, 8, 4, 3, 0), (32, 8, 4, 4, 0), (32, 8, 4, 2, 0), (16, 16, 4, 3, 0), (64, 8, 4, 3, 0),
+                 (32, 16, 4, 3, 0), (32, 16, 8, 3, 0), (64, 4, 4, 3, 0), (32, 8, 4, 1, 0), (32, 8, 4, 1, 1),
+                 (16, 8, 4, 3, 0)]
+DOWN_TILES = [(32, 8, 4, 3, 0), (32, 8, 4, 2, 0), (64, 8, 4, 3, 0), (64, 8, 8, 3, 0), (32, 16, 4, 2, 0),
+              (32, 4, 4, 3, 0), (16, 8, 4, 3, 0), (64, 4, 4, 3, 0), (32, 4, 4, 1, 0), (32, 8, 4, 1, 0),
+              (16, 16, 4, 2, 0)]
 
 def run_tests(out: Path) -> str:
     """The CUDA tests of tests/test_kernels_triton.py (real shapes), in a child process: a kernel fault
@@ -75,7 +78,10 @@ def main() -> int:
     for name, e in result.get("shapes", {}).items():
         for s in e["smoe"]:
             for row in s["sweep"]:
-                print(f"sweep {name} Q{s['bits']} {row['kernel']:<8} tiles {row['tiles']}: {row['us']:7.1f} us {row['gbps']:6.0f} GB/s")
+                if "error" in row:
+                    print(f"sweep {name} Q{s['bits']} {row['kernel']:<8} tiles {row['tiles']}: {row['error']}")
+                    continue
+                print(f"sweep {name} Q{s['bits']} {row['kernel']:<8} tiles {row['tiles']}: {row['us']:7.1f} us {row['gbps']:6.0f} GB/s err {row['rel_err']:.1e}")
     if result["shapes"]:
         print(bk.format_result(result))
     for g in result["grouped"]:

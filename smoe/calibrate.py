@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
 from smoe.errors import SmoeError
-from smoe.evaluate import token_stream, windows
+from smoe.evaluate import WINDOW, read_text, token_stream, windows
 
 IMPLEMENTATION = "smoe_calibrate"
 INPUTS = ("gate_up", "down")  # the two inputs a routed expert's projections see
@@ -35,6 +35,8 @@ DEFAULT_TOKENS = 16384
 PRIOR_TOKENS = 16  # weight of the neutral prior, in tokens
 MIN_TOKENS = 8  # an expert routed fewer tokens than this counts as not covered
 MIN_COVERAGE = 0.9  # warn below this share of covered experts
+MAX_CALIB_CHARS = 1 << 28  # read at most this much of the calibration file
+CHARS_PER_WINDOW = WINDOW * 12  # enough text for a window of tokens
 LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
 
 
@@ -109,9 +111,29 @@ def calibration_windows(model_dir, text_path, tokens: int = DEFAULT_TOKENS) -> l
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise SmoeError(f"{model_dir}: no usable tokenizer for calibration ({e})") from None
-    found = windows(token_stream(tokenizer, text_path, tokens))
+    text, more = read_text(text_path, MAX_CALIB_CHARS)
+    count = -(-tokens // WINDOW)
+    if more or len(text) > 4 * CHARS_PER_WINDOW * count:
+        found = spread_windows(tokenizer, text, count)
+    else:  # a short text: its first tokens, in order
+        found = windows(token_stream(tokenizer, text_path, tokens))
     if not found:
         raise SmoeError(f"{text_path}: the calibration text gave fewer than 2 tokens")
+    return found
+
+
+def spread_windows(tokenizer, text: str, count: int) -> list[torch.Tensor]:
+    """`count` windows of WINDOW tokens taken at evenly spaced places of the text (each starting at a
+    line break), so that calibration sees the whole file rather than its first pages."""
+    found = []
+    step = max(len(text) // count, 1)
+    for k in range(count):
+        start = text.find("\n", k * step)
+        start = k * step if start < 0 else start + 1
+        piece = text[start : start + CHARS_PER_WINDOW]
+        ids = tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"][:WINDOW]
+        if len(ids) > 1:
+            found.append(torch.tensor([ids]))
     return found
 
 

@@ -14,14 +14,26 @@ from smoe.prompts import chat_prompt, load_tokenizer
 def cmd_quantize(args) -> int:
     from smoe.sculpt import sculpt
 
+    from smoe import plan as planning
+
+    progress = not args.quiet and not args.json
+    depths, encoder, stats, planned = planning.quantize_inputs(args, progress)
     report = sculpt(args.model, args.output, bits=args.bits, device=args.device, force=args.force,
-                    num_experts=args.num_experts, progress=not args.quiet and not args.json,
-                    alignment=args.alignment)
+                    num_experts=args.num_experts, progress=progress, alignment=args.alignment,
+                    encoder=encoder, calib=args.calib, plan=depths, calib_tokens=args.calib_tokens, stats=stats)
+    measured = planning.after_quantize(args, planned)
     if args.json:
-        print(json.dumps(vars(report) | {"expert_share": report.expert_share}, indent=1))
+        print(json.dumps(vars(report) | {"expert_share": report.expert_share} | measured, indent=1))
     else:
         print_sculpt_summary(report, args.output)
+        planning.print_measured(measured)
     return 0
+
+
+def cmd_plan(args) -> int:
+    from smoe.plan import cmd_plan as run
+
+    return run(args)
 
 
 def print_sculpt_summary(r, out) -> None:
@@ -176,6 +188,15 @@ def default_torch_threads() -> int:
     return 1 if cores <= 2 else cores
 
 
+def add_quality_options(p: argparse.ArgumentParser) -> None:
+    from smoe.encoders import DEFAULT, ENCODERS
+
+    p.add_argument("--encoder", choices=ENCODERS, default=None,
+                   help=f"how codes and scales are chosen (default {DEFAULT}; weighted ones need --calib)")
+    p.add_argument("--calib", metavar="TEXT_FILE", help="calibration text (.gz allowed); never the evaluation text")
+    p.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default 16384)")
+
+
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("vault", metavar="VAULT_DIR")
     p.add_argument("--cache-gb", type=float, default=None,
@@ -228,7 +249,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="blob alignment in bytes (16384 for 16 KiB-page systems)")
     q.add_argument("--json", action="store_true", help="print the summary as JSON")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    add_quality_options(q)
+    q.add_argument("--plan", metavar="PLAN_JSON", help="depth per tensor from `smoe plan` (overrides --bits)")
+    q.add_argument("--budget", type=float, metavar="BITS", help="plan and write a mixed vault of at most BITS bits/weight "
+                   "(scales included; needs --calib); plan, sensitivity table and heatmap go beside the vault")
     q.set_defaults(func=cmd_quantize)
+
+    pl = sub.add_parser("plan", help="choose a depth per fused expert tensor: least KL within a size budget",
+                        description="Measure KL(source || model with one fused expert tensor quantised) for each tensor "
+                        "and depth on the calibration text (resumable sensitivity table), then solve the allocation "
+                        "exactly. Writes PLAN_JSON and a PNG heatmap beside it.")
+    pl.add_argument("model", metavar="MODEL_DIR")
+    budget = pl.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget", type=float, metavar="BITS", help="bits per expert weight, scales included (2.25-4.25)")
+    budget.add_argument("--size", type=float, metavar="GB", help="size of experts.bin in GB (1e9 bytes), alignment included")
+    pl.add_argument("-o", "--output", default="plan.json", metavar="PLAN_JSON", help="default plan.json")
+    pl.add_argument("--sensitivity", metavar="JSON", help="the sensitivity table (default: PLAN.sensitivity.json)")
+    add_quality_options(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    pl.set_defaults(func=cmd_plan)
 
     v = sub.add_parser("verify", help="check every checksum and the index of a vault (exit 0 only if sound)")
     v.add_argument("vault", metavar="VAULT_DIR")

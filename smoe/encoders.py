@@ -23,6 +23,7 @@ from smoe.codec import GROUP_SIZE, half_range
 from smoe.errors import SmoeError
 
 ENCODERS = ("grid", "weighted", "gptq")
+DEFAULT = "grid"  # the encoder `smoe quantize` uses without --encoder
 NEEDS_CALIBRATION = ("weighted", "gptq")
 REFIT_ITERATIONS = 4
 DAMP = 0.01  # GPTQ's damping, as a share of the mean diagonal of H

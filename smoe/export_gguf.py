@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -52,10 +53,8 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
     """`trunk_type` (bf16, f16, f32, q8_0) converts the trunk's matrices; by default they keep the
     vault's dtype, which is exact. `decoded_experts` writes the experts' SMOE-decoded weights in F32
     instead of Q4_1 (4x larger; for checking llama.cpp's graph against smoe without Q4_1 arithmetic)."""
-    import gguf
-
     arch = architecture(source)
-    config = text_config(source)
+    config = json.loads((source.dir / "config.json").read_text())
     check_config(source, config)
     if trunk_type is not None and trunk_type not in TRUNK_TYPES:
         raise SmoeError(f"unknown trunk type {trunk_type!r} ({', '.join(TRUNK_TYPES)})")
@@ -66,12 +65,14 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
     plan = trunk_plan(source, config, arch, trunk_type) + experts_plan(source, decoded_experts)
     for p in plan:
         writer.add_tensor_info(p.name, p.shape, np.uint8, p.nbytes, raw_dtype=p.dtype)
-    writer.write_header_to_file(path)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _, data in produce(plan, progress):
-        writer.write_tensor_data(data)
-    writer.close()
+    try:
+        writer.write_header_to_file(path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data in produce(plan, progress):
+            writer.write_tensor_data(data)
+    finally:
+        writer.close()
 
 
 def architecture(source: ExportSource) -> Architecture:
@@ -79,10 +80,6 @@ def architecture(source: ExportSource) -> Architecture:
     if arch is None:
         raise SmoeError(f"GGUF export supports {', '.join(ARCHITECTURES)}; this vault is {source.model_type}")
     return arch
-
-
-def text_config(source: ExportSource) -> dict:
-    return json.loads((source.dir / "config.json").read_text())
 
 
 def check_config(source: ExportSource, config: dict) -> None:
@@ -94,8 +91,8 @@ def check_config(source: ExportSource, config: dict) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     require(rope.get("rope_type", rope.get("type", "default")) == "default",
             f"{name}: RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not exported to GGUF")
-    require(not config.get("use_sliding_window") and not config.get("sliding_window"),
-            f"{name}: sliding-window attention is not exported to GGUF")
+    windowed = config.get("use_sliding_window", True) and config.get("sliding_window")  # qwen3 gates it by a flag
+    require(not windowed, f"{name}: sliding-window attention is not exported to GGUF")
     require(not config.get("attention_bias"), f"{name}: attention biases are not exported to GGUF")
     if name == "qwen3_moe":
         require(config.get("norm_topk_prob", False), "qwen3_moe: llama.cpp renormalises the top-k router weights; "
@@ -112,8 +109,6 @@ def head_dim(config: dict) -> int:
 
 
 def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Architecture) -> None:
-    import gguf
-
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -141,8 +136,6 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
 
 def write_tokenizer(writer, directory: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (GPT-2 style) as llama.cpp's "gpt2" model, with its pre-tokenizer."""
-    import gguf
-
     path = directory / "tokenizer.json"
     require(path.exists(), f"{directory}: no tokenizer.json (GGUF export writes the tokenizer into the file)")
     spec = json.loads(path.read_text())
@@ -182,8 +175,6 @@ def pre_tokenizer_name(pre, path: Path) -> str:
 
 def token_list(spec: dict, vocab_size: int) -> tuple[list[str], list[int]]:
     """Tokens by id up to the model's vocabulary size (unused ids become [PADi]), with llama.cpp types."""
-    import gguf
-
     by_id = {i: t for t, i in spec["model"]["vocab"].items()}
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
     by_id.update({i: t["content"] for i, t in added.items()})
@@ -215,14 +206,10 @@ def adds_bos(path: Path) -> bool:
 
 
 def ggml_type(name: str):
-    import gguf
-
     return getattr(gguf.GGMLQuantizationType, name.upper())
 
 
 def byte_shape(shape: tuple[int, ...], qtype) -> tuple[int, ...]:
-    import gguf
-
     return gguf.quant_shape_to_byte_shape(shape, qtype)
 
 
@@ -232,8 +219,6 @@ def planned(name: str, shape: tuple[int, ...], qtype, load) -> Planned:
 
 
 def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_type: str) -> list[Planned]:
-    import gguf
-
     model_arch = getattr(gguf.MODEL_ARCH, arch.arch)
     names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     router = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP]
@@ -256,8 +241,6 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
 
 
 def trunk_bytes(source: ExportSource, key: str, config: dict, arch: Architecture, qtype) -> np.ndarray:
-    import gguf
-
     t = source.trunk_tensor(key)
     if arch.permute_qk and key.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config["num_attention_heads"] if key.endswith("q_proj.weight") else config["num_key_value_heads"]
@@ -274,8 +257,6 @@ def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def experts_plan(source: ExportSource, decoded: bool = False) -> list[Planned]:
-    import gguf
-
     tensor_of = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
                  "down": gguf.MODEL_TENSOR.FFN_DOWN_EXP}
     plan = []
@@ -293,8 +274,6 @@ def experts_plan(source: ExportSource, decoded: bool = False) -> list[Planned]:
 
 
 def expert_bytes(expert: ExpertTensor, qtype) -> np.ndarray:
-    import gguf
-
     if qtype == gguf.GGMLQuantizationType.Q4_1:
         return q4_1_blocks(expert)
     return expert.decoded().view(np.uint8)

@@ -2,7 +2,7 @@
 
 Both targets hold SMOE's codes as they are: SMOE is affine per group (weight = code·s/h − s), which
 is what llama.cpp's Q4_1 (d, m) and mlx-lm's affine quantisation (scale, bias) store. Only the
-scale is rounded once more, to fp16 (s/h), so every exported weight is SMOE's up to s/2048 per level.
+step s/h is rounded to fp16, so every exported weight is SMOE's up to s/1024.
 
 This module holds what both exporters share: the vault's tensors read one layer at a time, the
 codes unpacked, and the atomic write of the output.
@@ -36,6 +36,7 @@ def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     out = Path(output)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
+    require(out.parent.is_dir(), f"{out.parent}: no such directory")
     source = ExportSource(vault_dir)
     if to == "gguf":
         from smoe.export_gguf import write_gguf as write
@@ -61,12 +62,18 @@ def remove(path: Path) -> None:
 
 @dataclass
 class ExpertTensor:
-    """One projection of one expert as stored: codes unpacked to one uint8 per weight, fp16 scales."""
+    """One projection of one expert as stored: packed codes and fp16 scales (a layer's experts are
+    held at their stored size; codes are unpacked one tensor at a time)."""
 
-    codes: np.ndarray  # uint8 [G * 64]; the tail past out·in is padding
+    packed: torch.Tensor  # uint8 [G, 64·bits/8], as in the vault
     scales: np.ndarray  # float16 [G]
     bits: int
     shape: tuple[int, int]  # (out, in)
+
+    @property
+    def codes(self) -> np.ndarray:
+        """uint8 [G · 64], one code per weight; the tail past out·in is padding."""
+        return codec.unpack_codes(self.packed, self.bits).numpy().reshape(-1)
 
     def decoded(self) -> np.ndarray:
         """fp32 [out, in]: SMOE's own decode."""
@@ -115,8 +122,7 @@ class ExportSource:
 
     def _read(self, layer: int, expert: int) -> dict[str, ExpertTensor]:
         tensors, _ = self.vault.read_expert(layer, expert)
-        return {t.role: ExpertTensor(codec.unpack_codes(t.codes, t.bits).numpy().reshape(-1),
-                                     t.scales.numpy().copy(), t.bits, tuple(t.shape)) for t in tensors}
+        return {t.role: ExpertTensor(t.codes, t.scales.numpy(), t.bits, tuple(t.shape)) for t in tensors}
 
     def expert_shape(self, role: str) -> tuple[int, int]:
         return tuple(self.meta["expert_shapes"][role])

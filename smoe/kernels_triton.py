@@ -13,15 +13,18 @@ one-line warning.
 
 Two paths, chosen by the number of tokens:
 
-* decode (one token, k experts): `_prep` rewrites x into "field-major" order (below), `_gate_up`
-  computes silu(gate) * up for every (expert, row block) and writes h in the same order, then `_down`
-  sums w_e * down_e(h_e) over the k experts for each block of output rows (no atomics: deterministic).
+* decode (one token, k experts; three launches, no host synchronisation, CUDA-graph capturable):
+  `_prep` rewrites x into "field-major" order (below); `_gate_up` computes w_e * silu(gate_e x) * up_e x
+  for every (row block, expert) and writes h in the same order; `_down` computes down_e h_e for every
+  (row block, expert), and the last program of a row block to finish (an atomic arrival counter) adds
+  the k parts in expert order: the result does not depend on the order programs run in.
 * grouped (several tokens): (token, expert) pairs are sorted by expert and each expert's run is
-  padded to whole blocks of BT pairs; `_grouped_gate_up` and `_grouped_down` multiply a [BT, 64]
-  activation tile with one dequantised group of a [BN, 64] weight tile on the tensor cores, and the
-  k outputs of each token are summed in a fixed order. Pair counts are rounded up to powers of two
-  (and BT picked from 16/32/64), so a few compiled kernels and buffer sizes serve every batch;
-  padding pairs read a zero row, have weight 0 and are never stored.
+  padded to whole blocks of BT pairs; `_grouped_gate_up` and `_grouped_down` dequantise a [BN, 128]
+  weight tile (two groups, scales applied, in the activation dtype) in registers and multiply it with
+  a [BT, 128] activation tile on the tensor cores; the k outputs of each token are summed in a fixed
+  order. Padded pair counts are rounded up to powers of two and BT is one of 16/32/64, so a few
+  compiled kernels and buffer sizes serve every batch; padding pairs read a zero row and are never
+  stored. fp32 activations run the tiles in fp32 (exact, slow).
 
 How the decode kernels turn codes into floats without int->float conversions (a slow instruction):
 each byte of a code word is shifted to mantissa bits 15..22 and OR-ed with the bits of 1.0, so the
@@ -30,7 +33,9 @@ pre-scaled as x' = x * 2^(8 - BITS*j) (exact: a power of two), f * x' = x' + c *
 
     sum (c - h) x = sum f x' - C,   C = sum x' * (1 + h * 2^(BITS*j - 8))
 
-where C does not depend on the row. Per weight: one shift for every byte, one AND-OR, one FMA.
+where C does not depend on the row. Per weight: one AND-OR (one LOP3) and one FMA, plus one shift
+per byte. In fp32 this loses a few bits to the cancellation of x' against C (relative error ~1e-5 at
+Q4, ~3e-5 at Q2, far below a bf16 rounding). Measured speed and what limits it: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ GROUP = codec.GROUP_SIZE
 SLOT_ALIGNMENT = 64  # blob offsets in the pool must be multiples of this (the kernels read 32-bit words)
 ONE_BITS = 0x3F800000  # 1.0f
 PAIR_BUCKET_MIN = 64
+GROUPS_PER_STEP = 2  # grouped kernels: 2 groups = 128 inputs per tensor-core step (4 spills at BT = 64)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # padded pair counts of the grouped path: powers of two from this
 
 
@@ -277,25 +283,38 @@ if triton is not None:
             tl.store(count_ptr + rb, 0)
 
     @triton.jit
-    def _dequant_group(words_ptr, halves_ptr, rows, row_ok, g, wpr, gpr, BITS: tl.constexpr, DT: tl.constexpr):
-        """Group g of rows [BN]: (code - h) as [BN, 64] in DT (exact), and the scales / h [BN] fp32."""
+    def _dequant_tile(words_ptr, halves_ptr, rows, row_ok, g0, wpr: tl.constexpr, gpr: tl.constexpr,
+                      BITS: tl.constexpr, GK: tl.constexpr, DT: tl.constexpr):
+        """Groups g0 .. g0+GK-1 of rows [BN], dequantised: [BN, GK*64] in DT (zero past the row)."""
         WPG: tl.constexpr = 2 * BITS
         PW: tl.constexpr = 32 // BITS
         H: tl.constexpr = (2**BITS - 1) / 2
+        gi = g0 + tl.arange(0, GK)
+        ok = row_ok[:, None] & (gi < gpr)[None, :]
         wi = tl.arange(0, WPG)
         fi = tl.arange(0, PW)
-        w = tl.load(words_ptr + rows[:, None] * wpr + g * WPG + wi[None, :], mask=row_ok[:, None], other=0)
-        codes = (w[:, :, None] >> (fi * BITS)[None, None, :]) & (2**BITS - 1)  # [BN, WPG, PW]
-        q = tl.reshape(codes, (codes.shape[0], WPG * PW)).to(tl.float32) - H
-        s = tl.load(halves_ptr + rows * gpr + g, mask=row_ok, other=0.0).to(tl.float32) / H
-        return q.to(DT), s
+        w = tl.load(words_ptr + rows[:, None, None] * wpr + gi[None, :, None] * WPG + wi[None, None, :],
+                    mask=ok[:, :, None], other=0)  # [BN, GK, WPG]
+        codes = (w[:, :, :, None] >> (fi * BITS)[None, None, None, :]) & (2**BITS - 1)  # [BN, GK, WPG, PW]
+        d = tl.load(halves_ptr + rows[:, None] * gpr + gi[None, :], mask=ok, other=0.0).to(tl.float32) / H
+        q = (codes.to(tl.float32) - H) * d[:, :, None, None]
+        return tl.reshape(q, (q.shape[0], GK * 64)).to(DT)
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, tl.trans(b), input_precision="ieee")
+        else:
+            return tl.dot(a, tl.trans(b))
 
     @triton.jit
     def _grouped_gate_up(words_ptr, halves_ptr, block_units_ptr, pair_token_ptr, x_ptr, h_ptr,
                          gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
-                         BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-        """Program (block of BT sorted pairs of one expert, row block): h[pair] = silu(gate x) * up x.
-        pair_token[pair] is the pair's token (T for a padding pair: x row T is zero)."""
+                         BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr,
+                         IEEE: tl.constexpr):
+        """Program (block of BT sorted pairs of one expert, row block): h[pair] = silu(gate x) * up x,
+        GK groups (GK*64 inputs) per step on the tensor cores. pair_token[pair] is the pair's token
+        (T for a padding pair: x row T is zero)."""
         blk = tl.program_id(0)
         unit = tl.load(block_units_ptr + blk)
         if unit < 0:  # past the last expert's run
@@ -306,31 +325,27 @@ if triton is not None:
         row_ok = rows < n_rows
         wpr: tl.constexpr = n_in * BITS // 32
         gpr: tl.constexpr = n_in // 64
-        ki = tl.arange(0, 64)
+        ki = tl.arange(0, GK * 64)
         DT: tl.constexpr = x_ptr.dtype.element_ty
         acc_g = tl.zeros((BT, BN), tl.float32)
         acc_u = tl.zeros((BT, BN), tl.float32)
-        for g in range(gpr):
-            x = tl.load(x_ptr + tok[:, None] * n_in + g * 64 + ki[None, :])  # [BT, 64]
-            qg, sg = _dequant_group(words_ptr + unit * 16 + gate_w, halves_ptr + unit * 32 + gate_s,
-                                    rows, row_ok, g, wpr, gpr, BITS, DT)
-            qu, su = _dequant_group(words_ptr + unit * 16 + up_w, halves_ptr + unit * 32 + up_s,
-                                    rows, row_ok, g, wpr, gpr, BITS, DT)
-            if IEEE:
-                dg = tl.dot(x, tl.trans(qg), input_precision="ieee")
-                du = tl.dot(x, tl.trans(qu), input_precision="ieee")
-            else:
-                dg = tl.dot(x, tl.trans(qg))
-                du = tl.dot(x, tl.trans(qu))
-            acc_g += dg * sg[None, :]
-            acc_u += du * su[None, :]
+        for g0 in tl.range(0, gpr, GK, num_stages=2):
+            col = g0 * 64 + ki
+            x = tl.load(x_ptr + tok[:, None] * n_in + col[None, :], mask=col[None, :] < n_in, other=0.0)
+            wg = _dequant_tile(words_ptr + unit * 16 + gate_w, halves_ptr + unit * 32 + gate_s,
+                               rows, row_ok, g0, wpr, gpr, BITS, GK, DT)
+            wu = _dequant_tile(words_ptr + unit * 16 + up_w, halves_ptr + unit * 32 + up_s,
+                               rows, row_ok, g0, wpr, gpr, BITS, GK, DT)
+            acc_g += _dot(x, wg, IEEE)
+            acc_u += _dot(x, wu, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_ptr + pairs[:, None] * n_rows + rows[None, :], h.to(DT), mask=row_ok[None, :])
 
     @triton.jit
     def _grouped_down(words_ptr, halves_ptr, block_units_ptr, pair_id_ptr, h_ptr, route_ptr, y_ptr,
                       down_w, down_s, n_rows: tl.constexpr, n_in: tl.constexpr, n_pairs,
-                      BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                      BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr,
+                      IEEE: tl.constexpr):
         """Program (block of BT sorted pairs, row block): y[pair_id] = route * down h[sorted pair]."""
         blk = tl.program_id(0)
         unit = tl.load(block_units_ptr + blk)
@@ -342,18 +357,15 @@ if triton is not None:
         row_ok = rows < n_rows
         wpr: tl.constexpr = n_in * BITS // 32
         gpr: tl.constexpr = n_in // 64
-        ki = tl.arange(0, 64)
+        ki = tl.arange(0, GK * 64)
         DT: tl.constexpr = h_ptr.dtype.element_ty
         acc = tl.zeros((BT, BN), tl.float32)
-        for g in range(gpr):
-            h = tl.load(h_ptr + pairs[:, None] * n_in + g * 64 + ki[None, :])
-            q, s = _dequant_group(words_ptr + unit * 16 + down_w, halves_ptr + unit * 32 + down_s,
-                                  rows, row_ok, g, wpr, gpr, BITS, DT)
-            if IEEE:
-                d = tl.dot(h, tl.trans(q), input_precision="ieee")
-            else:
-                d = tl.dot(h, tl.trans(q))
-            acc += d * s[None, :]
+        for g0 in tl.range(0, gpr, GK, num_stages=2):
+            col = g0 * 64 + ki
+            h = tl.load(h_ptr + pairs[:, None] * n_in + col[None, :], mask=col[None, :] < n_in, other=0.0)
+            w = _dequant_tile(words_ptr + unit * 16 + down_w, halves_ptr + unit * 32 + down_s,
+                              rows, row_ok, g0, wpr, gpr, BITS, GK, DT)
+            acc += _dot(h, w, IEEE)
         real = pid < n_pairs
         route = tl.load(route_ptr + pid, mask=real, other=0.0).to(tl.float32)
         y = acc * route[:, None]
@@ -373,9 +385,24 @@ class DecodeConfig:
     down: tuple[int, int, int, int, int]
 
 
+# The fastest tiles of the sweep in scripts/h200_kernels.py on an H200, per (hidden, inter, bits of
+# gate/up, bits of down); other shapes take the rule in decode_config. Triton's shared-memory
+# pipelining (stages > 1) was 20-25 % slower everywhere it had more than one loop step.
+MEASURED_TILES = {
+    (4096, 1536, 4, 4): DecodeConfig(gate_up=(32, 8, 4, 1, 0), down=(32, 8, 4, 1, 0)),
+    (4096, 1536, 2, 2): DecodeConfig(gate_up=(32, 8, 4, 1, 1), down=(32, 8, 4, 1, 0)),
+    (2048, 768, 4, 4): DecodeConfig(gate_up=(32, 8, 4, 1, 1), down=(32, 4, 4, 1, 0)),
+    (2048, 768, 2, 2): DecodeConfig(gate_up=(32, 8, 4, 1, 1), down=(32, 16, 4, 2, 0)),
+}
+
+
 def decode_config(layout: ExpertLayout) -> DecodeConfig:
-    """Tile sizes for the decode kernels (measured on an H200: BENCHMARKS.md)."""
-    return DecodeConfig(gate_up=(32, 8, 4, 1, 1), down=(32, 8, 4, 1, 1))
+    """Tile sizes for the decode kernels: measured ones where known, else 32 rows x 8 groups per step,
+    register prefetch for gate/up, 4 groups per step for a short down row (inter <= 768)."""
+    key = (layout.hidden, layout.inter, layout.bits_gate_up, layout.bits_down)
+    if key in MEASURED_TILES:
+        return MEASURED_TILES[key]
+    return DecodeConfig(gate_up=(32, 8, 4, 1, 1), down=(32, 4 if layout.inter <= 768 else 8, 4, 1, 0))
 
 
 def tokens_per_block(pairs: int, runs: int) -> int:
@@ -536,11 +563,11 @@ def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.
     _grouped_gate_up[grid](words, halves, block_units, pair_token, x_pad, h,
                            layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4,
                            layout.up_scales // 2, layout.inter, layout.hidden,
-                           BITS=layout.bits_gate_up, BT=bt, BN=bn, IEEE=ieee, num_warps=4)
+                           BITS=layout.bits_gate_up, BT=bt, BN=bn, GK=GROUPS_PER_STEP, IEEE=ieee, num_warps=4)
     grid = (capacity // bt, triton.cdiv(layout.hidden, bn))
     _grouped_down[grid](words, halves, block_units, pair_id, h, weights.reshape(-1).contiguous(), y,
                         layout.down_codes // 4, layout.down_scales // 2, layout.hidden, layout.inter, n_pairs,
-                        BITS=layout.bits_down, BT=bt, BN=bn, IEEE=ieee, num_warps=4)
+                        BITS=layout.bits_down, BT=bt, BN=bn, GK=GROUPS_PER_STEP, IEEE=ieee, num_warps=4)
     return y.view(n_tok, k, layout.hidden).sum(1).to(x.dtype)
 
 

@@ -253,3 +253,132 @@ def write_plan(doc: dict, path: str | Path) -> Path:
     path = Path(path)
     save_json(path, doc)
     return path
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = None, size_gb: float | None = None,
+               encoder: str = "grid", sensitivity: str | Path | None = None, tokens: int | None = None,
+               alignment: int = DEFAULT_ALIGNMENT, progress: bool = True):
+    """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
+    Returns (plan document, table, KL meter, calibration stats)."""
+    from smoe import calibrate, encoders
+    from smoe.sensitivity import KLMeter, QuantisedModel, fingerprint, measure
+
+    if (budget_bits is None) == (size_gb is None):
+        raise SmoeError("give exactly one of --budget BITS and --size GB")
+    encoders.check_encoder(encoder)
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise SmoeError(f"{out.parent}: no such directory for the plan")
+    tokens = tokens or calibrate.DEFAULT_TOKENS
+    windows = calibrate.calibration_windows(model_dir, calib, tokens)
+    stats = calibrate.collect(model_dir, calib, tokens, progress=progress) if encoder in encoders.NEEDS_CALIBRATION else None
+    qm = QuantisedModel(model_dir, encoder, stats)
+    fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens)
+    sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
+    meter = KLMeter(qm, windows)
+    table = table_for_model(measure(qm, windows, sensitivity, fp, progress=progress, meter=meter), qm.plan,
+                            bias_sizes(qm))
+    doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity)}
+    write_plan(doc, out)
+    write_heatmap(doc, table, out.with_suffix(".png"))
+    return doc, table, meter, stats
+
+
+def bias_sizes(qm) -> dict[str, int]:
+    """Bytes of one expert's biases per role (gpt-oss), from the checkpoint's headers."""
+    from smoe.sculpt import nbytes_of
+
+    sizes = {}
+    for b in qm.plan.biases.get(next(iter(qm.plan.experts)), []):
+        n = nbytes_of(qm.ckpt, b.name)
+        sizes[b.role] = n // (qm.plan.num_experts if b.expert_index is not None else 1) // b.parts
+    return sizes
+
+
+def vault_kl(vault_dir, meter) -> float:
+    """KL(source ‖ vault) of the finished vault, run by the streaming runtime on the meter's windows."""
+    import torch
+
+    from smoe.runtime import StreamingModel
+
+    sm = StreamingModel(vault_dir, dtype="float32")
+    try:
+        total = count = 0.0
+        for window, ref in zip(meter.windows, meter.reference):
+            lp = torch.log_softmax(sm.logits(window)[0, :-1].double(), dim=-1)
+            total += float((ref.exp() * (ref - lp)).sum())
+            count += ref.shape[0]
+    finally:
+        sm.close()
+    return total / count
+
+
+# --- the commands --------------------------------------------------------------------------------
+
+
+def cmd_plan(args) -> int:
+    from smoe.encoders import DEFAULT
+
+    if not args.calib:
+        raise SmoeError("smoe plan needs calibration text: --calib FILE")
+    doc, table, _, _ = plan_model(args.model, args.calib, args.output, args.budget, args.size, args.encoder or DEFAULT,
+                                  args.sensitivity, args.calib_tokens, progress=not args.quiet and not args.json)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(format_plan(doc, table))
+        print(f"wrote     {args.output}, {Path(args.output).with_suffix('.png')}, {doc['sensitivity']}")
+    return 0
+
+
+def quantize_inputs(args, progress: bool):
+    """For `smoe quantize`: (depth per (layer, role) or None, encoder, calibration stats or None, planned)
+    from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
+    from smoe.checkpoint import Checkpoint
+    from smoe.encoders import DEFAULT
+    from smoe.families import plan_experts
+
+    if args.plan and args.budget is not None:
+        raise SmoeError("give --plan or --budget, not both")
+    encoder = args.encoder or DEFAULT
+    if args.budget is not None:
+        if not args.calib:
+            raise SmoeError("--budget needs calibration text: --calib FILE")
+        out = Path(args.output)
+        if out.exists() and not args.force:
+            raise SmoeError(f"{out}: already exists (use --force to replace it)")
+        doc, table, meter, stats = plan_model(args.model, args.calib, out.with_name(out.name + ".plan.json"),
+                                              budget_bits=args.budget, encoder=encoder, tokens=args.calib_tokens,
+                                              progress=progress)
+        if progress:
+            print(format_plan(doc, table))
+        return role_bits(doc, meter.qm.plan), encoder, stats, (doc, table, meter)
+    if args.plan:
+        doc = load_plan(args.plan)
+        encoder = args.encoder or doc.get("encoder", DEFAULT)
+        ckpt = Checkpoint(args.model)
+        return role_bits(doc, plan_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
+    return None, encoder, None, None
+
+
+def after_quantize(args, planned) -> dict:
+    """With --budget: the finished vault's KL on the calibration windows against the plan's prediction,
+    and the heatmap redrawn with it."""
+    if not planned:
+        return {}
+    doc, table, meter = planned
+    measured = vault_kl(args.output, meter)
+    out = Path(args.output)
+    write_heatmap(doc, table, out.with_name(out.name + ".plan.png"), measured)
+    return {"predicted_kl": doc["predicted_kl"], "measured_kl": measured,
+            "plan": str(out.with_name(out.name + ".plan.json"))}
+
+
+def print_measured(measured: dict) -> None:
+    if measured:
+        print(f"plan      {measured['plan']} (heatmap beside it)")
+        print(f"KL        measured {measured['measured_kl']:.5f} on the calibration text, "
+              f"predicted {measured['predicted_kl']:.5f} (sum of per-tensor KLs)")

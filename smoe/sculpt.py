@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from smoe import __version__, codec
+from smoe import __version__, calibrate, codec, encoders
 from smoe.checkpoint import Checkpoint
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
@@ -49,9 +49,10 @@ class SculptReport:
         return self.expert_bytes_in / total if total else 0.0
 
 
-def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int) -> str:
-    """Hash of what determines the output: index or safetensors headers, config, bits, encoder."""
-    h = hashlib.sha256(f"smoe-vault-1|{bits}|{encoder}|{alignment}".encode())
+def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int, extra: str = "") -> str:
+    """Hash of what determines the output: index or safetensors headers, config, bits, encoder (and
+    `extra`: the calibration file's hash and the plan, when there are)."""
+    h = hashlib.sha256(f"smoe-vault-1|{bits}|{encoder}|{alignment}{extra}".encode())
     for path in sorted(ckpt.dir.glob("*.json")) + sorted(ckpt.dir.glob("*.safetensors")):
         if path.suffix == ".json" and path.name not in ("config.json", "model.safetensors.index.json"):
             continue
@@ -75,9 +76,24 @@ def sculpt(
     num_experts: int | None = None,
     progress: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
+    encoder: str = ENCODER,
+    calib: str | Path | None = None,
+    plan: dict | None = None,
+    calib_tokens: int | None = None,
+    stats=None,
 ) -> SculptReport:
+    """`encoder` "grid" (default) or a weighted one from smoe.encoders, which needs `calib` (a text file;
+    `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
+    tensor (gate and up equal), overriding `bits`."""
     start = time.perf_counter()
     codec.check_bits(bits)
+    encoders.check_encoder(encoder)
+    if encoder in encoders.NEEDS_CALIBRATION and calib is None:
+        raise SmoeError(f"the {encoder} encoder needs calibration text (--calib FILE)")
+    depths = plan  # `plan` is the experts' plan below
+    check_plan_bits(depths)
+    if depths:
+        bits = majority_depth(depths)
     dev = resolve_device(device)
     ckpt = Checkpoint(model_dir)
     if not ckpt.has_weights:
@@ -88,19 +104,26 @@ def sculpt(
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
-    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, ENCODER, alignment)}"
-    check_disk_space(ckpt, plan, bits, partial)
+    check_plan_matches(depths, plan)
+    calib_tokens = calib_tokens or calibrate.DEFAULT_TOKENS
+    calib_id = f"|{calibrate.file_hash(calib)}|{calib_tokens}" if calib is not None and encoder != "grid" else ""
+    plan_id = f"|{sorted(depths.items())}" if depths else ""
+    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, encoder, alignment, calib_id + plan_id)}"
+    check_disk_space(ckpt, plan, max(depths.values()) if depths else bits, partial)
     prepare_partial(out, partial, force)
+    if encoder in encoders.NEEDS_CALIBRATION and stats is None:
+        stats = calibrate.collect(ckpt.dir, calib, calib_tokens, progress=progress)
 
     writer = VaultWriter(partial, bits, alignment)
     resumed = len(writer.entries)
     try:
-        snr, expert_out = write_experts(ckpt, plan, writer, bits, dev, progress)
+        coder = Coder(encoder, stats, depths or {}, bits)
+        snr, expert_out = write_experts(ckpt, plan, writer, coder, dev, progress)
         trunk_bytes = write_trunk_file(ckpt, plan, partial / "trunk.safetensors", progress)
         for name in COPIED_FILES:
             if (ckpt.dir / name).exists():
                 shutil.copyfile(ckpt.dir / name, partial / name)
-        writer.finish(vault_meta(ckpt, plan, partial))
+        writer.finish(vault_meta(ckpt, plan, partial) | {"encoder": encoder})
     finally:
         if not writer.data.closed:
             writer.close()
@@ -152,7 +175,43 @@ def expert_source_bytes(ckpt: Checkpoint, plan: MoEPlan) -> int:
     return sum(ckpt.stored_nbytes(n) or 0 for n in plan.expert_names)
 
 
-def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, bits: int, dev: torch.device, progress: bool):
+@dataclass
+class Coder:
+    """How each projection is encoded: the encoder, its calibration statistics and the depth per tensor."""
+
+    encoder: str
+    stats: object
+    depths: dict[tuple[int, str], int]
+    bits: int
+
+    def encode(self, w: torch.Tensor, layer: int, expert: int, role: str, name: str):
+        bits = self.depths.get((layer, role), self.bits)
+        moment = self.stats.second_moment(layer, expert, role).to(w.device) if self.stats is not None else None
+        codes, scales = encoders.encode(w, bits, self.encoder, moment, name=name)
+        return bits, codes, scales
+
+
+def check_plan_bits(depths: dict | None) -> None:
+    for (layer, role), b in (depths or {}).items():
+        codec.check_bits(b)
+        if role == "up" and (layer, "gate") in depths and depths[(layer, "gate")] != b:
+            raise SmoeError(f"the plan gives layer {layer} gate and up different depths; one fused kernel serves both")
+
+
+def check_plan_matches(depths: dict | None, plan: MoEPlan) -> None:
+    known = {(layer, role) for layer in plan.moe_layers for role in plan.roles}
+    if depths and set(depths) != known:
+        odd = sorted(set(depths) ^ known)[:4]
+        raise SmoeError(f"the plan does not match the model: tensors {odd} are missing from it or unknown to the model")
+
+
+def majority_depth(depths: dict[tuple[int, str], int]) -> int:
+    """The header's default depth for a mixed vault: the one most tensors have (ties: the deeper)."""
+    values = list(depths.values())
+    return max(set(values), key=lambda b: (values.count(b), b))
+
+
+def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
     """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
     done = writer.done()
     todo = [key for key in sorted(plan.experts) if key not in done]
@@ -168,7 +227,7 @@ def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, bits: int, dev: torc
             name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
             check_shape(name, src.role, tuple(w.shape), expected)
             w = w.to(dev)
-            codes, scales = codec.encode(w, bits, name=name)
+            bits, codes, scales = coder.encode(w, layer, expert, src.role, name)
             q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
             snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
             tensors.append(q)

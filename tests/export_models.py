@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -29,7 +30,7 @@ def exportable_config(family: str, expert_width: int = 32):
     return config
 
 
-def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, seed: int = 0) -> Path:
+def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, seed: int = 0, pre: str = "gpt-2") -> Path:
     """A random model of `family` whose experts are `expert_width` wide (32: fits Q4_1 and MLX groups)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(exportable_config(family, expert_width), dtype=torch.float32)
@@ -38,16 +39,26 @@ def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, se
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     model.save_pretrained(out_dir)
-    save_byte_level_tokenizer(out_dir)
+    save_byte_level_tokenizer(out_dir, pre)
     return out_dir
 
 
-def save_byte_level_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Qwen2/Qwen3's split pattern (their tokenizer.json), applied before the byte-level mapping
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                 r"|\s+(?!\S)|\s+")
+
+
+def save_byte_level_tokenizer(out_dir: Path, pre: str = "gpt-2") -> None:
+    """A byte-level BPE trained on a short text; `pre`: GPT-2's own regex, or Qwen2's split pattern."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "qwen2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -55,9 +66,9 @@ def save_byte_level_tokenizer(out_dir: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>").save_pretrained(out_dir)
 
 
-def exportable_vault(tmp: Path, family: str, bits: int = 4, expert_width: int = 32) -> Path:
-    model = save_exportable_model(family, tmp / f"{family}-model-{expert_width}", expert_width)
-    vault = tmp / f"{family}-q{bits}-{expert_width}"
+def exportable_vault(tmp: Path, family: str, bits: int = 4, expert_width: int = 32, pre: str = "gpt-2") -> Path:
+    model = save_exportable_model(family, tmp / f"{family}-model-{expert_width}-{pre}", expert_width, pre=pre)
+    vault = tmp / f"{family}-q{bits}-{expert_width}-{pre}"
     sculpt(model, vault, bits=bits, progress=False)
     return vault
 
@@ -107,17 +118,26 @@ def smoe_logits(vault: Path, ids: list[int]):
         sm.close()
 
 
+def log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 def agreement(ref, got) -> dict:
     """How closely logits `got` [T, V] follow `ref`: largest and typical |Δ|, KL(ref‖got), top-1."""
-    import numpy as np
-
     diff = np.abs(ref - got)
-    log_softmax = lambda x: x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
-    p, q = log_softmax(ref.astype(np.float64)), log_softmax(got.astype(np.float64))
+    p, q = log_softmax(ref), log_softmax(got)
     kl = (np.exp(p) * (p - q)).sum(-1)
-    return {"positions": ref.shape[0], "max_abs": float(diff.max()), "median_pos_max_abs": float(np.median(diff.max(-1))),
-            "max_rel": float(diff.max() / np.abs(ref).max()), "ref_max_abs": float(np.abs(ref).max()), "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
-            "top1": float((ref.argmax(-1) == got.argmax(-1)).mean())}
+    return {
+        "positions": ref.shape[0],
+        "ref_max_abs": float(np.abs(ref).max()),
+        "max_abs": float(diff.max()),
+        "max_rel": float(diff.max() / np.abs(ref).max()),
+        "median_pos_max_abs": float(np.median(diff.max(-1))),  # the typical position, router near-ties aside
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "top1": float((ref.argmax(-1) == got.argmax(-1)).mean()),
+    }
 
 
 def figures_line(what: str, a: dict) -> str:
@@ -131,4 +151,4 @@ def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int
     reading that runtime's sequence (so one early near-tie does not cascade)."""
     logits = smoe_logits(vault, prompt + generated[:-1])
     picks = logits[len(prompt) - 1 :].argmax(-1)
-    return float((picks == torch.tensor(generated).numpy()).mean())
+    return float((picks == np.array(generated)).mean())

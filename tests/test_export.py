@@ -5,21 +5,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+from export_models import exportable_vault
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-gguf = pytest.importorskip("gguf")
-
-from export_models import exportable_vault  # noqa: E402
-
-from smoe.exports import export  # noqa: E402
-from smoe.export_mlx import shards  # noqa: E402
-from smoe.sculpt import sculpt  # noqa: E402
-from smoe.tiny_models import save_tiny_model  # noqa: E402
-from smoe.vault import Vault  # noqa: E402
+from smoe.export_mlx import shards
+from smoe.exports import Planned, export
+from smoe.sculpt import sculpt
+from smoe.tiny_models import save_tiny_model
+from smoe.vault import Vault
 
 ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 MLX_ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -168,6 +166,11 @@ def test_gguf_tokenizer_is_the_vault_tokenizer(vaults, tmp_path):
     assert field(reader, "tokenizer.ggml.add_bos_token") is False  # the HF tokenizer adds no BOS either
 
 
+def test_gguf_names_the_qwen2_split_pattern_as_llama_cpp_does(tmp_path):
+    vault = exportable_vault(tmp_path, "qwen3_moe", 4, pre="qwen2")
+    assert field(gguf.GGUFReader(export(vault, "gguf", tmp_path / "m.gguf")), "tokenizer.ggml.pre") == "qwen2"
+
+
 def test_gguf_rows_narrower_than_a_block_are_written_decoded(tmp_path):
     vault = exportable_vault(tmp_path, "mixtral", 4, expert_width=24)  # down rows 24 wide: no Q4_1 block fits
     tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf"))
@@ -241,8 +244,6 @@ def test_mlx_shards_stay_under_the_limit_and_the_index_names_them_all(vaults, tm
 
 
 def test_shards_split_consecutive_tensors_at_the_limit():
-    from smoe.exports import Planned
-
     plan = [Planned(str(i), "U8", (n,), n, None) for i, n in enumerate([3, 3, 5, 1, 9, 2])]
     assert [[p.nbytes for p in run] for run in shards(plan, limit=6)] == [[3, 3], [5, 1], [9], [2]]
 
@@ -299,5 +300,7 @@ def test_existing_output_needs_force_and_is_replaced_whole(vaults, tmp_path):
 def test_bad_inputs_give_one_line_errors(vaults, tmp_path):
     r = smoe_cli("export", tmp_path / "missing", "--to", "gguf", "-o", tmp_path / "m.gguf")
     assert r.returncode == 2 and "not a vault" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = smoe_cli("export", vaults[("qwen3_moe", 4)], "--to", "gguf", "-o", tmp_path / "no" / "m.gguf")
+    assert r.returncode == 2 and "no such directory" in r.stderr
     r = smoe_cli("export", vaults[("qwen3_moe", 4)], "--to", "mlx", "-o", tmp_path / "d", "--trunk-type", "f16")
     assert r.returncode == 2 and "--trunk-type" in r.stderr

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, pipeline
 
 import smoe
+from smoe.errors import SmoeError
 from smoe.generate import generate
 from smoe.runtime import StreamingModel
 from smoe.sculpt import sculpt
@@ -44,7 +45,7 @@ def test_generate_gives_the_runtime_greedy_tokens(vault):
     model = smoe.load(vault, dtype="float32")
     gc.collect()  # nothing but the model holds the runtime now
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
+                         do_sample=False, pad_token_id=0)
     assert out[0, ids.shape[1]:].tolist() == runtime_greedy(vault, ids[0].tolist())
 
 
@@ -57,5 +58,5 @@ def test_text_generation_pipeline_gives_the_runtime_greedy_tokens(vault):
 
 
 def test_load_refuses_what_is_not_a_vault(tmp_path):
-    with pytest.raises(smoe.errors.SmoeError, match="not a vault"):
+    with pytest.raises(SmoeError, match="not a vault"):
         smoe.load(tmp_path)

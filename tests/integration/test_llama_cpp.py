@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
 
-from export_models import agreement, figures_line, integration_vault, prompt_ids, smoe_logits, teacher_forced_agreement  # noqa: E402
+from export_models import (  # noqa: E402
+    agreement, exportable_vault, figures_line, integration_vault, prompt_ids, smoe_logits, teacher_forced_agreement)
 from llama_cpp import Llama  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -39,9 +40,13 @@ def test_llama_cpp_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
     assert a["mean_kl"] < MEAN_KL and a["top1"] >= TOP1
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_llama_cpp_tokenizes_like_the_vault_tokenizer(tmp_path_factory, tmp_path, family):
-    vault = integration_vault(tmp_path_factory, family, 4)
+@pytest.mark.parametrize("tokenizer", ["qwen3_moe", "mixtral", "tiny-qwen2-split"])
+def test_llama_cpp_tokenizes_like_the_vault_tokenizer(tmp_path_factory, tmp_path, tokenizer):
+    """The shared models' GPT-2 pre-tokenizer, and Qwen2/3's split pattern on a tiny model."""
+    if tokenizer == "tiny-qwen2-split":
+        vault = exportable_vault(tmp_path, "qwen3_moe", 4, pre="qwen2")
+    else:
+        vault = integration_vault(tmp_path_factory, tokenizer, 4)
     llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
     hf = AutoTokenizer.from_pretrained(vault)
     for text in ["The quick brown fox jumps over the lazy dog.", "  It's 1895;\n\tWatson  said: \"no!\" ", "café naïve — ok"]:
