@@ -115,7 +115,7 @@ def synthetic_config(layers: int) -> dict:
         "intermediate_size": 6144, "moe_intermediate_size": SYNTH_INTER, "num_hidden_layers": layers,
         "num_experts": SYNTH_EXPERTS, "num_experts_per_tok": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
         "head_dim": 128, "vocab_size": 8192, "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16",
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False, "norm_topk_prob": True,
     }
 
 

@@ -210,22 +210,25 @@ def refit_scales(w, hessian, codes, scales, h) -> torch.Tensor:
         return scales
     per_row = in_dim // GROUP_SIZE
     q = (codes - h) / h  # Ŵ = q · s, s the group's scale
-    Qg = q.reshape(out_dim, per_row, GROUP_SIZE)
     Hb = hessian.reshape(per_row, GROUP_SIZE, per_row, GROUP_SIZE).double()
-    A = torch.einsum("rgi,gihj,rhj->rgh", Qg.double(), Hb, Qg.double())
-    b = torch.einsum("rgi,gic,rc->rg", Qg.double(), hessian.reshape(per_row, GROUP_SIZE, in_dim).double(), w.double())
-    A = A + 1e-9 * torch.diagonal(A, dim1=1, dim2=2).mean(dim=1).clamp(min=1e-30)[:, None, None] * torch.eye(per_row, dtype=A.dtype)
-    solved = torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1)
+    Hr = hessian.reshape(per_row, GROUP_SIZE, in_dim).double()
+    solved = []
+    for r0 in range(0, out_dim, 64):  # rows in chunks: the contraction's intermediate is rows x in x in/64
+        Qg = q[r0 : r0 + 64].reshape(-1, per_row, GROUP_SIZE).double()
+        A = torch.einsum("rgi,gihj,rhj->rgh", Qg, Hb, Qg)
+        b = torch.einsum("rgi,gic,rc->rg", Qg, Hr, w[r0 : r0 + 64].double())
+        ridge = 1e-9 * torch.diagonal(A, dim1=1, dim2=2).mean(dim=1).clamp(min=1e-30)
+        A = A + ridge[:, None, None] * torch.eye(per_row, dtype=A.dtype, device=A.device)
+        solved.append(torch.linalg.solve(A, b.unsqueeze(-1)).squeeze(-1))
+    solved = torch.cat(solved)
     candidate = fp16_scale(solved.reshape(-1).float())
     candidate = torch.where((scales > 0) & (candidate > 0), candidate, scales)  # a zero scale means all-zero codes
-    if output_error(w, hessian, q, candidate) < output_error(w, hessian, q, scales):
-        return candidate
-    return scales
+    better = row_errors(w, hessian, q, candidate) < row_errors(w, hessian, q, scales)  # per row, all its groups
+    return torch.where(better.repeat_interleave(per_row), candidate, scales)
 
 
-def output_error(w, hessian, q, scales) -> float:
-    """tr((W - Ŵ) H (W - Ŵ)ᵀ) for Ŵ = q · (group scale)."""
-    numel = w.numel()
-    approx = q * scales.repeat_interleave(GROUP_SIZE)[:numel].reshape(w.shape)
+def row_errors(w, hessian, q, scales) -> torch.Tensor:
+    """(W - Ŵ) H (W - Ŵ)ᵀ per row, for Ŵ = q · (group scale)."""
+    approx = q * scales.repeat_interleave(GROUP_SIZE)[: w.numel()].reshape(w.shape)
     delta = (w - approx).double()
-    return float(((delta @ hessian.double()) * delta).sum())
+    return ((delta @ hessian.double()) * delta).sum(dim=1)
