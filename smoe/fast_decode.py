@@ -2,7 +2,8 @@
 
 At batch 1 on a CPU, time per token is mostly per-op overhead, not arithmetic: transformers' modules
 spend ~1,000 small ops per token on a 6-layer model. This path reads the same trunk tensors from the
-transformers model (no copies, so it computes the same function), keeps a static KV cache, precomputes the rotary tables with the model's own rotary module, and calls the expert
+transformers model (q/k/v fused into one matrix whose slices become the model's own weights, so
+nothing is copied and both paths compute the same function), keeps a static KV cache, precomputes the rotary tables with the model's own rotary module, and calls the expert
 store once per layer. The transformers path stays the reference and the fallback for other families.
 """
 
@@ -22,9 +23,7 @@ SUPPORTED = {"qwen3_moe": True, "mixtral": False}  # family -> has per-head q/k 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    qkv: torch.Tensor  # [q; k; v] rows; the model's own q/k/v weights are views into it
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: torch.Tensor
@@ -57,9 +56,9 @@ class LeanDecoder:
         self.lm_head = sm.model.lm_head.weight
         self.layers = [self.layer_weights(layer, SUPPORTED[sm.vault.meta["family"]]) for layer in base.layers]
         self.cos, self.sin = self.rope_tables(base.rotary_emb, max_positions)
-        shape = (len(self.layers), 1, self.kv_heads, max_positions, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype)
+        shape = (1, self.kv_heads, max_positions, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
         self.max_positions = max_positions
         self.pos = 0
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
@@ -68,11 +67,12 @@ class LeanDecoder:
     @staticmethod
     def layer_weights(layer, qk_norm: bool) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
+        fuse_qkv(attn)
         moe = hasattr(mlp, "experts")
         dense = None if moe else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         return LayerWeights(
             input_norm=layer.input_layernorm.weight,
-            q=attn.q_proj.weight, k=attn.k_proj.weight, v=attn.v_proj.weight,
+            qkv=attn.smoe_qkv,
             q_norm=attn.q_norm.weight if qk_norm else None,
             k_norm=attn.k_norm.weight if qk_norm else None,
             o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
@@ -105,18 +105,19 @@ class LeanDecoder:
 
     def attention(self, i: int, w: LayerWeights, h, cos, sin, start: int):
         t, hd = h.shape[0], self.head_dim
-        q = F.linear(h, w.q).view(t, self.heads, hd)
-        k = F.linear(h, w.k).view(t, self.kv_heads, hd)
-        v = F.linear(h, w.v)
+        q, k, v = F.linear(h, w.qkv).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q = q.view(t, self.heads, hd)
+        k = k.view(t, self.kv_heads, hd)
         if w.q_norm is not None:
             q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
             k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
         q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([self.heads, self.kv_heads], dim=1)
         end = start + t
-        self.k_cache[i, 0, :, start:end] = k.transpose(0, 1)
-        self.v_cache[i, 0, :, start:end] = v.view(t, self.kv_heads, hd).transpose(0, 1)
+        k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+        k_cache[0, :, start:end] = k.transpose(0, 1)
+        v_cache[0, :, start:end] = v.view(t, self.kv_heads, hd).transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], self.k_cache[i, :, :, :end], self.v_cache[i, :, :, :end],
+            q.transpose(0, 1)[None], k_cache[:, :, :end], v_cache[:, :, :end],
             is_causal=t > 1 and start == 0, attn_mask=self.causal_mask(start, t) if t > 1 and start else None,
             enable_gqa=True,
         )
@@ -159,6 +160,21 @@ class LeanDecoder:
                 y = expert_mlp(prepared[e], h[token_idx]) * top_w[token_idx, slot, None]
                 out.index_add_(0, token_idx, y)
         return out
+
+
+def fuse_qkv(attn) -> None:
+    """One [q; k; v] matrix for one matmul; the attention module's three weights become views into it,
+    so the transformers path keeps working and no memory is duplicated."""
+    if hasattr(attn, "smoe_qkv"):
+        return
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    fused = torch.cat([p.weight.detach() for p in projections])
+    start = 0
+    for p in projections:
+        rows = p.weight.shape[0]
+        p.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    attn.smoe_qkv = fused
 
 
 def dense_mlp(weights, x):

@@ -106,29 +106,37 @@ def make_plan(table: dict, budget_bits: float | None = None, size_gb: float | No
     """The least-KL depth per (layer, unit) within the budget; exactly one of budget_bits / size_gb."""
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")
+    check_budget(table, budget_bits, size_gb, alignment)
     depths = sorted(table["depths"])
     layers = table["moe_layers"]
     options = {layer: layer_options(table, layer, depths) for layer in layers}
-    lo, hi = ({u: depths[0] for u in UNITS}, {u: depths[-1] for u in UNITS})
     if budget_bits is not None:
         cost = lambda layer, u: bits_cost(table, layer, u)
         capacity = math.floor(budget_bits * total_weights(table) + 1e-9)
-        low, high = codec.bits_per_weight(depths[0]), codec.bits_per_weight(depths[-1])
-        if not low - 1e-9 <= budget_bits <= high + 1e-9:
-            raise SmoeError(f"--budget {budget_bits:g} bits/weight is outside the depths' range: {low} (all SMOE-Q{depths[0]}) "
-                            f"to {high} (all SMOE-Q{depths[-1]}), scales included")
     else:
         cost = lambda layer, u: bytes_cost(table, layer, u, alignment)
         capacity = math.floor(size_gb * 1e9) - alignment
-        low = experts_file_bytes(table, {layer: lo for layer in layers}, alignment) / 1e9
-        high = experts_file_bytes(table, {layer: hi for layer in layers}, alignment) / 1e9
-        if not low - 1e-12 <= size_gb <= high + 1e-12:
-            raise SmoeError(f"--size {size_gb:g} GB is outside the depths' range for experts.bin: {low:.6g} GB "
-                            f"(all SMOE-Q{depths[0]}) to {high:.6g} GB (all SMOE-Q{depths[-1]})")
     groups = [[(cost(layer, u), option_kl(table, layer, u)) for u in options[layer]] for layer in layers]
     choices, predicted, _ = solve(groups, capacity)
     chosen = {layer: options[layer][i] for layer, i in zip(layers, choices)}
     return plan_document(table, chosen, predicted, budget_bits, size_gb, alignment)
+
+
+def check_budget(table: dict, budget_bits: float | None, size_gb: float | None, alignment: int) -> None:
+    """A budget below the all-shallowest or above the all-deepest allocation is a mistake, not a plan."""
+    depths = sorted(table["depths"])
+    if budget_bits is not None:
+        low, high = codec.bits_per_weight(depths[0]), codec.bits_per_weight(depths[-1])
+        if not low - 1e-9 <= budget_bits <= high + 1e-9:
+            raise SmoeError(f"--budget {budget_bits:g} bits/weight is outside the depths' range: {low} (all SMOE-Q{depths[0]}) "
+                            f"to {high} (all SMOE-Q{depths[-1]}), scales included")
+        return
+    every = lambda b: {layer: {u: b for u in UNITS} for layer in table["moe_layers"]}
+    low = experts_file_bytes(table, every(depths[0]), alignment) / 1e9
+    high = experts_file_bytes(table, every(depths[-1]), alignment) / 1e9
+    if not low - 1e-12 <= size_gb <= high + 1e-12:
+        raise SmoeError(f"--size {size_gb:g} GB is outside the depths' range for experts.bin: {low:.6g} GB "
+                        f"(all SMOE-Q{depths[0]}) to {high:.6g} GB (all SMOE-Q{depths[-1]})")
 
 
 def plan_document(table, chosen, predicted, budget_bits, size_gb, alignment) -> dict:
@@ -264,7 +272,9 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
     Returns (plan document, table, KL meter, calibration stats)."""
     from smoe import calibrate, encoders
-    from smoe.sensitivity import KLMeter, QuantisedModel, fingerprint, measure
+    from smoe.checkpoint import Checkpoint
+    from smoe.families import plan_experts
+    from smoe.sensitivity import KLMeter, QuantisedModel, fingerprint, measure, unit_sizes
 
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")
@@ -272,6 +282,11 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     out = Path(out)
     if not out.parent.is_dir():
         raise SmoeError(f"{out.parent}: no such directory for the plan")
+    ckpt = Checkpoint(model_dir)
+    moe = plan_experts(ckpt.config, ckpt.names())
+    skeleton = {"depths": list(codec.DEPTHS), "moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
+                "numel": unit_sizes(moe), "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()}}
+    check_budget(skeleton, budget_bits, size_gb, alignment)  # before any work
     tokens = tokens or calibrate.DEFAULT_TOKENS
     windows = calibrate.calibration_windows(model_dir, calib, tokens)
     stats = calibrate.collect(model_dir, calib, tokens, progress=progress) if encoder in encoders.NEEDS_CALIBRATION else None
