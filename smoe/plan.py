@@ -268,13 +268,14 @@ def write_plan(doc: dict, path: str | Path) -> Path:
 
 def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = None, size_gb: float | None = None,
                encoder: str = "grid", sensitivity: str | Path | None = None, tokens: int | None = None,
-               alignment: int = DEFAULT_ALIGNMENT, progress: bool = True):
+               alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False):
     """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
-    Returns (plan document, table, KL meter, calibration stats)."""
+    Returns (plan document, table, KL meter, calibration stats); the last two are None when the table
+    was complete already and `need_meter` is false."""
     from smoe import calibrate, encoders
     from smoe.checkpoint import Checkpoint
     from smoe.families import plan_experts
-    from smoe.sensitivity import KLMeter, QuantisedModel, fingerprint, measure, unit_sizes
+    from smoe.sensitivity import SENSITIVITY_WINDOWS, KLMeter, QuantisedModel, fingerprint, load_table, measure, unit_sizes
 
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")
@@ -288,28 +289,32 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
                 "numel": unit_sizes(moe), "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()}}
     check_budget(skeleton, budget_bits, size_gb, alignment)  # before any work
     tokens = tokens or calibrate.DEFAULT_TOKENS
-    windows = calibrate.calibration_windows(model_dir, calib, tokens)
-    stats = calibrate.collect(model_dir, calib, tokens, progress=progress) if encoder in encoders.NEEDS_CALIBRATION else None
-    qm = QuantisedModel(model_dir, encoder, stats)
-    fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens)
+    windows = calibrate.calibration_windows(model_dir, calib, tokens)[:SENSITIVITY_WINDOWS]
+    fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens) + f"-{len(windows)}"
     sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
-    meter = KLMeter(qm, windows)
-    table = table_for_model(measure(qm, windows, sensitivity, fp, progress=progress, meter=meter), qm.plan,
-                            bias_sizes(qm))
+    table = load_table(sensitivity, fp)
+    wanted = {key(layer, u, b) for layer in moe.moe_layers for u in UNITS for b in codec.DEPTHS}
+    stats = meter = None
+    if wanted - set(table["kl"]) or need_meter:  # a complete table needs no model run
+        if encoder in encoders.NEEDS_CALIBRATION:
+            stats = calibrate.collect(model_dir, calib, tokens, progress=progress)
+        meter = KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
+        table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter)
+    table = table_for_model(table, moe, bias_sizes(ckpt, moe))
     doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity)}
     write_plan(doc, out)
     write_heatmap(doc, table, out.with_suffix(".png"))
     return doc, table, meter, stats
 
 
-def bias_sizes(qm) -> dict[str, int]:
+def bias_sizes(ckpt, moe) -> dict[str, int]:
     """Bytes of one expert's biases per role (gpt-oss), from the checkpoint's headers."""
     from smoe.sculpt import nbytes_of
 
     sizes = {}
-    for b in qm.plan.biases.get(next(iter(qm.plan.experts)), []):
-        n = nbytes_of(qm.ckpt, b.name)
-        sizes[b.role] = n // (qm.plan.num_experts if b.expert_index is not None else 1) // b.parts
+    for b in moe.biases.get(next(iter(moe.experts)), []):
+        n = nbytes_of(ckpt, b.name)
+        sizes[b.role] = n // (moe.num_experts if b.expert_index is not None else 1) // b.parts
     return sizes
 
 
@@ -367,7 +372,7 @@ def quantize_inputs(args, progress: bool):
             raise SmoeError(f"{out}: already exists (use --force to replace it)")
         doc, table, meter, stats = plan_model(args.model, args.calib, out.with_name(out.name + ".plan.json"),
                                               budget_bits=args.budget, encoder=encoder, tokens=args.calib_tokens,
-                                              progress=progress)
+                                              progress=progress, need_meter=True)
         if progress:
             print(format_plan(doc, table))
         return role_bits(doc, meter.qm.plan), encoder, stats, (doc, table, meter)

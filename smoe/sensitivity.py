@@ -3,7 +3,8 @@
 The unit is what one fused kernel serves and the plan decides: per MoE layer, "gate_up" (gate and up
 of every expert, or up alone for experts without a gate) and "down". For each unit and depth the
 source model (fp32, in memory) gets that unit's weights replaced by their decoded SMOE values, runs the
-calibration windows, and KL(source ‖ quantised) averaged over positions is recorded; then the source
+first SENSITIVITY_WINDOWS calibration windows, and KL(source ‖ quantised) averaged over positions is
+recorded; then the source
 weights go back. Results are written to sensitivity.json after each measurement, so an interrupted
 run resumes where it stopped.
 """
@@ -26,6 +27,7 @@ from smoe.dequantize import expert_parameters
 from smoe.errors import SmoeError
 from smoe.families import load_bias, load_projection, plan_experts
 
+SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
 UNITS = ("gate_up", "down")
 UNIT_ROLES = {"gate_up": ("gate", "up"), "down": ("down",)}
 UNIT_PARAMS = {"gate_up": ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias"),

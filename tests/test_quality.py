@@ -51,8 +51,8 @@ def test_calibration_stats_equal_a_direct_computation(tiny, tiny_stats):
     seen = {}
 
     def hook(module, args):
-        hidden, index = args[0], args[1]
-        seen.setdefault(module.smoe_layer, []).append((hidden.double(), index))
+        hidden, index, weights = args
+        seen.setdefault(module.smoe_layer, []).append((hidden.double(), index, weights.double()))
 
     for m in modules.values():
         m.register_forward_pre_hook(hook)
@@ -64,14 +64,14 @@ def test_calibration_stats_equal_a_direct_computation(tiny, tiny_stats):
         m = modules[layer]
         gate_up, down = m.gate_up_proj.double(), m.down_proj.double()
         for e in range(m.num_experts):
-            xs = [h[(idx == e).any(dim=-1)] for h, idx in calls]
-            x = torch.cat(xs)
+            x = torch.cat([h[(idx == e).any(dim=-1)] for h, idx, _ in calls])
+            g = torch.cat([(w * (idx == e)).sum(dim=-1)[(idx == e).any(dim=-1)] for _, idx, w in calls])[:, None]
             gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
             inner = m.act_fn(gate) * up
             assert int(tiny_stats.counts[layer][e]) == x.shape[0]
-            assert torch.allclose(tiny_stats.sums[layer]["gate_up"][e], x.t() @ x, rtol=1e-5, atol=1e-8)
-            assert torch.allclose(tiny_stats.sums[layer]["down"][e], inner.t() @ inner, rtol=1e-4, atol=1e-8)
-        everything = torch.cat([h for h, _ in calls])
+            assert torch.allclose(tiny_stats.sums[layer]["gate_up"][e], (g * x).t() @ (g * x), rtol=1e-5, atol=1e-9)
+            assert torch.allclose(tiny_stats.sums[layer]["down"][e], (g * inner).t() @ (g * inner), rtol=1e-4, atol=1e-9)
+        everything = torch.cat([h for h, _, _ in calls])
         assert torch.allclose(tiny_stats.layer_sums[layer], everything.t() @ everything, rtol=1e-5, atol=1e-8)
 
 
@@ -82,7 +82,8 @@ def test_unrouted_expert_gets_the_neutral_prior(tiny_stats):
     stats.counts[layer][0] = 0
     for which in calibrate.INPUTS:
         stats.sums[layer][which][0].zero_()
-    layer_mean = (stats.layer_sums[layer] / stats.layer_tokens[layer]).float()
+    mean_g2 = stats.weight_sums[layer] / float(stats.counts[layer].sum())
+    layer_mean = (stats.layer_sums[layer] / stats.layer_tokens[layer] * mean_g2).float()
     assert torch.allclose(stats.second_moment(layer, 0, "gate"), layer_mean)
     down = stats.second_moment(layer, 0, "down")
     assert torch.allclose(down, torch.diag(torch.diagonal(down)))  # isotropic: no channel favoured
