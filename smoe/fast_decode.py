@@ -18,6 +18,11 @@ import torch.nn.functional as F
 from smoe import kernels_cpu
 
 SUPPORTED = {"qwen3_moe": True, "mixtral": False}  # family -> has per-head q/k RMSNorm
+# At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
+# is bandwidth-bound and cheaper in bf16: activations run in fp32, matrices up to this many weights
+# are held in fp32 (an exact upcast of the bf16 source), larger ones stay in the model's dtype.
+SMALL_MATRIX = 1 << 20
+ACT = torch.float32
 
 
 @dataclass
@@ -52,13 +57,13 @@ class LeanDecoder:
         self.normalize = getattr(cfg, "norm_topk_prob", True)
         base = sm.model.model
         self.embed = base.embed_tokens.weight
-        self.final_norm = base.norm.weight
-        self.lm_head = sm.model.lm_head.weight
+        self.final_norm = compute_form(base.norm.weight)
+        self.lm_head = compute_form(sm.model.lm_head.weight)
         self.layers = [self.layer_weights(layer, SUPPORTED[sm.vault.meta["family"]]) for layer in base.layers]
         self.cos, self.sin = self.rope_tables(base.rotary_emb, max_positions)
         shape = (1, self.kv_heads, max_positions, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, dtype=ACT) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=ACT) for _ in self.layers]
         self.max_positions = max_positions
         self.pos = 0
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
@@ -69,19 +74,19 @@ class LeanDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         fuse_qkv(attn)
         moe = hasattr(mlp, "experts")
-        dense = None if moe else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        dense = None if moe else tuple(compute_form(p.weight) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight,
-            qkv=attn.smoe_qkv,
-            q_norm=attn.q_norm.weight if qk_norm else None,
-            k_norm=attn.k_norm.weight if qk_norm else None,
-            o=attn.o_proj.weight, post_norm=layer.post_attention_layernorm.weight,
-            router=mlp.gate.weight if moe else None, dense=dense,
+            input_norm=compute_form(layer.input_layernorm.weight),
+            qkv=compute_form(attn.smoe_qkv),
+            q_norm=compute_form(attn.q_norm.weight) if qk_norm else None,
+            k_norm=compute_form(attn.k_norm.weight) if qk_norm else None,
+            o=compute_form(attn.o_proj.weight), post_norm=compute_form(layer.post_attention_layernorm.weight),
+            router=compute_form(mlp.gate.weight) if moe else None, dense=dense,
         )
 
     def rope_tables(self, rotary, n: int):
         """cos/sin [n, head_dim] exactly as the model's rotary module computes them."""
-        probe = torch.zeros(1, n, self.head_dim, dtype=self.dtype)
+        probe = torch.zeros(1, n, self.head_dim, dtype=ACT)
         cos, sin = rotary(probe, torch.arange(n)[None])
         return cos[0], sin[0]
 
@@ -94,18 +99,18 @@ class LeanDecoder:
         start, t = self.pos, len(ids)
         if start + t > self.max_positions:
             raise ValueError("sequence longer than the decoder's cache")
-        x = self.embed[torch.tensor(ids)]  # [T, H]
+        x = self.embed[torch.tensor(ids)].to(ACT)  # [T, H]
         cos, sin = self.cos[start : start + t, None], self.sin[start : start + t, None]  # [T, 1, hd]
         for i, w in enumerate(self.layers):
             x = x + self.attention(i, w, F.rms_norm(x, x.shape[-1:], w.input_norm, self.eps), cos, sin, start)
             h = F.rms_norm(x, x.shape[-1:], w.post_norm, self.eps)
             x = x + (self.experts(i, w, h) if w.router is not None else dense_mlp(w.dense, h))
         self.pos = start + t
-        return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
+        return matmul(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
 
     def attention(self, i: int, w: LayerWeights, h, cos, sin, start: int):
         t, hd = h.shape[0], self.head_dim
-        q, k, v = F.linear(h, w.qkv).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
+        q, k, v = matmul(h, w.qkv).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
         q = q.view(t, self.heads, hd)
         k = k.view(t, self.kv_heads, hd)
         if w.q_norm is not None:
@@ -121,7 +126,7 @@ class LeanDecoder:
             is_causal=t > 1 and start == 0, attn_mask=self.causal_mask(start, t) if t > 1 and start else None,
             enable_gqa=True,
         )
-        return F.linear(out[0].transpose(0, 1).reshape(t, -1), w.o)
+        return matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
 
     @staticmethod
     def causal_mask(start: int, t: int) -> torch.Tensor:
@@ -132,24 +137,25 @@ class LeanDecoder:
         """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
         residual stream changes little between layers) and start reading them."""
         if i + 1 < len(self.layers) and self.layers[i + 1].router is not None:
-            guess = torch.topk(F.linear(h, self.layers[i + 1].router), self.top_k, dim=-1).indices
+            guess = torch.topk(matmul(h, self.layers[i + 1].router), self.top_k, dim=-1).indices
             self.store.prefetch(i + 1, torch.unique(guess).tolist())
 
     def experts(self, i: int, w: LayerWeights, h):
         if self.prefetch:
             self.prefetch_next(i, h)
-        logits = F.linear(h, w.router).float()
+        logits = matmul(h, w.router).float()
         if self.normalize:  # softmax then renormalising the top k = softmax over the top-k logits
             top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)
             top_w = torch.softmax(top_logits, dim=-1)
         else:
             top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
-        top_w = top_w.to(h.dtype)
+        h = h.to(self.dtype)  # the experts were prepared for the model's dtype
+        top_w = top_w.to(self.dtype)
         if h.shape[0] == 1:  # decode: one token, k experts: stack their outputs, weight them in one matmul
             ids = top_i[0].tolist()
             prepared = self.store.get(i, ids)
-            return top_w @ torch.cat([expert_mlp(prepared[e], h) for e in ids])
-        return self.experts_batched(i, h, top_i, top_w)
+            return (top_w @ torch.cat([expert_mlp(prepared[e], h) for e in ids])).to(ACT)
+        return self.experts_batched(i, h, top_i, top_w).to(ACT)
 
     def experts_batched(self, i: int, h, top_i, top_w):
         out = torch.zeros_like(h)
@@ -177,9 +183,21 @@ def fuse_qkv(attn) -> None:
     attn.smoe_qkv = fused
 
 
+def compute_form(w: torch.Tensor) -> torch.Tensor:
+    """The weight as the lean path multiplies it: small matrices and vectors in fp32, large as stored."""
+    return w.to(ACT) if w.dim() == 1 or w.numel() <= SMALL_MATRIX else w
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] (fp32) times w^T, in w's dtype when it differs (the result comes back in fp32)."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
 def dense_mlp(weights, x):
     gate, up, down = weights
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return matmul(F.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
 def expert_mlp(expert, x):
