@@ -5,7 +5,7 @@
 set -euo pipefail
 model=$1; out=$2; encoder=${3:-gptq}
 corpus=$(dirname "$0")/../../shared/corpus
-smoe=(python -m smoe.cli)
+smoe=("${PYTHON:-python}" -m smoe.cli)
 mkdir -p "$out"
 run() { echo "+ $*" >&2; "$@"; }
 evaluate() { run "${smoe[@]}" eval "$1" --ref "$model" --data "$corpus/valid.txt.gz" --json | tail -1 > "$1.eval.json"; cat "$1.eval.json"; }

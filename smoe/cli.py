@@ -192,7 +192,7 @@ def add_quality_options(p: argparse.ArgumentParser) -> None:
     from smoe.encoders import DEFAULT, ENCODERS
 
     p.add_argument("--encoder", choices=ENCODERS, default=None,
-                   help=f"how codes and scales are chosen (default {DEFAULT}; weighted ones need --calib)")
+                   help=f"how codes and scales are chosen (default: {DEFAULT} with --calib, grid without)")
     p.add_argument("--calib", metavar="TEXT_FILE", help="calibration text (.gz allowed); never the evaluation text")
     p.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default 16384)")
 

@@ -8,8 +8,9 @@ weights, decoded by `codec.decode`); only the choice of codes and scales differs
              of ‖(W - Ŵ)x‖²): the same 64 candidates, then a least-squares refit of the scale given the
              codes, requantise, iterate; a group keeps the grid's scale when that is better.
 * gptq     - the weighted scales, then codes chosen column by column with GPTQ's error feedback along
-             each row using the full second moment H = E[x xᵀ] (columns in order of decreasing H_jj);
-             then each group's scale is refit by least squares under H given the codes.
+             each row using the full second moment H = E[x xᵀ] (columns in order of decreasing H_jj,
+             H damped by DAMP); then, where groups lie within rows, each row's scales are refit by least
+             squares under H given the codes (kept for the rows where that lowers the error).
 
 The weighted encoders take the second moment of the projection's inputs (see smoe.calibrate).
 """
@@ -23,11 +24,16 @@ from smoe.codec import GROUP_SIZE, half_range
 from smoe.errors import SmoeError
 
 ENCODERS = ("grid", "weighted", "gptq")
-DEFAULT = "grid"  # the encoder `smoe quantize` uses without --encoder
+DEFAULT = "gptq"  # used when calibration text is given and no encoder is named: the best measured (QUALITY.md)
 NEEDS_CALIBRATION = ("weighted", "gptq")
 REFIT_ITERATIONS = 4
-DAMP = 0.01  # GPTQ's damping, as a share of the mean diagonal of H
+DAMP = 0.1  # GPTQ's damping, a share of H's mean diagonal (0.01 overfits the calibration: QUALITY.md)
 BLOCK = 128  # columns per lazy GPTQ update
+
+
+def default_encoder(calib) -> str:
+    """Without calibration text only `grid` can run."""
+    return DEFAULT if calib is not None else "grid"
 
 
 def check_encoder(encoder: str) -> None:

@@ -246,7 +246,7 @@ def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float |
     fig.colorbar(image, ax=ax, label=f"KL with this tensor alone at Q{low}")
     title = f"{doc['bits_per_weight']:.3f} bits/weight, predicted KL {doc['predicted_kl']:.4f}"
     if measured_kl is not None:
-        title += f"\nmeasured KL {measured_kl:.4f}"
+        title += f"\nmeasured KL {measured_kl:.4f} (vault, same windows)"
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
@@ -358,12 +358,12 @@ def quantize_inputs(args, progress: bool):
     """For `smoe quantize`: (depth per (layer, role) or None, encoder, calibration stats or None, planned)
     from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
     from smoe.checkpoint import Checkpoint
-    from smoe.encoders import DEFAULT
+    from smoe.encoders import default_encoder
     from smoe.families import plan_experts
 
     if args.plan and args.budget is not None:
         raise SmoeError("give --plan or --budget, not both")
-    encoder = args.encoder or DEFAULT
+    encoder = args.encoder or default_encoder(args.calib)
     if args.budget is not None:
         if not args.calib:
             raise SmoeError("--budget needs calibration text: --calib FILE")
@@ -378,7 +378,7 @@ def quantize_inputs(args, progress: bool):
         return role_bits(doc, meter.qm.plan), encoder, stats, (doc, table, meter)
     if args.plan:
         doc = load_plan(args.plan)
-        encoder = args.encoder or doc.get("encoder", DEFAULT)
+        encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))
         ckpt = Checkpoint(args.model)
         return role_bits(doc, plan_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
     return None, encoder, None, None
@@ -394,11 +394,15 @@ def after_quantize(args, planned) -> dict:
     out = Path(args.output)
     write_heatmap(doc, table, out.with_name(out.name + ".plan.png"), measured)
     return {"predicted_kl": doc["predicted_kl"], "measured_kl": measured,
+            "predicted_experts_file_bytes": doc["experts_file_bytes"],
+            "experts_file_bytes": (out / "experts.bin").stat().st_size,
             "plan": str(out.with_name(out.name + ".plan.json"))}
 
 
 def print_measured(measured: dict) -> None:
     if measured:
         print(f"plan      {measured['plan']} (heatmap beside it)")
-        print(f"KL        measured {measured['measured_kl']:.5f} on the calibration text, "
+        print(f"KL        measured {measured['measured_kl']:.5f} on the sensitivities' calibration windows, "
               f"predicted {measured['predicted_kl']:.5f} (sum of per-tensor KLs)")
+        print(f"size      experts.bin {measured['experts_file_bytes']:,} bytes, "
+              f"predicted {measured['predicted_experts_file_bytes']:,}")

@@ -76,16 +76,17 @@ def sculpt(
     num_experts: int | None = None,
     progress: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
-    encoder: str = ENCODER,
+    encoder: str | None = None,
     calib: str | Path | None = None,
     plan: dict | None = None,
     calib_tokens: int | None = None,
     stats=None,
 ) -> SculptReport:
-    """`encoder` "grid" (default) or a weighted one from smoe.encoders, which needs `calib` (a text file;
+    """`encoder` "grid" or a calibrated one from smoe.encoders, which needs `calib` (a text file;
     `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
-    tensor (gate and up equal), overriding `bits`."""
+    tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without."""
     start = time.perf_counter()
+    encoder = encoder or encoders.default_encoder(calib)
     codec.check_bits(bits)
     encoders.check_encoder(encoder)
     if encoder in encoders.NEEDS_CALIBRATION and calib is None:

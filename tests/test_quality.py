@@ -51,8 +51,8 @@ def test_calibration_stats_equal_a_direct_computation(tiny, tiny_stats):
     seen = {}
 
     def hook(module, args):
-        hidden, index, weights = args
-        seen.setdefault(module.smoe_layer, []).append((hidden.double(), index, weights.double()))
+        hidden, index = args[0], args[1]
+        seen.setdefault(module.smoe_layer, []).append((hidden.double(), index))
 
     for m in modules.values():
         m.register_forward_pre_hook(hook)
@@ -64,14 +64,13 @@ def test_calibration_stats_equal_a_direct_computation(tiny, tiny_stats):
         m = modules[layer]
         gate_up, down = m.gate_up_proj.double(), m.down_proj.double()
         for e in range(m.num_experts):
-            x = torch.cat([h[(idx == e).any(dim=-1)] for h, idx, _ in calls])
-            g = torch.cat([(w * (idx == e)).sum(dim=-1)[(idx == e).any(dim=-1)] for _, idx, w in calls])[:, None]
+            x = torch.cat([h[(idx == e).any(dim=-1)] for h, idx in calls])
             gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
             inner = m.act_fn(gate) * up
             assert int(tiny_stats.counts[layer][e]) == x.shape[0]
-            assert torch.allclose(tiny_stats.sums[layer]["gate_up"][e], (g * x).t() @ (g * x), rtol=1e-5, atol=1e-9)
-            assert torch.allclose(tiny_stats.sums[layer]["down"][e], (g * inner).t() @ (g * inner), rtol=1e-4, atol=1e-9)
-        everything = torch.cat([h for h, _, _ in calls])
+            assert torch.allclose(tiny_stats.sums[layer]["gate_up"][e], x.t() @ x, rtol=1e-5, atol=1e-9)
+            assert torch.allclose(tiny_stats.sums[layer]["down"][e], inner.t() @ inner, rtol=1e-4, atol=1e-9)
+        everything = torch.cat([h for h, _ in calls])
         assert torch.allclose(tiny_stats.layer_sums[layer], everything.t() @ everything, rtol=1e-5, atol=1e-8)
 
 
@@ -82,8 +81,7 @@ def test_unrouted_expert_gets_the_neutral_prior(tiny_stats):
     stats.counts[layer][0] = 0
     for which in calibrate.INPUTS:
         stats.sums[layer][which][0].zero_()
-    mean_g2 = stats.weight_sums[layer] / float(stats.counts[layer].sum())
-    layer_mean = (stats.layer_sums[layer] / stats.layer_tokens[layer] * mean_g2).float()
+    layer_mean = (stats.layer_sums[layer] / stats.layer_tokens[layer]).float()
     assert torch.allclose(stats.second_moment(layer, 0, "gate"), layer_mean)
     down = stats.second_moment(layer, 0, "down")
     assert torch.allclose(down, torch.diag(torch.diagonal(down)))  # isotropic: no channel favoured
@@ -205,6 +203,23 @@ def test_plan_is_optimal_for_a_bits_budget(budget):
     assert doc["predicted_kl"] == pytest.approx(best)
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.6, 1.0])
+def test_plan_is_optimal_for_a_size_budget_counting_alignment(fraction):
+    table = random_table(layers=4, seed=3) | {"bias_nbytes": {}}
+    every = lambda b: {layer: {u: b for u in UNITS} for layer in table["moe_layers"]}
+    low, high = experts_file_bytes(table, every(2)), experts_file_bytes(table, every(4))
+    size = low + fraction * (high - low)
+    doc = make_plan(table, size_gb=size / 1e9)
+    assert doc["experts_file_bytes"] <= size
+    best = None
+    for combo in itertools.product(itertools.product([2, 4], repeat=2), repeat=4):
+        chosen = {layer: dict(zip(UNITS, c)) for layer, c in enumerate(combo)}
+        if experts_file_bytes(table, chosen) <= size:
+            kl = sum(table["kl"][key(layer, u, b)] for layer, c in chosen.items() for u, b in c.items())
+            best = kl if best is None else min(best, kl)
+    assert doc["predicted_kl"] == pytest.approx(best)
+
+
 def test_plan_counts_scales_honestly():
     table = random_table()
     assert make_plan(table, budget_bits=4.25)["bits_per_weight"] == 4.25
@@ -311,6 +326,8 @@ def test_quantize_with_a_budget_writes_a_mixed_vault_and_reports_kl(tiny, tmp_pa
                  "--calib-tokens", "256", "--encoder", "gptq", "-q")
     assert r.returncode == 0, r.stderr
     assert "measured" in r.stdout and "predicted" in r.stdout
+    assert f"experts.bin {(out / 'experts.bin').stat().st_size:,} bytes, predicted {(out / 'experts.bin').stat().st_size:,}" \
+        in r.stdout
     for suffix in (".plan.json", ".plan.png", ".plan.sensitivity.json"):
         assert (tmp_path / f"budget{suffix}").exists()
     with Vault(out) as v:
