@@ -119,12 +119,12 @@ def format_report(r: dict) -> str:
         lines.append(f"experts share        {100 * r['expert_share']:.1f}% of the checkpoint bytes ({r['expert_share_from']})")
     if "stored_bits" in r:
         lines.append("stored bits          " + json.dumps(r["stored_bits"]))
-    lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>11}{'tok/s':>9}   (disk {r['disk_gbps']} GB/s, no cache)")
+    lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>13}{'tok/s':>13}   (disk {r['disk_gbps']} GB/s, no cache)")
     for label, size in r["expert_bytes"].items():
         per_token = r["bytes_per_token_uncached"].get(label)
         tps = r["tokens_per_second_uncached"].get(label)
         lines.append(
             f"  {label:<19}{size / 1e6:>9.2f} MB{(per_token or 0) / 1e6:>9.1f} MB"
-            f"{r['experts_per_second'][label]:>11,.0f}{tps or 0:>9.1f}"
+            f"{r['experts_per_second'][label]:>13,.0f}{tps or 0:>13,.1f}"
         )
     return "\n".join(lines)
