@@ -100,6 +100,7 @@ class ExpertsEngine:
 
     store: ExpertStore
     roles: tuple[str, ...]
+    largest_expert: int = 0  # prepared bytes of the largest expert; measured on first use (it scans the index)
 
     def forward(self, module, hidden_states, top_k_index, top_k_weights):
         layer = module.smoe_layer
@@ -121,7 +122,9 @@ class ExpertsEngine:
     def batches(self, layer: int, experts: list[int]) -> list[list[int]]:
         """Experts grouped so that one group's prepared weights fit the cache budget together: a long
         prompt's layer may route to more experts than fit, and then reads them group by group."""
-        per_group = max(1, self.store.cache_bytes // max(self.store.min_budget(1), 1))
+        if not self.largest_expert:
+            self.largest_expert = max(self.store.min_budget(1), 1)
+        per_group = max(1, self.store.cache_bytes // self.largest_expert)
         return [experts[i : i + per_group] for i in range(0, len(experts), per_group)]
 
     def expert_output(self, module, expert, x):
