@@ -159,6 +159,7 @@ class StreamingModel:
             self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())
         self.model = build_model(self.config, self.dtype)
         load_trunk(self.model, self.vault, self.dtype)
+        self.model.requires_grad_(False)  # inference only: no autograd graph, also when called directly
         self.engine = ExpertsEngine(self.store, tuple(self.vault.meta["roles"]))
         self.attach_experts()
         self.check_budget()
