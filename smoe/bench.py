@@ -31,6 +31,8 @@ def main(args) -> int:
         return bench_runtime_main(args)
     elif args.bench == "kernels":
         return bench_kernels_main(args)
+    elif args.bench == "decode":
+        return bench_decode_main(args)
     else:
         raise SmoeError(f"unknown benchmark {args.bench!r}")
     result["machine"] = machine_description(result.get("device", "cpu"))
@@ -49,6 +51,18 @@ def bench_runtime_main(args) -> int:
         result = bench_runtime.bench_synthetic(args.workdir, args.layers, args.tokens, budgets)
     result["machine"] = machine_description("cpu")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_runtime.format_result(result))
+    return 0
+
+
+def bench_decode_main(args) -> int:
+    """The GPU runtime on a Qwen3-30B-A3B-shaped vault (smoe/bench_decode.py)."""
+    from smoe import bench_decode
+
+    budgets = [float(b) for b in args.budgets.split(",")]
+    result = bench_decode.bench_decode(args.workdir, budgets, args.tokens, args.warmup, args.threads,
+                                       baseline=not args.no_baseline, layers=args.layers)
+    result["machine"] = machine_description("cuda")
+    print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_decode.format_result(result))
     return 0
 
 

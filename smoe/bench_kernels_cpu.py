@@ -32,7 +32,7 @@ SHAPES = (
     ("qwen3-30b-a3b down", 2048, 768),
     ("qwen3-235b gate/up", 1536, 4096),
     ("qwen3-235b down", 4096, 1536),
-    ("small gate/up", 96, 384),
+    ("small gate/up", 192, 384),
     ("small down", 384, 96),
 )
 TOKENS = (1, 4, 8, 32, 128, 256)
@@ -67,12 +67,14 @@ def bench_matmul(dtype=torch.bfloat16, shapes=SHAPES, tokens=TOKENS) -> list[dic
         t = random_quantised((out, inp), 4)
         int4 = prepare_expert([t], {}, dtype, "int4")
         dense = prepare_expert([t], {}, dtype, "dequant")
+        codes = prepare_expert([t], {}, dtype, "codes")
         w = int4.weights["w"]
         for n in tokens:
             x = torch.randn(n, inp).to(dtype)
             ms = {
                 "baseline": timed(lambda: linear(x, dense, "w")),
                 "int4_path": timed(lambda: linear(x, int4, "w")),
+                "codes_path": timed(lambda: linear(x, codes, "w")),
                 "decode_per_call": timed(lambda: F.linear(x, t.decode(dtype))),
             }
             if not int4.fallbacks:
@@ -129,7 +131,8 @@ def bench_cpu_kernels(json_out: bool = False, threads: int | None = None) -> dic
         "matmul_bf16": bench_matmul(torch.bfloat16),
         "matmul_slow_dtypes": [r for dt in SLOW_DTYPES for r in bench_matmul(dt, SHAPES[:1], SLOW_TOKENS)],
         "conversion": bench_conversion(),
-        "auto": {str(dt).removeprefix("torch."): choose_path(dt) for dt in (torch.bfloat16, *SLOW_DTYPES)},
+        "auto": {f"{str(dt).removeprefix('torch.')} {label}": choose_path(dt, 4, shapes=[(out, inp)])
+                 for dt in (torch.bfloat16, *SLOW_DTYPES) for label, out, inp in SHAPES},
     }
     print(json.dumps(result, indent=1) if json_out else format_result(result))
     return result
@@ -145,7 +148,7 @@ def format_result(result: dict) -> str:
     lines = [result["machine"], "", "matmul, ms per call (x: baseline / method, above 1 is faster):"]
     lines.append(
         f"{'shape':22} {'dtype':8} {'T':>4} {'baseline':>9} {'kernel':>8} {'x':>5} {'int4 path':>9} {'x':>5}"
-        f" {'dec+mm':>8} {'x':>5}"
+        f" {'dec+mm':>8} {'x':>5} {'codes':>8} {'x':>5}"
     )
     for r in result["matmul_bf16"] + result["matmul_slow_dtypes"]:
         kernel = f"{'-':>8} {'-':>5}"
@@ -155,7 +158,8 @@ def format_result(result: dict) -> str:
         lines.append(
             f"{r['shape']:22} {r['dtype']:8} {r['tokens']:>4} {r['baseline_ms']:9.3f} {kernel} "
             f"{r['int4_path_ms']:9.3f} {r['int4_path_speedup']:5.2f} "
-            f"{r['decode_per_call_ms']:8.3f} {r['decode_per_call_speedup']:5.2f}{note}"
+            f"{r['decode_per_call_ms']:8.3f} {r['decode_per_call_speedup']:5.2f} "
+            f"{r['codes_path_ms']:8.3f} {r['codes_path_speedup']:5.2f}{note}"
         )
     lines += ["", "prepare-time conversion, MB/s of stored codes + scales; int4 -> dense bf16 in G weights/s:"]
     header = f"{'shape':22} {'bits':>4} {'int4 pack':>10} {'torch conv':>10} {'decode bf16':>11} {'copy':>8}"

@@ -50,14 +50,15 @@ def memory_cgroup(limit_bytes: int) -> Path:
     return group
 
 
-def child(code: str, *args, memory_limit: int | None = None) -> dict:
+def child(code: str, *args, memory_limit: int | None = None, env: dict | None = None) -> dict:
     """Run `code` in a fresh interpreter (its own peak RSS, no warm caches), optionally inside a
-    memory cgroup; it prints one JSON line."""
+    memory cgroup and with extra environment variables; it prints one JSON line."""
     join = None
     if memory_limit:
         procs = memory_cgroup(memory_limit) / "cgroup.procs"
         join = lambda: procs.write_text(str(os.getpid()))
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, preexec_fn=join)
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, preexec_fn=join,
+                          env=os.environ | (env or {}))
     if proc.returncode != 0:
         raise SmoeError(f"benchmark child failed: {proc.stderr.strip()[-800:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -70,7 +71,8 @@ from smoe.runtime import StreamingModel
 from smoe.generate import generate
 from transformers import AutoTokenizer
 vault, cache, tokens, dtype, _, engine, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
-sm = StreamingModel(vault, dtype=dtype, cache_bytes=cache)
+kernel_path = sys.argv[8] if len(sys.argv) > 8 else "auto"
+sm = StreamingModel(vault, dtype=dtype, cache_bytes=cache, kernel_path=kernel_path)
 ids = AutoTokenizer.from_pretrained(vault)(prompt)["input_ids"]
 out, stats = generate(sm, ids, max_tokens=tokens, engine=engine)
 print(json.dumps(stats.as_dict() | {"expert_bytes_cached_max": sm.store.cache_bytes}))
@@ -140,6 +142,12 @@ def bench_model(vault: str, ref: str | None, gguf: str | None, budgets: list[flo
     result = {"benchmark": "runtime", "vault": vault, "dtype": dtype, "engine": engine, "threads": threads,
               "tokens": tokens, "prepared_expert_bytes": total, "rows": rows, "baselines": {},
               "memory_limit_gb": memory_limit_gb}
+    if engine in ("auto", "lean") and not limit:
+        # the lean path before the compiled step: eager torch ops, experts in torch's int4 form
+        # (bf16; the dequant form otherwise), every expert cached
+        old_path = "int4" if dtype == "bfloat16" else "dequant"
+        result["baselines"]["lean_eager"] = child(STREAMING_RUN, vault_dir, total * 4, tokens, dtype, threads, engine,
+                                                  PROMPT, old_path, env={"SMOE_COMPILED": "0"})
     if ref and not limit:
         result["baselines"]["transformers_bf16_resident"] = child(TRANSFORMERS_RUN, ref, tokens, threads, PROMPT)
     if gguf:

@@ -93,8 +93,9 @@ def open_model(args):
 
     torch.set_num_threads(args.torch_threads)
     cache = None if args.cache_gb is None else int(args.cache_gb * 1e9)
+    gpu_cache = None if args.gpu_cache_gb is None else int(args.gpu_cache_gb * 1e9)
     return StreamingModel(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
-                          direct_io=args.direct_io)
+                          direct_io=args.direct_io, device=args.device, gpu_cache_bytes=gpu_cache)
 
 
 def cmd_generate(args) -> int:
@@ -199,8 +200,15 @@ def add_quality_options(p: argparse.ArgumentParser) -> None:
 
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("vault", metavar="VAULT_DIR")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="cuda: trunk and expert cache on the GPU (Qwen3-MoE, Mixtral); auto (default): cuda when "
+                   "there is a GPU and the family runs there, else cpu")
     p.add_argument("--cache-gb", type=float, default=None,
-                   help="expert cache budget in GB (default: half of the available RAM, at most all experts)")
+                   help="expert cache budget in host RAM, GB (CPU default: half of the available RAM, at most all "
+                   "experts; on a GPU it is a pinned host tier between disk and GPU, default none)")
+    p.add_argument("--gpu-cache-gb", type=float, default=None,
+                   help="GPU expert cache budget, GB (default: all experts if they fit in 80%% of the free GPU "
+                   "memory, else that)")
     p.add_argument("--dtype", default=dtype, choices=("float32", "bfloat16"), help=f"compute dtype (default {dtype})")
     p.add_argument("--threads", type=int, default=16, help="parallel expert reads (default 16, for NVMe)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT, bypassing the page cache")
@@ -377,6 +385,16 @@ def build_parser() -> argparse.ArgumentParser:
     bsy.add_argument("--tokens", type=int, default=32)
     bsy.add_argument("--budgets", default="0.05,0.25,1.0")
     bsy.add_argument("--json", action="store_true")
+    bd = bsub.add_parser("decode", help="GPU decode tok/s of a Qwen3-30B-A3B-shaped vault per GPU cache budget, "
+                         "experts in host RAM or on disk, against transformers bf16 (CUDA only)")
+    bd.add_argument("--workdir", default="out/bench-gpu", help="where the ~16 GB vault is built (kept for reruns)")
+    bd.add_argument("--budgets", default="1.0,0.5,0.25,0.1", help="GPU cache budgets as fractions of all experts")
+    bd.add_argument("--tokens", type=int, default=64, help="timed tokens per row")
+    bd.add_argument("--warmup", type=int, default=32, help="tokens decoded first, to bring the cache to steady state")
+    bd.add_argument("--layers", type=int, default=None, help="fewer layers than the real 48 (quick checks)")
+    bd.add_argument("--threads", type=int, default=16, help="parallel expert reads")
+    bd.add_argument("--no-baseline", action="store_true", help="skip transformers bf16 resident on the GPU")
+    bd.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the main job end to end on a built-in default model")

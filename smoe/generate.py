@@ -99,7 +99,7 @@ def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: floa
     limit = sm.max_positions
     if limit and len(prompt_ids) + max_tokens > limit:
         raise SmoeError(f"prompt of {len(prompt_ids)} tokens + {max_tokens} new tokens exceeds the model's context of {limit}")
-    stats0 = sm.store.stats.as_dict()
+    stats0 = sm.cache_stats()
     generator = torch.Generator().manual_seed(seed)
     stop = eos_ids(sm.model)
     step = next_logits_function(sm, len(prompt_ids) + max_tokens, engine)
@@ -118,7 +118,7 @@ def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: floa
 
 
 def make_stats(sm, before: dict, prompt_tokens: int, tokens: list[int], ttft: float, decode_s: float) -> GenerationStats:
-    now = sm.store.stats.as_dict()
+    now = sm.cache_stats()
     hits, misses = now["hits"] - before["hits"], now["misses"] - before["misses"]
     decoded = len(tokens) - 1
     return GenerationStats(

@@ -1,6 +1,6 @@
 """Expert linears on CPU straight from SMOE-Q4 / SMOE-Q2 codes.
 
-Two compute forms, chosen once per expert when it is prepared (when it enters the cache):
+Three compute forms, chosen once per expert when it is prepared (when it enters the cache):
 
 * "dequant": decode once to the activation dtype, then F.linear. The exact reference: in fp32 it is
   bit for bit decode() followed by a matmul. Holds 2 (bf16) or 4 (fp32) bytes per weight.
@@ -13,6 +13,9 @@ Two compute forms, chosen once per expert when it is prepared (when it enters th
   each weight is off by at most one rounding of the step (2**-9 relative in bf16), like decoding to
   bf16. In fp32 the weights equal decode()'s. The kernel needs in % 64 == 0 (a group must not span
   rows) and out % 16 == 0; a tensor that does not fit keeps the dequant form (PreparedExpert.fallbacks).
+* "codes": the vault's own codes with fp32 group steps, run by the compiled kernels of
+  smoe/kernels_numba.py (the lean decoder's compiled step runs a layer's experts in one call). About
+  half a byte per weight; exact in fp32. The "auto" choice for small experts (see choose_path).
 
 Measured with torch 2.13 on AVX-512 (see smoe/bench_kernels_cpu.py): the kernel is vectorised for
 bf16 only (fp16/fp32 run a scalar loop, 20-60x slower than F.linear). It dequantises once per block
@@ -35,11 +38,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from smoe import codec
+from smoe import codec, kernels_numba
 from smoe.errors import SmoeError
 from smoe.vault import QuantisedTensor
 
-PATHS = ("dequant", "int4")
+PATHS = ("dequant", "int4", "codes")
 KERNEL_GROUP = codec.GROUP_SIZE  # one SMOE group is one K-block of the kernel
 KERNEL_ROWS = 16  # the kernel walks out-features in blocks of 16, 32, 48 or 64
 # Most tokens per call for which the kernel beats F.linear on dense bf16 (measured crossover: 4).
@@ -47,6 +50,12 @@ INT4_MAX_TOKENS = 4
 # From this many tokens, an int4 expert decodes a dense temporary (~1 G weights/s on one core) and
 # runs F.linear: cheaper than the kernel's per-4-token dequantisation (measured crossover ~70).
 DENSE_FROM_TOKENS = 96
+# A codes expert called with this many tokens decodes a dense fp32 temporary (~3 G weights/s) and runs
+# F.linear instead of one compiled matvec per token (measured: 2 tokens loop faster, 4 decode faster).
+CODES_DENSE_FROM_TOKENS = 3
+# The codes path runs an expert tensor of up to this many weights (above: torch's int4 kernel, 2.4x
+# faster per matvec at Qwen3-30B-A3B's [768, 2048] in bf16, wins over the lean decoder's fused layer).
+CODES_MAX_WEIGHTS = 1 << 20
 # Packed layouts known here: (rows per block, how two rows share a byte's nibbles). "halves": row j
 # and row j + rows/2 (AVX-512: 64, AVX2: 32); "pairs": rows 2j and 2j + 1 (scalar builds). A partial
 # block at the end of `out` is always packed as pairs.
@@ -69,13 +78,28 @@ class Int4Weight:
 
 
 @dataclass
+class CodesWeight:
+    """One projection as the vault stores it, for the compiled kernels (smoe/kernels_numba.py), with
+    rows that start inside a group shifted onto whole groups (kernels_numba.pad_rows)."""
+
+    codes: np.ndarray  # uint8 [out, width * bits / 8]: LSB-first codes, row r starting lead[r] weights in
+    steps: np.ndarray  # fp32 [out, width / 64]: d = s / h of each group of the padded row
+    lead: np.ndarray  # int64 [out], shared by every tensor of this shape (not counted)
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.steps.nbytes
+
+
+@dataclass
 class PreparedExpert:
     roles: tuple[str, ...]  # ("gate", "up", "down") or ("up", "down")
-    path: str  # "dequant" or "int4"
-    weights: dict[str, object]  # per role: a [out, in] tensor (dequant) or an Int4Weight
+    path: str  # "dequant", "int4" or "codes"
+    weights: dict[str, object]  # per role: a [out, in] tensor (dequant), an Int4Weight or a CodesWeight
     biases: dict[str, torch.Tensor]  # per role, in the activation dtype; may be empty
     nbytes: int  # memory held, counted against the cache budget
-    fallbacks: tuple[str, ...] = field(default=())  # int4 path: roles the kernel cannot express
+    fallbacks: tuple[str, ...] = field(default=())  # int4 / codes path: roles the kernel cannot express
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -85,16 +109,22 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 # --- choosing a path -----------------------------------------------------------------------------
 
 
-def choose_path(dtype: torch.dtype, bits: int = 4, tokens: int | None = None) -> str:
-    """The "auto" path: int4 where the kernel is vectorised (bf16 on AVX2 / AVX-512 builds). It is
-    faster than dense bf16 for decoding and holds a quarter of the memory; large calls are routed to
-    a dense temporary by `linear`. Pass `tokens` (typical tokens per expert call) to get the faster
-    form for that load alone: dense above INT4_MAX_TOKENS, at 4x the memory. Q2 and Q4 run alike."""
+def choose_path(dtype: torch.dtype, bits: int = 4, tokens: int | None = None,
+                shapes: list[tuple[int, int]] | None = None) -> str:
+    """The "auto" path. With `shapes` (the expert's [out, in] tensors) small enough for the compiled
+    kernels (each <= CODES_MAX_WEIGHTS and a row starting on a byte): "codes", which lets the lean
+    decoder run a layer's experts in one compiled call, holds the vault's bytes only, and is exact in
+    fp32. Otherwise int4 where torch's kernel is vectorised (bf16 on AVX2 / AVX-512 builds): faster
+    than dense bf16 for decoding and a quarter of its memory; large calls go to a dense temporary in
+    `linear`. Pass `tokens` (typical tokens per expert call) to get the faster form for that load
+    alone: dense above INT4_MAX_TOKENS, at 4x the memory. Q2 and Q4 run alike."""
     codec.check_bits(bits)
-    vectorised = dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    if not vectorised or (tokens is not None and tokens > INT4_MAX_TOKENS):
+    if tokens is not None and tokens > INT4_MAX_TOKENS:
         return "dequant"
-    return "int4"
+    if shapes and all(o * i <= CODES_MAX_WEIGHTS and kernels_numba.codes_fit((o, i), bits) for o, i in shapes):
+        return "codes"
+    vectorised = dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return "int4" if vectorised else "dequant"
 
 
 def int4_fits(shape: tuple[int, ...]) -> bool:
@@ -136,13 +166,14 @@ def prepare_expert(
     fuse: bool = False,
 ) -> PreparedExpert:
     """One expert's quantised projections -> compute form for activations of `dtype`; with `fuse`,
-    gate and up become one "gate_up" projection (read it with `gate_and_up`)."""
-    if fuse:
-        tensors, biases = fuse_gate_up(tensors, biases)
+    gate and up become one "gate_up" projection (read it with `gate_and_up`). The codes form keeps
+    gate and up apart: its kernels read each from the vault's layout, fusing saves nothing there."""
     if path == "auto":
-        path = choose_path(dtype, max(t.bits for t in tensors))
+        path = choose_path(dtype, max(t.bits for t in tensors), shapes=[tuple(t.shape) for t in tensors])
     if path not in PATHS:
         raise SmoeError(f"unknown CPU kernel path {path!r} (auto, {', '.join(PATHS)})")
+    if fuse and path != "codes":
+        tensors, biases = fuse_gate_up(tensors, biases)
     weights, fallbacks = {}, []
     for t in tensors:
         if len(t.shape) != 2:
@@ -150,11 +181,13 @@ def prepare_expert(
         if path == "int4" and int4_fits(tuple(t.shape)):
             self_check(dtype)
             weights[t.role] = to_int4(t, dtype)
+        elif path == "codes" and kernels_numba.codes_fit(tuple(t.shape), t.bits):
+            weights[t.role] = to_codes(t)
         else:
-            fallbacks += [t.role] if path == "int4" else []
+            fallbacks += [t.role] if path != "dequant" else []
             weights[t.role] = t.decode(dtype)
     cast = {role: b.to(dtype).contiguous() for role, b in biases.items()}
-    held = sum(w.nbytes if isinstance(w, Int4Weight) else tensor_nbytes(w) for w in weights.values())
+    held = sum(tensor_nbytes(w) if isinstance(w, torch.Tensor) else w.nbytes for w in weights.values())
     held += sum(tensor_nbytes(b) for b in cast.values())
     return PreparedExpert(tuple(t.role for t in tensors), path, weights, cast, held, tuple(fallbacks))
 
@@ -163,6 +196,9 @@ def linear(x: torch.Tensor, expert: PreparedExpert, role: str) -> torch.Tensor:
     """x [T, in] -> [T, out] in x's dtype (the dtype the expert was prepared for), bias added."""
     w = expert.weights[role]
     bias = expert.biases.get(role)
+    if isinstance(w, CodesWeight):
+        y = codes_linear(x, w)
+        return y if bias is None else y.add_(bias)
     if not isinstance(w, Int4Weight):
         return F.linear(x, w, bias)
     if x.shape[0] >= DENSE_FROM_TOKENS and kernel_layout() is not None:
@@ -171,6 +207,44 @@ def linear(x: torch.Tensor, expert: PreparedExpert, role: str) -> torch.Tensor:
         return x.new_empty(0, w.packed.shape[0])
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w.packed, KERNEL_GROUP, w.scales_zeros)
     return y if bias is None else y.add_(bias)
+
+
+# --- the codes form ------------------------------------------------------------------------------
+
+
+def to_codes(t: QuantisedTensor) -> CodesWeight:
+    """The vault's codes laid out one padded row per output, with fp16 scales turned into fp32 steps
+    once (decode()'s d)."""
+    out, inp = t.shape
+    lead, width = kernels_numba.row_layout((out, inp))
+    steps = (t.scales.to(torch.float32) / codec.half_range(t.bits)).numpy()
+    codes = np.empty((out, width * t.bits // 8), dtype=np.uint8)
+    padded_steps = np.empty((out, width // codec.GROUP_SIZE), dtype=np.float32)
+    kernels_numba.pad_rows(t.codes.contiguous().numpy().reshape(-1), steps, t.bits, out, inp, lead, width,
+                           codes, padded_steps)
+    return CodesWeight(codes, padded_steps, lead, (out, inp))
+
+
+def codes_linear(x: torch.Tensor, w: CodesWeight) -> torch.Tensor:
+    """Few tokens: the compiled code matvec per token, in fp32. Many: decode a dense fp32 temporary
+    once (exactly decode()'s weights) and F.linear, which is faster from CODES_DENSE_FROM_TOKENS."""
+    out, inp = w.shape
+    xf = x.to(torch.float32).contiguous()
+    if x.shape[0] >= CODES_DENSE_FROM_TOKENS:
+        return F.linear(xf, codes_dense(w)).to(x.dtype)
+    y = np.empty((x.shape[0], out), dtype=np.float32)
+    phases, prefix = kernels_numba.activation_buffers(inp)
+    for row, v in zip(y, xf.numpy()):
+        kernels_numba.split_activation(v, phases, prefix)
+        kernels_numba.code_matvec(w.codes, w.steps, w.lead, phases, prefix, row)
+    return torch.from_numpy(y).to(x.dtype)
+
+
+def codes_dense(w: CodesWeight) -> torch.Tensor:
+    """The decoded [out, in] fp32 weight."""
+    dense = np.empty(w.shape, dtype=np.float32)
+    kernels_numba.decode_codes(w.codes, w.steps, w.lead, w.shape[1], dense)
+    return torch.from_numpy(dense)
 
 
 # --- the int4 form -------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from transformers.integrations.moe import ExpertsInterface
 
 from smoe import kernels_cpu
+from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.store import ExpertStore, default_cache_bytes
 from smoe.vault import Vault
@@ -148,7 +149,9 @@ class StreamingModel:
     """A vault opened for inference on CPU: trunk resident, experts streamed through the store."""
 
     def __init__(self, vault_dir, dtype: str | torch.dtype = "bfloat16", cache_bytes: int | None = None,
-                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto"):
+                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", device: str = "cpu",
+                 gpu_cache_bytes: int | None = None):
+        self.device = resolve_device(device)
         self.vault = Vault(vault_dir)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.config = AutoConfig.from_pretrained(self.vault.dir)
@@ -162,7 +165,14 @@ class StreamingModel:
         self.model.requires_grad_(False)  # inference only: no autograd graph, also when called directly
         self.engine = ExpertsEngine(self.store, tuple(self.vault.meta["roles"]))
         self.attach_experts()
-        self.check_budget()
+        self.gpu = None
+        if self.device.type == "cuda" and device == "auto" and not gpu_supported(self):
+            self.device = torch.device("cpu")  # auto: the families the GPU path lacks run on the CPU
+        if self.device.type == "cuda":
+            self.gpu = GpuRuntime(self, gpu_cache_bytes, host_cache_bytes=cache_bytes or 0, threads=threads,
+                                  direct_io=direct_io)
+        else:
+            self.check_budget()
 
     def attach_experts(self) -> None:
         for layer, module in experts_modules(self.model, self.vault).items():
@@ -181,6 +191,8 @@ class StreamingModel:
         `positions`; kept between calls and regrown (doubling) when a longer sequence comes."""
         from smoe import fast_decode
 
+        if self.gpu is not None:
+            return self.gpu.decoder(positions)
         if not fast_decode.supports(self):
             return None
         current = getattr(self, "_lean", None)
@@ -197,12 +209,79 @@ class StreamingModel:
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits [B, T, V] in fp32."""
+        """Teacher-forced logits [B, T, V] in fp32 (on the CPU)."""
+        if self.gpu is not None:
+            return torch.stack([self.gpu.decoder(row.numel()).forward(row.tolist()).cpu() for row in input_ids])
         return self.model(input_ids=input_ids, use_cache=False).logits.float()
 
+    def cache_stats(self) -> dict:
+        """hits, misses, bytes_read, wait_seconds of whichever expert cache runs the experts."""
+        return (self.gpu.decoder_stats() if self.gpu is not None else self.store.stats.as_dict())
+
     def close(self) -> None:
+        if self.gpu is not None:
+            self.gpu.close()
         self.store.close()
         self.vault.close()
+
+
+class GpuRuntime:
+    """The GPU side of a StreamingModel: one GpuDecoder (trunk on the GPU, GPU expert cache), made on
+    first use and remade with a longer KV cache when a longer sequence comes."""
+
+    def __init__(self, sm: StreamingModel, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
+                 direct_io: bool):
+        if not gpu_supported(sm):
+            raise SmoeError(f"the GPU runtime runs the Qwen3-MoE and Mixtral layouts; {sm.vault.meta['family']} "
+                            "runs on the CPU (--device cpu)")
+        self.sm, self.host_cache_bytes, self.threads, self.direct_io = sm, host_cache_bytes, threads, direct_io
+        self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
+        self._decoder = None
+        self.decoder(1)  # fail early: budget too small, out of memory
+
+    def decoder(self, positions: int):
+        from smoe.gpu_decode import GpuDecoder
+
+        current = self._decoder
+        if current is None or current.max_positions < positions:
+            limit = self.sm.max_positions or positions
+            capacity = min(max(positions, 2 * current.max_positions if current else 1024), limit)
+            if capacity < positions:
+                raise SmoeError(f"sequence of {positions} tokens exceeds the model's context of {limit}")
+            stats = current.cache.stats if current else None
+            if current is not None:
+                current.close()
+                self._decoder = None
+                torch.cuda.empty_cache()
+            self._decoder = GpuDecoder(self.sm, self.sm.device, self.gpu_cache_bytes, capacity, self.host_cache_bytes,
+                                       threads=self.threads, direct_io=self.direct_io)
+            if stats is not None:
+                self._decoder.cache.stats = stats
+        self._decoder.reset()
+        return self._decoder
+
+    def decoder_stats(self) -> dict:
+        return self._decoder.cache.stats.as_dict()
+
+    def close(self) -> None:
+        if self._decoder is not None:
+            self._decoder.close()
+
+
+def gpu_supported(sm: StreamingModel) -> bool:
+    from smoe import fast_decode
+
+    return fast_decode.supports(sm)
+
+
+def default_gpu_cache_bytes(sm: StreamingModel) -> int:
+    """Every expert when they fit in 80% of the GPU memory free after the trunk, else that 80%."""
+    from smoe.gpu_cache import blob_slot_bytes
+
+    everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
+    free, _ = torch.cuda.mem_get_info(sm.device)
+    trunk = sum(p.numel() * p.element_size() for p in sm.model.parameters() if p.device.type != "meta")
+    return int(min(everything, 0.8 * max(free - trunk, 0)))
 
 
 def as_sized(prepared) -> tuple[object, int]:

@@ -10,10 +10,11 @@ from smoe import codec, kernels_cpu as kc, vault
 from smoe.errors import SmoeError
 
 # [out, in]: whole 64-row blocks; a partial block (112 = 64 + 48); the small model's gate/up and its
-# 96-wide down (groups span rows: no int4); out not a multiple of 16 (no int4).
-SHAPES = [(128, 256), (112, 192), (96, 384), (384, 96), (40, 128)]
+# 96-wide down (groups span rows: no int4); out not a multiple of 16 (no int4); in = 200 (rows start
+# at many offsets inside a group).
+SHAPES = [(128, 256), (112, 192), (96, 384), (384, 96), (40, 128), (33, 200)]
 INT4_SHAPES = [s for s in SHAPES if kc.int4_fits(s)]
-TOKENS = [1, 3, 64]
+TOKENS = [1, 2, 3, 64]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -146,7 +147,37 @@ def test_auto_picks_int4_for_bf16_on_vectorised_builds_and_dequant_otherwise():
     assert kc.choose_path(torch.float16, 4) == "dequant"
     assert kc.choose_path(torch.bfloat16, 4, tokens=kc.INT4_MAX_TOKENS + 1) == "dequant"
     t = kc.random_quantised((128, 256), 4)
-    assert kc.prepare_expert([t], {}, torch.float32).path == "dequant"
+    assert kc.prepare_expert([t], {}, torch.float32).path == "codes"  # a small expert: the compiled kernels
+
+
+def test_auto_picks_codes_for_small_experts_and_the_torch_paths_for_large_ones():
+    small, large = [(192, 384), (384, 96)], [(768, 2048), (2048, 768)]
+    vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    for dtype in DTYPES:
+        assert kc.choose_path(dtype, 4, shapes=small) == "codes"
+        assert kc.choose_path(dtype, 2, shapes=small) == "codes"
+        assert kc.choose_path(dtype, 4, shapes=large) == ("int4" if vectorised and dtype == torch.bfloat16 else "dequant")
+    assert kc.choose_path(torch.bfloat16, 2, shapes=[(40, 38)]) != "codes"  # a Q2 row must start on a byte
+    assert kc.choose_path(torch.bfloat16, 4, tokens=kc.INT4_MAX_TOKENS + 1, shapes=small) == "dequant"
+
+
+def test_codes_form_holds_the_vault_bytes_and_counts_them():
+    shapes = {"gate": (192, 384), "down": (384, 96)}
+    tensors = [kc.random_quantised(s, 4, role=r) for r, s in shapes.items()]
+    expert = kc.prepare_expert(tensors, {}, torch.bfloat16, "codes", fuse=True)
+    assert expert.path == "codes" and not expert.fallbacks and expert.roles == ("gate", "down")
+    gate, down = expert.weights["gate"], expert.weights["down"]
+    assert gate.codes.nbytes == 192 * 384 // 2 and gate.steps.nbytes == 4 * 192 * 384 // 64  # as stored
+    assert down.codes.shape == (384, 128 // 2)  # rows starting mid-group padded to whole groups
+    assert expert.nbytes == sum(w.codes.nbytes + w.steps.nbytes for w in (gate, down))
+
+
+def test_codes_path_falls_back_to_dequant_for_rows_not_starting_on_a_byte():
+    t = kc.random_quantised((40, 38), 2, role="down")
+    expert = kc.prepare_expert([t], {}, torch.float32, "codes")
+    assert expert.fallbacks == ("down",) and isinstance(expert.weights["down"], torch.Tensor)
+    x = activations(2, 38, torch.float32)
+    assert torch.equal(kc.linear(x, expert, "down"), F.linear(x, t.decode()))
 
 
 def test_unknown_path_and_depth_are_refused():

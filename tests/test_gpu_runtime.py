@@ -1,0 +1,288 @@
+"""The GPU runtime: expert cache slots, host tier, reads, and the segmented decoder.
+
+Without a GPU the same code runs on a CPU "device" (plain memory, synchronous copies, experts by the
+reference decode+matmul or, in a child process, the Triton interpreter); the CUDA tests at the end
+run where there is a GPU (scripts/h200_runtime.sh runs them on an H200).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from smoe.dequantize import dequantize
+from smoe.errors import SmoeError
+from smoe.evaluate import load_reference
+from smoe.gpu_cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
+from smoe.gpu_decode import GpuDecoder
+from smoe.runtime import StreamingModel
+from smoe.sculpt import sculpt
+from smoe.tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_config
+from smoe.vault import DATA_FILE, Vault
+
+TOLERANCE = 1e-4  # fp32: the same weights, another summation order
+CUDA = torch.cuda.is_available()
+
+
+def build(tmp_path: Path, family: str, bits: int = 4) -> tuple[Path, Path]:
+    save_tiny_model(family, tmp_path / "model", seed=2)
+    sculpt(tmp_path / "model", tmp_path / "vault", bits=bits, progress=False)
+    dequantize(tmp_path / "vault", tmp_path / "reference", dtype=torch.float32)
+    return tmp_path / "vault", tmp_path / "reference"
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float().cpu() - b.float().cpu()).abs().max() / a.float().abs().max())
+
+
+def decode_in_pieces(dec: GpuDecoder, ids: list[int]) -> torch.Tensor:
+    """Logits of every position: a prefill, single-token steps, then a second prefill."""
+    pieces = [ids[:20], *[[t] for t in ids[20:28]], ids[28:]]
+    return torch.cat([dec.forward(p).reshape(len(p), -1).cpu() for p in pieces])
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_vault(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu")
+    return build(tmp, "qwen3_moe")
+
+
+def blob_in_slot(cache: GpuExpertCache, offset: int, layer: int, expert: int) -> bool:
+    size = cache.vault.entry(layer, expert).size
+    return bytes(cache.pool[offset: offset + size].cpu().numpy()) == cache.vault.read_blob(layer, expert)
+
+
+def test_cache_slots_hold_the_vault_blobs_and_evict_least_recently_used(tiny_vault):
+    vault_dir, _ = tiny_vault
+    with Vault(vault_dir) as v:
+        cache = GpuExpertCache(v, 3 * blob_slot_bytes(v), "cpu", top_k=2)
+        layer = v.meta["moe_layers"][0]
+        first = cache.offsets(layer, [0, 1])
+        assert all(blob_in_slot(cache, off, layer, e) for off, e in zip(first, [0, 1]))
+        assert cache.stats.misses == 2 and cache.stats.hits == 0
+        cache.offsets(layer, [0])  # 0 is now the most recent: 1 goes first
+        cache.offsets(layer, [2, 3])
+        assert cache.resident(layer, 0) and not cache.resident(layer, 1)
+        again = cache.offsets(layer, [3, 0, 3])  # repeats keep their order
+        assert again[0] == again[2] and blob_in_slot(cache, again[1], layer, 0) and blob_in_slot(cache, again[0], layer, 3)
+        assert cache.stats.hits == 3
+        cache.close()
+
+
+def test_host_tier_serves_experts_evicted_from_the_gpu(tiny_vault):
+    vault_dir, _ = tiny_vault
+    with Vault(vault_dir) as v:
+        slot = blob_slot_bytes(v)
+        cache = GpuExpertCache(v, 2 * slot, "cpu", top_k=2, host_bytes=len(v.entries) * slot)
+        layer = v.meta["moe_layers"][0]
+        cache.offsets(layer, [0, 1])
+        cache.offsets(layer, [2, 3])  # evicts 0 and 1 from the GPU slots; the host tier keeps them
+        read = cache.stats.bytes_read
+        off = cache.offsets(layer, [0, 1])
+        assert cache.stats.host_hits == 2 and cache.stats.bytes_read == read
+        assert blob_in_slot(cache, off[0], layer, 0) and blob_in_slot(cache, off[1], layer, 1)
+        cache.close()
+
+
+def test_gpu_budget_below_one_tokens_experts_is_an_error_saying_the_minimum(tiny_vault):
+    vault_dir, _ = tiny_vault
+    with Vault(vault_dir) as v:
+        need = min_gpu_budget(v, 2)
+        with pytest.raises(SmoeError, match=f"at least .*{need:,} bytes"):
+            GpuExpertCache(v, need - 1, "cpu", top_k=2)
+
+
+def test_corrupt_blob_fails_naming_layer_and_expert_and_is_not_cached(tiny_vault, tmp_path):
+    import shutil
+
+    vault_dir, _ = tiny_vault
+    bad = tmp_path / "bad"
+    shutil.copytree(vault_dir, bad)
+    with Vault(bad) as v:
+        layer = v.meta["moe_layers"][0]
+        entry = v.entry(layer, 1)
+    with open(bad / DATA_FILE, "r+b") as f:
+        f.seek(entry.offset + 10)
+        byte = f.read(1)
+        f.seek(entry.offset + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with Vault(bad) as v:
+        cache = GpuExpertCache(v, 4 * blob_slot_bytes(v), "cpu", top_k=2)
+        with pytest.raises(SmoeError, match=f"layer {layer} expert 1: checksum mismatch"):
+            cache.offsets(layer, [0, 1])
+        assert cache.resident(layer, 0) and not cache.resident(layer, 1)
+        cache.close()
+
+
+def test_direct_io_reads_the_same_bytes(tiny_vault):
+    vault_dir, _ = tiny_vault
+    with Vault(vault_dir) as v:
+        try:
+            cache = GpuExpertCache(v, 4 * blob_slot_bytes(v), "cpu", top_k=2, direct_io=True)
+        except SmoeError as err:
+            pytest.skip(f"this filesystem refuses O_DIRECT: {err}")
+        layer = v.meta["moe_layers"][-1]
+        off = cache.offsets(layer, [2, 0])
+        assert blob_in_slot(cache, off[0], layer, 2) and blob_in_slot(cache, off[1], layer, 0)
+        cache.close()
+
+
+# --- the decoder ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
+    vault, reference = build(tmp_path, family, bits)
+    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    top_k = sm.vault.meta["top_k"]
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k), max_positions=64)  # one token's experts: evictions
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = decode_in_pieces(dec, ids)
+    want = load_reference(reference)(torch.tensor([ids]))[0]
+    assert relative_error(want, got) < TOLERANCE
+    assert dec.cache.stats.misses > dec.cache.stats.hits > 0
+
+
+def test_prefill_wider_than_the_cache_runs_in_token_chunks(tiny_vault):
+    vault, reference = tiny_vault
+    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=64)
+    ids = list(range(3, 43))  # 40 tokens route to every expert of a layer, more than the 2 slots
+    got = dec.forward(ids).cpu()
+    want = load_reference(reference)(torch.tensor([ids]))[0]
+    assert relative_error(want, got) < TOLERANCE
+
+
+def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):
+    vault, reference = tiny_vault
+    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    with Vault(vault) as v:
+        everything = blob_slot_bytes(v) * len(v.entries)
+    dec = GpuDecoder(sm, "cpu", everything, max_positions=64)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(4)).tolist()
+    got = decode_in_pieces(dec, ids)
+    assert dec.table is not None
+    reads = dec.cache.stats.misses
+    assert reads == len(dec.vault.entries)  # each expert read once, up front
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+def test_sequence_longer_than_the_decoder_cache_is_an_error(tiny_vault):
+    vault, _ = tiny_vault
+    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=16)
+    with pytest.raises(SmoeError, match="longer than the decoder's cache"):
+        dec.forward(list(range(17)))
+
+
+INTERPRETED = """
+import sys, torch
+from smoe.runtime import StreamingModel
+from smoe.gpu_decode import GpuDecoder
+from smoe.gpu_cache import min_gpu_budget
+sm = StreamingModel(sys.argv[1], dtype="float32", kernel_path="dequant")
+dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
+ids = list(range(5, 17))
+logits = torch.cat([dec.forward(ids[:8]), *[dec.forward([t]) for t in ids[8:]]])
+torch.save(logits, sys.argv[2])
+"""
+
+
+def build_kernel_sized(tmp_path: Path, family: str, bits: int = 4) -> tuple[Path, Path]:
+    """A tiny model whose expert widths are multiples of 64, so the Triton kernels (not the
+    decode-then-matmul fallback) run, and with them the CUDA graphs."""
+    import transformers
+
+    config = tiny_config(family)
+    setattr(config, "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size", 64)
+    config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.05)
+    model.save_pretrained(tmp_path / "model")
+    save_tiny_tokenizer(tmp_path / "model", config.vocab_size)
+    sculpt(tmp_path / "model", tmp_path / "vault", bits=bits, progress=False)
+    dequantize(tmp_path / "vault", tmp_path / "reference", dtype=torch.float32)
+    return tmp_path / "vault", tmp_path / "reference"
+
+
+def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(tmp_path):
+    build_kernel_sized(tmp_path, "qwen3_moe")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt")],
+                   check=True, env=env, timeout=600)
+    got = torch.load(tmp_path / "out.pt")
+    want = load_reference(tmp_path / "reference")(torch.tensor([list(range(5, 17))]))[0]
+    assert relative_error(want, got) < 1e-4
+
+
+# --- choosing the device -------------------------------------------------------------------------
+
+
+def smoe_cli(*args):
+    return subprocess.run([sys.executable, "-m", "smoe.cli", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the machine without a GPU")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(tiny_vault):
+    vault, _ = tiny_vault
+    r = smoe_cli("generate", vault, "-p", "the", "--max-tokens", "2", "--device", "cuda")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "smoe: error: --device cuda: no CUDA device is available" in r.stderr
+
+
+@pytest.mark.skipif(CUDA, reason="checks the machine without a GPU")
+def test_device_auto_without_a_gpu_runs_on_the_cpu(tiny_vault):
+    vault, _ = tiny_vault
+    r = smoe_cli("generate", vault, "-p", "the", "--max-tokens", "3", "--device", "auto", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 3
+
+
+# --- on a GPU ------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one by scripts/h200_runtime.sh)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("resident", [False, True])
+def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):
+    vault, reference = build_kernel_sized(tmp_path, family, bits)
+    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    with Vault(vault) as v:
+        budget = blob_slot_bytes(v) * len(v.entries) if resident else min_gpu_budget(v, v.meta["top_k"])
+    dec = GpuDecoder(sm, "cuda", budget, max_positions=64)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = decode_in_pieces(dec, ids)
+    # the single-token steps after the first replayed captured graphs
+    assert (dec.whole_token if resident else dec.segments) is not None
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+@needs_cuda
+def test_cuda_out_of_memory_is_a_one_line_error_naming_the_option():
+    from smoe.gpu_cache import allocate
+
+    with pytest.raises(SmoeError, match="out of memory allocating the GPU expert cache .* smaller --gpu-cache-gb"):
+        allocate(1 << 50, torch.device("cuda"), "GPU expert cache", "--gpu-cache-gb")
+
+
+@needs_cuda
+def test_cuda_generate_cli_streams_text_and_reports_gpu_cache_stats(tmp_path):
+    vault, _ = build_kernel_sized(tmp_path, "qwen3_moe")
+    r = smoe_cli("generate", vault, "-p", "the sea", "--max-tokens", "8", "--device", "cuda", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == 8 and out["stats"]["hits"] + out["stats"]["misses"] > 0
