@@ -219,7 +219,7 @@ def gpu_bytes_per_token(dec, position: int) -> int:
         for t in (w.qkv, w.o, w.router, w.input_norm, w.post_norm):
             trunk += t.numel() * t.element_size() if t is not None else 0
     experts = sum(dec.top_k * dec.cache.vault.entry(layer, 0).size for layer in dec.layouts)
-    kv = 2 * len(dec.layers) * dec.kv_heads * position * dec.head_dim * dec.k_cache.element_size()
+    kv = 2 * len(dec.layers) * dec.kv_heads * position * dec.head_dim * dec.k_cache[0].element_size()
     return trunk + experts + kv
 
 

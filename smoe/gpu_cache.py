@@ -119,6 +119,9 @@ class GpuExpertCache:
         self.host = allocate(n_host * host_slot, torch.device("cpu"), "host expert cache", "--cache-gb",
                              pinned=self.cuda).view(n_host, host_slot)
         self.host_lru = SlotLRU(n_host)
+        # one view per slot, made once: slicing per copy costs more host time than the copy call itself
+        self.gpu_views = list(self.pool.view(self.n_slots, self.slot_bytes).unbind(0))
+        self.host_views = [self.host[i, :self.slot_bytes] for i in range(n_host)]
         self.host_events: list = [None] * n_host  # the last copy out of each host slot
         self.copied_from: list[int] = []  # host slots copied since the last mark_copies
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -173,7 +176,7 @@ class GpuExpertCache:
             hslot = self.host_lru.get(key)
             if hslot is not None:  # in the host tier: copy it up
                 self.stats.host_hits += 1
-                self.copy_up(hslot, gslot, self.vault.entry(layer, e).size)
+                self.copy_up(hslot, gslot)
                 continue
             hslot = self.host_lru.take(key, staged)
             self.wait_host_slot(hslot)
@@ -191,20 +194,19 @@ class GpuExpertCache:
                 failure = failure or err
                 continue
             self.stats.bytes_read += entry.size
-            self.copy_up(hslot, gslot, entry.size)
+            self.copy_up(hslot, gslot)
         self.stats.wait_seconds += time.perf_counter() - start
         self.mark_copies()
         if failure is not None:
             raise failure
         return placed
 
-    def copy_up(self, hslot: int, gslot: int, size: int) -> None:
-        dst = self.pool[gslot * self.slot_bytes: gslot * self.slot_bytes + size]
-        src = self.host[hslot, :size]
-        dst.copy_(src, non_blocking=self.stream is not None)  # on the side stream (see fill)
+    def copy_up(self, hslot: int, gslot: int) -> None:
+        """Host slot -> GPU slot, whole slots (a blob and its padding), on the side stream (see fill)."""
+        self.gpu_views[gslot].copy_(self.host_views[hslot], non_blocking=self.stream is not None)
         if self.stream is not None:
             self.copied_from.append(hslot)
-        self.stats.bytes_copied += size
+        self.stats.bytes_copied += self.slot_bytes
 
     def mark_copies(self) -> None:
         """One event after a wave's copies guards every host slot they read from."""

@@ -22,6 +22,8 @@ kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, th
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 
 import torch
@@ -49,6 +51,7 @@ class GpuLayer:
         self.qkv, self.o = put(attn.smoe_qkv), put(attn.o_proj.weight)
         self.q_norm = put(attn.q_norm.weight) if qk_norm else None
         self.k_norm = put(attn.k_norm.weight) if qk_norm else None
+        self.qk_norm = None
         if qk_norm:  # [heads + kv_heads, head_dim]: q and k normalised in one kernel
             heads = attn.config.num_attention_heads
             kv_heads = attn.config.num_key_value_heads
@@ -85,6 +88,9 @@ class GpuDecoder:
         # graphs need every layer on the Triton kernels: the decode-then-matmul fallback syncs
         self.graphs = graphs and self.device.type == "cuda" and kernel_path != "reference" and all(
             layout.unsupported() is None for layout in self.layouts.values())
+        # inductor fuses a single-token step's small kernels (SMOE_COMPILE=0: eager, as on the CPU)
+        compile_ok = self.graphs and os.environ.get("SMOE_COMPILE", "1") != "0"
+        self.block = compiled_attention_block() if compile_ok else attention_block
         self.segments: list | None = None  # captured CUDA graphs, one per segment
         self.whole_token = None  # one graph for the whole token when every expert is resident
         self.table = None  # [layers, experts] blob offsets in the pool (whole-token mode)
@@ -105,8 +111,8 @@ class GpuDecoder:
         cos, sin = rope_tables(base.rotary_emb, max_positions, self.head_dim)
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         shape = (1, self.kv_heads, max_positions, self.head_dim)
-        self.k_cache = torch.zeros((len(self.layers), *shape), dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.positions = torch.arange(max_positions, device=self.device)
         self.pos = 0
 
@@ -123,13 +129,8 @@ class GpuDecoder:
         x = self.embed[torch.tensor(ids, device=self.device)].to(ACT)
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
-            x = x + self.attention(i, w, x, pos)
-            h = F.rms_norm(x, x.shape[-1:], w.post_norm, self.eps).to(self.dtype)
-            if w.moe:
-                top_i, top_w = self.route(i, w, h)
-                x = x + self.experts_chunked(i, h, top_i, top_w)
-            else:
-                x = x + dense_mlp(w.dense, h)
+            x, h, top_i, top_w = attention_block(x, None, pos, **self.block_args(i))
+            x = x + (self.experts_chunked(i, h, top_i, top_w) if w.moe else dense_mlp(w.dense, h))
         self.pos = start + t
         return self.logits(x)
 
@@ -150,32 +151,13 @@ class GpuDecoder:
 
     # --- the pieces of a layer -------------------------------------------------------------------
 
-    def attention(self, i: int, w: GpuLayer, x, pos):
-        """Attention of tokens at positions `pos` (a device tensor) over the cache up to them; the output
-        is in the model's dtype (adding it to the fp32 residual is one kernel)."""
-        t, hd = x.shape[0], self.head_dim
-        h = F.rms_norm(x, x.shape[-1:], w.input_norm, self.eps).to(self.dtype)
-        q, k, v = F.linear(h, w.qkv).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        qk = torch.cat([q.view(t, self.heads, hd), k.view(t, self.kv_heads, hd)], dim=1)
-        if w.q_norm is not None:  # one norm over q and k heads: their weights side by side
-            qk = F.rms_norm(qk, (hd,), eps=self.eps) * w.qk_norm
-        q, k = rotate(qk, self.cos[pos][:, None], self.sin[pos][:, None]).split([self.heads, self.kv_heads], dim=1)
-        self.k_cache[i, 0].index_copy_(1, pos, k.transpose(0, 1))
-        self.v_cache[i, 0].index_copy_(1, pos, v.view(t, self.kv_heads, hd).transpose(0, 1))
-        # every cached position up to each token's own: a mask over the whole static cache, so the
-        # shapes never change and the step can be captured in a graph
-        visible = self.positions[None, :] <= pos[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.k_cache[i], self.v_cache[i],
-                                             attn_mask=visible[None, None], enable_gqa=True)
-        return F.linear(out[0].transpose(0, 1).reshape(t, -1), w.o)
-
-    def route(self, i: int, w: GpuLayer, h):
-        logits = F.linear(h, w.router).float()
-        if self.normalize:  # softmax then renormalising the top k = softmax over the top-k logits
-            top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)
-            return top_i, torch.softmax(top_logits, dim=-1)
-        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
-        return top_i, top_w
+    def block_args(self, i: int) -> dict:
+        """Everything attention_block needs for layer i but the residual and the positions."""
+        w = self.layers[i]
+        return dict(k_cache=self.k_cache[i], v_cache=self.v_cache[i], positions=self.positions, cos=self.cos,
+                    sin=self.sin, input_norm=w.input_norm, qkv=w.qkv, qk_norm=w.qk_norm, o=w.o,
+                    post_norm=w.post_norm, router=w.router, heads=self.heads, kv_heads=self.kv_heads, eps=self.eps,
+                    top_k=self.top_k, normalize=self.normalize, dtype=self.dtype)
 
     def logits(self, x):
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
@@ -214,21 +196,29 @@ class GpuDecoder:
         s = self.static
         if seg == 0:
             s.x.copy_(self.embed[s.token].to(ACT))
-        if seg > 0:
+            added = None
+        else:
             prev = self.layers[seg - 1]
-            s.x += self.experts_one(seg - 1, s.offsets) if prev.moe else dense_mlp(prev.dense, s.h)
+            added = self.experts_one(seg - 1, s.offsets) if prev.moe else dense_mlp(prev.dense, s.h)
         if seg == len(self.layers):
-            s.logits.copy_(self.logits(s.x))
+            s.logits.copy_(self.logits(s.x + added))
             return
-        w = self.layers[seg]
-        s.x += self.attention(seg, w, s.x, s.pos)
-        s.h.copy_(F.rms_norm(s.x, s.x.shape[-1:], w.post_norm, self.eps))
-        if w.moe:
-            top_i, top_w = self.route(seg, w, s.h)
-            if self.route_replay is not None:
-                top_i = self.route_replay[s.step, seg]
-            s.top_i.copy_(top_i)
+        x, h, top_i, top_w = self.run_block(s.x, added, s.pos, self.block_args(seg))
+        s.x.copy_(x)
+        s.h.copy_(h)
+        if top_i is not None:
+            s.top_i.copy_(self.route_replay[s.step, seg] if self.route_replay is not None else top_i)
             s.top_w.copy_(top_w)
+
+    def run_block(self, x, added, pos, args):
+        try:
+            return self.block(x, added, pos, **args)
+        except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
+            if self.block is attention_block:
+                raise
+            kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
+            self.block = attention_block
+            return self.block(x, added, pos, **args)
 
     def experts_one(self, i: int, offsets):
         s = self.static
@@ -279,6 +269,47 @@ class GpuDecoder:
 
     def close(self) -> None:
         self.cache.close()
+
+
+def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qk_norm, o, post_norm,
+                    router, heads: int, kv_heads: int, eps: float, top_k: int, normalize: bool, dtype):
+    """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
+    (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
+    cache, then the experts' input h and the routing (top-k ids and weights; None for a dense layer).
+    A pure function of its tensors, so that it can be compiled once and serve every layer."""
+    if added is not None:
+        x = x + added
+    t, hd = x.shape[0], cos.shape[-1]
+    h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
+    q, k, v = F.linear(h, qkv).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    qk = torch.cat([q.view(t, heads, hd), k.view(t, kv_heads, hd)], dim=1)
+    if qk_norm is not None:  # one norm over q and k heads: their weights side by side
+        qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
+    q, k = rotate(qk, cos[pos][:, None], sin[pos][:, None]).split([heads, kv_heads], dim=1)
+    k_cache[0].index_copy_(1, pos, k.transpose(0, 1))
+    v_cache[0].index_copy_(1, pos, v.view(t, kv_heads, hd).transpose(0, 1))
+    # every cached position up to each token's own: a mask over the whole static cache, so the shapes
+    # never change and the step can be captured in a graph
+    visible = positions[None, :] <= pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, attn_mask=visible[None, None],
+                                         enable_gqa=True)
+    x = x + F.linear(out[0].transpose(0, 1).reshape(t, -1), o)
+    h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
+    if router is None:
+        return x, h, None, None
+    logits = F.linear(h, router).float()
+    if normalize:  # softmax then renormalising the top k = softmax over the top-k logits
+        top_logits, top_i = torch.topk(logits, top_k, dim=-1)
+        return x, h, top_i, torch.softmax(top_logits, dim=-1)
+    top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    return x, h, top_i, top_w
+
+
+@functools.cache
+def compiled_attention_block():
+    """attention_block compiled by inductor: its ~30 small kernels fused into a few (one compile serves
+    every layer and every decoder of the process; shapes are static in single-token steps)."""
+    return torch.compile(attention_block, fullgraph=True, dynamic=False)
 
 
 class StaticBuffers:

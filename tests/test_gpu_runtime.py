@@ -286,3 +286,41 @@ def test_cuda_generate_cli_streams_text_and_reports_gpu_cache_stats(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) == 8 and out["stats"]["hits"] + out["stats"]["misses"] > 0
+
+
+# --- the decode benchmark's model, on the CPU ---------------------------------------------------
+
+SMALL_30B_LIKE = {"hidden_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_experts": 8,
+                  "num_experts_per_tok": 2, "vocab_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 32, "bos_token_id": 0, "eos_token_id": 1}
+
+
+def test_benchmark_vault_has_the_config_shapes_and_replayed_routing_picks_the_experts(tmp_path):
+    import numpy as np
+
+    from smoe.bench_decode import QWEN3_30B, gpu_bytes_per_token, write_model_vault
+
+    cfg = dict(QWEN3_30B) | SMALL_30B_LIKE
+    vault = write_model_vault(tmp_path / "v", cfg, progress=False)
+    with Vault(vault) as v:
+        assert len(v.entries) == 2 * 8 and v.meta["expert_shapes"]["down"] == [128, 64]
+    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    replay = np.array([[[3, 5], [7, 0]], [[1, 2], [4, 6]]])  # [steps, layers, k]
+    # four slots: one token's experts of both layers stay resident
+    dec = GpuDecoder(sm, "cpu", 4 * blob_slot_bytes(sm.vault), max_positions=8, route_replay=torch.from_numpy(replay))
+    for step in range(2):
+        dec.replay_step = step
+        dec.forward([step + 2])
+        assert dec.static.top_i[0].tolist() == replay[step, -1].tolist()  # the last layer's experts
+        assert all(dec.cache.resident(layer, e) for layer, e in enumerate(replay[step]) for e in e)
+    blob = sm.vault.entry(0, 0).size
+    trunk = sum(t.numel() * 4 for w in dec.layers for t in (w.qkv, w.o, w.router, w.input_norm, w.post_norm))
+    kv = 2 * 2 * 2 * 5 * 32 * 4
+    assert gpu_bytes_per_token(dec, 5) == dec.lm_head.numel() * 4 + trunk + 2 * 2 * blob + kv
+
+
+@pytest.mark.skipif(CUDA, reason="checks the machine without a GPU")
+def test_bench_decode_without_a_gpu_is_a_one_line_error(tmp_path):
+    r = smoe_cli("bench", "decode", "--workdir", tmp_path, "--no-baseline")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "smoe: error: smoe bench decode measures the GPU runtime: no CUDA device is available" in r.stderr
