@@ -41,21 +41,18 @@ class GpuLayer:
     """One decoder layer's trunk weights on the device."""
 
     def __init__(self, layer, qk_norm: bool, device, dtype):
-        def put(t):
-            return t.detach().to(device=device, dtype=dtype).contiguous()
+        def put(t, as_dtype=dtype):
+            return t.detach().to(device=device, dtype=as_dtype).contiguous()
 
         attn, mlp = layer.self_attn, layer.mlp
         fuse_qkv(attn)
-        fp32 = lambda t: t.detach().to(device=device, dtype=ACT).contiguous()  # norms of the fp32 residual
-        self.input_norm, self.post_norm = fp32(layer.input_layernorm.weight), fp32(layer.post_attention_layernorm.weight)
+        # the residual stream is fp32, so are the norms applied to it
+        self.input_norm, self.post_norm = put(layer.input_layernorm.weight, ACT), put(layer.post_attention_layernorm.weight, ACT)
         self.qkv, self.o = put(attn.smoe_qkv), put(attn.o_proj.weight)
-        self.q_norm = put(attn.q_norm.weight) if qk_norm else None
-        self.k_norm = put(attn.k_norm.weight) if qk_norm else None
         self.qk_norm = None
-        if qk_norm:  # [heads + kv_heads, head_dim]: q and k normalised in one kernel
-            heads = attn.config.num_attention_heads
-            kv_heads = attn.config.num_key_value_heads
-            self.qk_norm = torch.cat([self.q_norm.expand(heads, -1), self.k_norm.expand(kv_heads, -1)])
+        if qk_norm:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
+            heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+            self.qk_norm = torch.cat([put(attn.q_norm.weight).expand(heads, -1), put(attn.k_norm.weight).expand(kv_heads, -1)])
         self.moe = hasattr(mlp, "experts")
         self.router = put(mlp.gate.weight) if self.moe else None
         self.dense = None if self.moe else tuple(put(p.weight) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
