@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from smoe.errors import SmoeError
@@ -29,8 +31,6 @@ def cuda_problem() -> str | None:
     if capability < MIN_CAPABILITY:
         return (f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) is not supported; "
                 f"the GPU kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         return "the GPU kernels need the triton package"
     return None

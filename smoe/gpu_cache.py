@@ -31,7 +31,7 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.store import open_direct
-from smoe.vault import Vault, align, checksum
+from smoe.vault import Vault, align
 
 SLOT_ALIGNMENT = 64  # the kernels read codes as 32-bit words: a blob must start on 64 bytes (kernels_triton)
 STAGING_SLOTS = 32  # host slots when there is no host tier: enough to keep a layer's reads in flight
@@ -245,10 +245,7 @@ class GpuExpertCache:
                 got = os.preadv(self.vault.fd, [buf[:entry.size]], entry.offset)
         except OSError as err:
             raise SmoeError(f"{where}: read failed ({err})") from None
-        if got < entry.size:
-            raise SmoeError(f"{where}: blob truncated ({got} of {entry.size} bytes)")
-        if checksum(buf[:entry.size]) != entry.checksum:
-            raise SmoeError(f"{where}: checksum mismatch (corrupt blob)")
+        self.vault.check_blob(entry, buf[:got])
         return time.perf_counter() - start
 
     # --- lifetime --------------------------------------------------------------------------------

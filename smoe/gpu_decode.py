@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from smoe import kernels_triton
 from smoe.errors import SmoeError
-from smoe.fast_decode import SUPPORTED, check_room, fuse_qkv, rope_tables, rotate
+from smoe.fast_decode import SUPPORTED, check_room, dense_mlp, fuse_qkv, rope_tables, rotate
 from smoe.gpu_cache import GpuExpertCache
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
@@ -65,7 +65,7 @@ class GpuDecoder:
                  threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True,
                  route_replay: torch.Tensor | None = None):
         cfg = sm.config.get_text_config()
-        self.sm, self.vault, self.device, self.dtype = sm, sm.vault, torch.device(device), sm.dtype
+        self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
         self.eps, self.top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -94,7 +94,6 @@ class GpuDecoder:
 
     def load(self, sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io) -> None:
         """Trunk, expert cache and KV cache onto the device."""
-        cfg = sm.config.get_text_config()
         base = sm.model.model
         put = lambda t: t.detach().to(device=self.device, dtype=self.dtype).contiguous()
         self.embed, self.lm_head = put(base.embed_tokens.weight), put(sm.model.lm_head.weight)
@@ -315,7 +314,6 @@ class StaticBuffers:
 
     def __init__(self, dec: GpuDecoder, hidden: int):
         dev, k = dec.device, dec.top_k
-        self.dec = dec
         self.token = torch.zeros(1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
         self.x = torch.zeros(1, hidden, dtype=ACT, device=dev)
@@ -358,9 +356,3 @@ def layer_layout(vault, layer: int) -> kernels_triton.ExpertLayout:
     if len(layouts) != 1:
         raise SmoeError(f"layer {layer}: experts differ in layout (depths or shapes); the GPU kernels need one per layer")
     return layouts.pop()
-
-
-def dense_mlp(weights, h):
-    gate, up, down = weights
-    h = h.to(gate.dtype)
-    return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)

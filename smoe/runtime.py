@@ -158,8 +158,6 @@ class StreamingModel:
         prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path,
                                                                               fuse=True))
         self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
-        if cache_bytes is None:  # the default counts experts in their prepared (compute) size
-            self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())
         self.model = build_model(self.config, self.dtype)
         load_trunk(self.model, self.vault, self.dtype)
         self.model.requires_grad_(False)  # inference only: no autograd graph, also when called directly
@@ -172,6 +170,8 @@ class StreamingModel:
             self.gpu = GpuRuntime(self, gpu_cache_bytes, host_cache_bytes=cache_bytes or 0, threads=threads,
                                   direct_io=direct_io)
         else:
+            if cache_bytes is None:  # the default counts experts in their prepared (compute) size
+                self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())
             self.check_budget()
 
     def attach_experts(self) -> None:
@@ -197,8 +197,7 @@ class StreamingModel:
             return None
         current = getattr(self, "_lean", None)
         if current is None or current.max_positions < positions:
-            capacity = max(positions, 2 * current.max_positions if current else 1024)
-            self._lean = fast_decode.LeanDecoder(self, min(capacity, self.max_positions or capacity))
+            self._lean = fast_decode.LeanDecoder(self, kv_capacity(current, positions, self.max_positions))
         self._lean.reset()
         return self._lean
 
@@ -244,10 +243,9 @@ class GpuRuntime:
 
         current = self._decoder
         if current is None or current.max_positions < positions:
-            limit = self.sm.max_positions or positions
-            capacity = min(max(positions, 2 * current.max_positions if current else 1024), limit)
+            capacity = kv_capacity(current, positions, self.sm.max_positions)
             if capacity < positions:
-                raise SmoeError(f"sequence of {positions} tokens exceeds the model's context of {limit}")
+                raise SmoeError(f"sequence of {positions} tokens exceeds the model's context of {capacity}")
             stats = current.cache.stats if current else None
             if current is not None:
                 current.close()
@@ -266,6 +264,13 @@ class GpuRuntime:
     def close(self) -> None:
         if self._decoder is not None:
             self._decoder.close()
+
+
+def kv_capacity(current, positions: int, limit: int | None) -> int:
+    """KV-cache positions for a decoder that must hold `positions`: at least 1024, doubling the
+    current decoder's, never past the model's context `limit`."""
+    capacity = max(positions, 2 * current.max_positions if current else 1024)
+    return min(capacity, limit or capacity)
 
 
 def gpu_supported(sm: StreamingModel) -> bool:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from smoe.errors import SmoeError
-from smoe.vault import DATA_FILE, ExpertEntry, QuantisedTensor, Vault, align, checksum, parse_blob
+from smoe.vault import DATA_FILE, ExpertEntry, QuantisedTensor, Vault, align, parse_blob
 
 Prepare = Callable[[list[QuantisedTensor], dict[str, torch.Tensor]], tuple[object, int]]
 Key = tuple[int, int]  # (layer, expert)
@@ -197,11 +197,7 @@ class ExpertStore:
         buf = mmap.mmap(-1, align(entry.size, self.vault.alignment))
         got = os.preadv(self._direct_fd, [buf], entry.offset)
         blob = memoryview(buf)[: min(got, entry.size)]
-        where = f"{self.vault.dir}: layer {entry.layer} expert {entry.expert}"
-        if got < entry.size:
-            raise SmoeError(f"{where}: blob truncated ({got} of {entry.size} bytes)")
-        if checksum(blob) != entry.checksum:
-            raise SmoeError(f"{where}: checksum mismatch (corrupt blob)")
+        self.vault.check_blob(entry, blob)
         return blob  # parse_blob copies it, so the buffer is freed with the last view
 
     def _insert(self, key: Key, obj: object, nbytes: int) -> None:

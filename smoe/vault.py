@@ -313,11 +313,17 @@ class Vault:
         """One pread of the whole blob, checksum verified."""
         e = self.entry(layer, expert)
         blob = os.pread(self.fd, e.size, e.offset)
-        if len(blob) != e.size:
-            raise SmoeError(f"{self.dir}: layer {layer} expert {expert}: blob truncated ({len(blob)} of {e.size} bytes)")
-        if checksum(blob) != e.checksum:
-            raise SmoeError(f"{self.dir}: layer {layer} expert {expert}: checksum mismatch (corrupt blob)")
+        self.check_blob(e, blob)
         return blob
+
+    def check_blob(self, entry: ExpertEntry, blob) -> None:
+        """A read of `entry`'s blob (bytes or a view, maybe longer: aligned reads) is whole and matches
+        the index; else an error naming layer and expert."""
+        where = f"{self.dir}: layer {entry.layer} expert {entry.expert}"
+        if len(blob) < entry.size:
+            raise SmoeError(f"{where}: blob truncated ({len(blob)} of {entry.size} bytes)")
+        if checksum(blob[: entry.size]) != entry.checksum:
+            raise SmoeError(f"{where}: checksum mismatch (corrupt blob)")
 
     def read_expert(self, layer: int, expert: int):
         """(quantised tensors in role order, biases) of one expert."""
