@@ -36,3 +36,18 @@ def test_demo_builds_its_own_model_when_the_shared_one_is_absent(tmp_path, monke
     assert out.count("vault OK") == 2 and "SMOE-Q2 gate" in out and "SMOE-Q4 down" in out
     for bits in (4, 2):
         assert verify(tmp_path / "demo" / f"vault-q{bits}") == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["runtime", "VAULT", "--budgets", "abc"], "expected fractions separated by commas"),
+    (["runtime", "VAULT", "--budgets", "0,1"], "in (0, 1]"),
+    (["decode", "--budgets", "2"], "in (0, 1]"),
+    (["decode", "--tokens", "0"], "--tokens must be at least 1"),
+    (["decode", "--warmup", "-1"], "--warmup must be 0 or more"),
+])
+def test_bench_options_out_of_range_are_one_line_errors(args, message, capsys):
+    from smoe.cli import main
+
+    assert main(["bench", *args]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("smoe: error:") and message in err and "Traceback" not in err
