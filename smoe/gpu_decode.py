@@ -219,6 +219,8 @@ class GpuDecoder:
     def experts_one(self, i: int, offsets):
         s = self.static
         layout = self.layouts[i]
+        # straight to the decode kernels where they run: experts_forward checks the offsets' alignment
+        # on the host, a sync that a captured graph cannot hold (the cache's slots are aligned by design)
         if self.device.type == "cuda" and self.kernel_path != "reference" and layout.unsupported() is None:
             return kernels_triton.decode_forward(self.cache.pool, layout, s.h, offsets, s.top_w[0])
         return kernels_triton.experts_forward(self.cache.pool, layout, s.h, offsets[None], s.top_w,
