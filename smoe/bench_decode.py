@@ -30,7 +30,7 @@ import torch
 from smoe import codec
 from smoe.bench_runtime import drop_page_cache, skewed_routing
 from smoe.errors import SmoeError
-from smoe.vault import DATA_FILE, QuantisedTensor, Vault, VaultWriter, file_checksum, write_safetensors
+from smoe.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, write_safetensors
 
 QWEN3_30B = {  # Qwen3-30B-A3B's config.json, text part
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -99,14 +99,13 @@ def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress
                 tensors.append(QuantisedTensor(role, shape, bits, codes, scales))
             writer.add(layer, e, tensors)
     specs = trunk_specs(cfg)
-    write_safetensors(path / "trunk.safetensors", [(n, torch.bfloat16, s) for n, s in specs],
+    write_safetensors(path / TRUNK_FILE, [(n, torch.bfloat16, s) for n, s in specs],
                       lambda name: random_trunk_tensor(name, dict(specs)[name]))
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     writer.finish({"family": "qwen3_moe", "model_type": "qwen3_moe", "moe_layers": list(range(layers)),
                    "num_experts": experts, "top_k": cfg["num_experts_per_tok"], "roles": ["gate", "up", "down"],
                    "expert_shapes": {"gate": [inter, h], "up": [inter, h], "down": [h, inter]},
-                   "encoder": "random", "source": {"path": "synthetic", "formats": ["random"]},
-                   "trunk_checksum": file_checksum(path / "trunk.safetensors")})
+                   "encoder": "random", "source": {"path": "synthetic", "formats": ["random"]}})
     return path
 
 

@@ -16,7 +16,7 @@ import torch
 
 from smoe import codec
 from smoe.errors import SmoeError
-from smoe.vault import DATA_FILE, QuantisedTensor, Vault, VaultWriter, write_safetensors
+from smoe.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, write_safetensors
 
 PROMPT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
           "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light,")
@@ -171,7 +171,7 @@ def write_synthetic_vault(path: Path, layers: int, bits: int = 4) -> None:
             tensors = [random_tensor(rng, role, shape, bits) for role, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))]
             if (layer, e) not in writer.done():
                 writer.add(layer, e, tensors)
-    write_safetensors(path / "trunk.safetensors", [], lambda n: None)
+    write_safetensors(path / TRUNK_FILE, [], lambda n: None)
     writer.finish({"family": "synthetic", "model_type": "qwen3_moe", "moe_layers": list(range(layers)),
                    "num_experts": SYNTH["experts"], "top_k": SYNTH["top_k"], "roles": ["gate", "up", "down"],
                    "expert_shapes": {"gate": [i, h], "up": [i, h], "down": [h, i]}})

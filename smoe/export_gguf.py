@@ -54,7 +54,7 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
     vault's dtype, which is exact. `decoded_experts` writes the experts' SMOE-decoded weights in F32
     instead of Q4_1 (4x larger; for checking llama.cpp's graph against smoe without Q4_1 arithmetic)."""
     arch = architecture(source)
-    config = json.loads((source.dir / "config.json").read_text())
+    config = source.vault.config
     check_config(source, config)
     if trunk_type is not None and trunk_type not in TRUNK_TYPES:
         raise SmoeError(f"unknown trunk type {trunk_type!r} ({', '.join(TRUNK_TYPES)})")

@@ -24,7 +24,7 @@ import torch
 from smoe import codec
 from smoe.errors import SmoeError
 from smoe.exports import ExportSource, ExpertTensor, Planned, produce, require, scales_over
-from smoe.sculpt import COPIED_FILES
+from smoe.vault import COPIED_FILES
 
 SHARD_BYTES = 5 * 2**30
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
@@ -49,7 +49,7 @@ def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_byt
     if family is None:
         raise SmoeError(f"MLX export supports {', '.join(FAMILIES)}; this vault is {source.model_type}")
     out.mkdir(parents=True)
-    config = json.loads((source.dir / "config.json").read_text())
+    config = source.vault.config
     quantization = {"group_size": codec.GROUP_SIZE, "bits": source.vault.bits, "mode": "affine"}
     plan = trunk_plan(source, family) + experts_plan(source, family, quantization)
     write_shards(out, plan, progress, shard_bytes)

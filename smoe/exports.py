@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from smoe import codec
 from smoe.errors import SmoeError
+from smoe.families import check_config_file
+from smoe.paths import check_outputs
 from smoe.sculpt import publish
 from smoe.vault import Vault
 
@@ -31,6 +33,8 @@ TRUNK_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float
 
 def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     """Write VAULT as `to` ("gguf": one file, "mlx": a directory) at `output`, atomically."""
+    check_outputs([output], [vault_dir])
+    check_config_file(vault_dir)
     if to not in FORMATS:
         raise SmoeError(f"unknown export format {to!r} (gguf, mlx)")
     out = Path(output)
@@ -88,15 +92,25 @@ class ExportSource:
 
     def __init__(self, vault_dir):
         self.vault = Vault(vault_dir)
+        try:
+            self._open()
+        except BaseException:
+            self.vault.close()
+            raise
+
+    def _open(self) -> None:
         self.meta = self.vault.meta
-        self.family = self.meta["family"]
+        self.family = self.meta.get("family", "?")
         self.model_type = self.meta.get("model_type", self.family)
         self.num_experts = self.meta["num_experts"]
         self.roles = tuple(self.meta["roles"])
-        self._trunk = safe_open(self.vault.trunk_path, "pt")
         self._layer: tuple[int, list[dict[str, ExpertTensor]]] | None = None
         if any(e.biases for e in self.vault.entries.values()):
             raise SmoeError(f"{self.vault.dir}: experts with biases ({self.family}) are not exported")
+        if self.vault.config is None:
+            raise SmoeError(f"{self.vault.dir}: no config.json")
+        self.vault.check_trunk()
+        self._trunk = safe_open(self.vault.trunk_path, "pt")
 
     @property
     def dir(self) -> Path:

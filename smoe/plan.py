@@ -20,8 +20,10 @@ from pathlib import Path
 
 from smoe import codec
 from smoe.errors import SmoeError
+from smoe.paths import check_outputs
 from smoe.sensitivity import UNIT_ROLES, UNITS, key, save_json
-from smoe.vault import DEFAULT_ALIGNMENT, SECTION_ALIGNMENT, align
+from smoe.vault import DEFAULT_ALIGNMENT, align
+from smoe.vault_index import blob_layout
 
 PLAN_FORMAT = "smoe-plan"
 
@@ -52,15 +54,9 @@ def solve(groups: list[list[tuple[int, float]]], capacity: int) -> tuple[list[in
 
 
 def blob_nbytes(shapes: dict[str, tuple[int, int]], bits: dict[str, int], bias_nbytes: dict[str, int] | None = None) -> int:
-    """Bytes of one expert's blob as smoe.vault.build_blob lays it out (codes, scales, biases)."""
-    offset = 0
-    sections = []
-    for role, (o, i) in shapes.items():
-        sections += list(codec.encoded_nbytes(o * i, bits[role]))
-    sections += list((bias_nbytes or {}).values())
-    for n in sections:
-        offset = align(offset, SECTION_ALIGNMENT) + n
-    return offset
+    """Bytes of one expert's blob as the vault lays it out (codes, scales, biases)."""
+    tensors = [codec.encoded_nbytes(o * i, bits[role]) for role, (o, i) in shapes.items()]
+    return blob_layout(tensors, list((bias_nbytes or {}).values()))[2]
 
 
 def unit_bits(units: dict[str, int], roles) -> dict[str, int]:
@@ -257,6 +253,13 @@ def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float |
     return path
 
 
+def plan_outputs(plan: Path, sensitivity: Path) -> list[Path]:
+    """Every file `plan_model` writes: the plan, its heatmap, the sensitivity table, and their temporaries."""
+    heatmap = plan.with_suffix(".png")
+    return [plan, heatmap, sensitivity, *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity)),
+            heatmap.with_name(heatmap.stem + ".tmp.png")]
+
+
 def write_plan(doc: dict, path: str | Path) -> Path:
     path = Path(path)
     save_json(path, doc)
@@ -281,6 +284,8 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         raise SmoeError("give exactly one of --budget BITS and --size GB")
     encoders.check_encoder(encoder)
     out = Path(out)
+    sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
+    check_outputs(plan_outputs(out, sensitivity), [model_dir, calib])
     if not out.parent.is_dir():
         raise SmoeError(f"{out.parent}: no such directory for the plan")
     ckpt = Checkpoint(model_dir)
@@ -291,7 +296,6 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     tokens = tokens or calibrate.DEFAULT_TOKENS
     windows = calibrate.calibration_windows(model_dir, calib, tokens)[:SENSITIVITY_WINDOWS]
     fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens) + f"-{len(windows)}"
-    sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
     table = load_table(sensitivity, fp)
     wanted = {key(layer, u, b) for layer in moe.moe_layers for u in UNITS for b in codec.DEPTHS}
     stats = meter = None

@@ -16,23 +16,30 @@ import xxhash
 
 from smoe import codec
 from smoe.errors import SmoeError
+from smoe.vault_index import SECTION_ALIGNMENT, align, blob_layout, check_index
 
 MAGIC = b"SMOEVLT\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER = struct.Struct("<8sIIIIQQQQ")  # magic, version, group, bits, alignment, data_offset, data_end, blobs, index hash
 HEADER_SIZE = HEADER.size + 8  # + xxh64 of the header fields
 DEFAULT_ALIGNMENT = 4096
-SECTION_ALIGNMENT = 64  # codes / scales / biases start on 64-byte boundaries inside a blob
+MAX_ALIGNMENT = 1 << 20
 DATA_FILE = "experts.bin"
 INDEX_FILE = "index.json"
-TRUNK_FILE = "trunk.safetensors"
+TRUNK_FILE = "model.safetensors"  # the name transformers' loaders look for
+CONFIG_FILE = "config.json"
+JOURNAL_FILE = "journal.jsonl"
+COPIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+# files a runtime or transformers would read if present: each must be covered by the index
+READ_FILES = frozenset(COPIED_FILES) | {TRUNK_FILE, "model.safetensors.index.json"}
+QUANT_METHOD = "smoe"  # config.json's quantization_config.quant_method in a vault
+MAX_INDEX_BYTES_PER_BLOB = 4096  # a generous bound on one entry of index.json (bounded memory on open)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-
-
-def align(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def checksum(data) -> str:
@@ -112,28 +119,21 @@ class QuantisedTensor:
 
 
 def build_blob(tensors: list[QuantisedTensor], biases: dict[str, torch.Tensor] | None = None):
-    """Lay out one expert: per projection codes then scales, then biases; returns (bytes, entries)."""
-    parts, offset = [], 0
+    """Lay out one expert (docs/vault.md "A blob"): returns (bytes, tensor entries, bias entries)."""
+    sections = [(t.codes.contiguous().numpy().tobytes(),
+                 t.scales.to(torch.float16).contiguous().view(torch.int16).numpy().astype("<i2").tobytes()) for t in tensors]
+    bias_raw = [(role, b, tensor_bytes(b)) for role, b in (biases or {}).items()]
+    t_offsets, b_offsets, size = blob_layout([(len(c), len(s)) for c, s in sections], [len(r) for _, _, r in bias_raw])
+    blob = bytearray(size)
     tensor_entries, bias_entries = [], []
-
-    def place(raw: bytes) -> int:
-        nonlocal offset
-        start = align(offset, SECTION_ALIGNMENT)
-        parts.append(b"\0" * (start - offset))
-        parts.append(raw)
-        offset = start + len(raw)
-        return start
-
-    for t in tensors:
-        codes = t.codes.contiguous().numpy().tobytes()
-        scales = t.scales.to(torch.float16).contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
-        c_off = place(codes)
-        s_off = place(scales)
+    for t, (codes, scales), (c_off, s_off) in zip(tensors, sections, t_offsets):
+        blob[c_off : c_off + len(codes)] = codes
+        blob[s_off : s_off + len(scales)] = scales
         tensor_entries.append(TensorEntry(t.role, list(t.shape), t.bits, c_off, len(codes), s_off, len(scales)))
-    for role, b in (biases or {}).items():
-        raw = tensor_bytes(b)
-        bias_entries.append(BiasEntry(role, DTYPE_NAMES[b.dtype], list(b.shape), place(raw), len(raw)))
-    return b"".join(parts), tensor_entries, bias_entries
+    for (role, b, raw), offset in zip(bias_raw, b_offsets):
+        blob[offset : offset + len(raw)] = raw
+        bias_entries.append(BiasEntry(role, DTYPE_NAMES[b.dtype], list(b.shape), offset, len(raw)))
+    return bytes(blob), tensor_entries, bias_entries
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -174,12 +174,21 @@ def unpack_header(raw: bytes, path: Path) -> dict:
         raise SmoeError(f"{path}: not an smoe vault (bad magic {magic!r})")
     if struct.unpack("<Q", raw[HEADER.size : HEADER_SIZE])[0] != xxhash.xxh64_intdigest(fields):
         raise SmoeError(f"{path}: header checksum mismatch (corrupt header)")
+    if version == 1:
+        raise SmoeError(f"{path}: vault format version 1, whose trunk and config files carry no checksum; "
+                        "this smoe reads version 2: quantize the model again")
     if version != FORMAT_VERSION:
         raise SmoeError(f"{path}: vault format version {version}, this smoe reads version {FORMAT_VERSION}")
     if group != codec.GROUP_SIZE:
         raise SmoeError(f"{path}: group size {group} unsupported (expected {codec.GROUP_SIZE})")
-    return {"bits": bits, "alignment": alignment, "data_offset": data_offset, "data_end": data_end,
-            "blobs": blobs, "index_hash": index_hash}
+    aligned = SECTION_ALIGNMENT <= alignment <= MAX_ALIGNMENT and not alignment & (alignment - 1)
+    if bits not in codec.DEPTHS or not aligned or data_offset != alignment:
+        raise SmoeError(f"{path}: header gives bits {bits}, alignment {alignment}, data offset {data_offset} (expected "
+                        f"bits in {codec.DEPTHS}, a power-of-two alignment up to {MAX_ALIGNMENT}, data offset = alignment)")
+    if data_end % alignment or data_end < data_offset or blobs > (data_end - data_offset) // alignment:
+        raise SmoeError(f"{path}: header's data end {data_end} and {blobs} blobs do not fit its alignment {alignment}")
+    return {"version": version, "bits": bits, "alignment": alignment, "data_offset": data_offset,
+            "data_end": data_end, "blobs": blobs, "index_hash": index_hash}
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -189,7 +198,8 @@ class VaultWriter:
     """Appends blobs to DIR/experts.bin; `finish` writes the index and then the header.
 
     Every blob appended is also journalled (one JSON line, after its bytes are flushed), so a run
-    that dies can resume from the blobs already written and verified.
+    that dies can resume from the blobs already written and verified. The journal line also keeps
+    the caller's `source` digest of what the blob was encoded from; `sources` holds them on resume.
     """
 
     JOURNAL = "journal.jsonl"
@@ -199,13 +209,28 @@ class VaultWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.bits = bits
         self.alignment = alignment
+        self.sources: dict[tuple[int, int], str | None] = {}
         self.entries: list[ExpertEntry] = self._resume()
         self.data = open(self.dir / DATA_FILE, "r+b" if (self.dir / DATA_FILE).exists() else "w+b")
+        self.journal = None
+        self.keep(len(self.entries))
+
+    def keep(self, count: int) -> None:
+        """Drop every blob after the first `count` (data and journal): they are appended again."""
+        for e in self.entries[count:]:
+            self.sources.pop((e.layer, e.expert), None)
+        del self.entries[count:]
         self.end = self._end_of_data()
         self.data.truncate(self.end)
+        if self.journal is not None:
+            self.journal.close()
         self.journal = open(self.dir / self.JOURNAL, "w")
         for e in self.entries:
-            self.journal.write(json.dumps(e.to_json()) + "\n")
+            self._journal(e)
+
+    def _journal(self, entry: ExpertEntry) -> None:
+        line = entry.to_json() | {"source": self.sources.get((entry.layer, entry.expert))}
+        self.journal.write(json.dumps(line) + "\n")
         self.journal.flush()
 
     def _end_of_data(self) -> int:
@@ -223,41 +248,49 @@ class VaultWriter:
         with open(data, "rb") as f:
             for line in journal.read_text().splitlines():
                 try:
-                    entry = ExpertEntry.from_json(json.loads(line))
+                    record = json.loads(line)
+                    entry = ExpertEntry.from_json(record)
                 except (ValueError, KeyError, TypeError):
                     break
                 if checksum(os.pread(f.fileno(), entry.size, entry.offset)) != entry.checksum:
                     break
                 good.append(entry)
+                self.sources[(entry.layer, entry.expert)] = record.get("source")
         return good
 
     def done(self) -> set[tuple[int, int]]:
         return {(e.layer, e.expert) for e in self.entries}
 
-    def add(self, layer: int, expert: int, tensors: list[QuantisedTensor], biases=None) -> ExpertEntry:
+    def add(self, layer: int, expert: int, tensors: list[QuantisedTensor], biases=None,
+            source: str | None = None) -> ExpertEntry:
         blob, t_entries, b_entries = build_blob(tensors, biases)
         offset = align(self.end, self.alignment)
         os.pwrite(self.data.fileno(), b"\0" * (offset - self.end) + blob, self.end)
         self.end = offset + len(blob)
         entry = ExpertEntry(layer, expert, offset, len(blob), checksum(blob), t_entries, b_entries)
         self.entries.append(entry)
-        self.journal.write(json.dumps(entry.to_json()) + "\n")
-        self.journal.flush()
+        self.sources[(layer, expert)] = source
+        self._journal(entry)
         return entry
 
     def finish(self, meta: dict) -> None:
-        """Pad the data to the alignment, write index.json, then the header that seals both."""
+        """Pad the data, seal config.json, list every other file of the directory with its checksum,
+        write index.json, then the header that seals the index. The index is checked as a reader
+        checks it before anything is sealed: a writer bug never yields a vault that fails to open."""
         data_end = align(self.end, self.alignment)
         os.pwrite(self.data.fileno(), b"\0" * (data_end - self.end), self.end)
-        index = dict(meta)
+        seal_config(self.dir, self.bits)
+        index = layout_meta(self.entries) | dict(meta)
         index.update({
             "format": "smoe-vault", "version": FORMAT_VERSION, "group_size": codec.GROUP_SIZE,
             "bits": self.bits, "alignment": self.alignment, "checksum": "xxh3_64",
+            "files": file_records(self.dir),
             "experts": [e.to_json() for e in sorted(self.entries, key=lambda e: (e.layer, e.expert))],
         })
         raw_index = json.dumps(index, indent=1).encode()
-        (self.dir / INDEX_FILE).write_bytes(raw_index)
         header = pack_header(self.bits, self.alignment, data_end, len(self.entries), xxhash.xxh64_intdigest(raw_index))
+        check_index(json.loads(raw_index), unpack_header(header, self.dir / DATA_FILE), str(self.dir / INDEX_FILE))
+        (self.dir / INDEX_FILE).write_bytes(raw_index)
         os.pwrite(self.data.fileno(), header + b"\0" * (self.alignment - len(header)), 0)
         self.data.flush()
         os.fsync(self.data.fileno())
@@ -269,27 +302,60 @@ class VaultWriter:
         self.journal.close()
 
 
+def layout_meta(entries: list[ExpertEntry]) -> dict:
+    """roles and expert_shapes as the blobs hold them (a caller's meta may give them too)."""
+    if not entries:
+        return {}
+    tensors = entries[0].tensors
+    return {"roles": [t.role for t in tensors], "expert_shapes": {t.role: list(t.shape) for t in tensors}}
+
+
+def seal_config(directory: Path, bits: int) -> None:
+    """Mark config.json as a vault's: `quantization_config` names smoe, as transformers' quantizers expect
+    (a source's own quantization_config no longer applies: the vault holds its tensors decoded)."""
+    path = directory / CONFIG_FILE
+    if path.exists():
+        config = json.loads(path.read_bytes())
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": "smoe-vault",
+                                         "version": FORMAT_VERSION, "bits": bits}
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def file_records(directory: Path) -> dict[str, dict]:
+    """Size and checksum of every file beside experts.bin and index.json."""
+    skip = {DATA_FILE, INDEX_FILE, VaultWriter.JOURNAL}
+    return {p.name: {"size": p.stat().st_size, "xxh3_64": file_checksum(p)}
+            for p in sorted(directory.iterdir()) if p.is_file() and p.name not in skip}
+
+
 # --- reading -------------------------------------------------------------------------------------
 
 
 class Vault:
-    """A vault directory opened for reading: header and index checked, blobs read with pread."""
+    """A vault directory opened for reading. Opening checks the header, every field of the index
+    (smoe/vault_index.py) and the checksum of every listed file but the trunk (`check_trunk`, which
+    reads it whole, is for the paths that load it); each blob is checked when it is read."""
 
     def __init__(self, path: str | Path):
         self.dir = Path(path)
         data_path = self.dir / DATA_FILE
-        if not self.dir.is_dir() or not data_path.exists() or not (self.dir / INDEX_FILE).exists():
+        if not self.dir.is_dir() or not data_path.is_file() or not (self.dir / INDEX_FILE).is_file():
             raise SmoeError(f"{self.dir}: not a vault (needs {DATA_FILE} and {INDEX_FILE})")
         self.fd = os.open(data_path, os.O_RDONLY)
+        try:
+            self._open(data_path)
+        except BaseException:  # a failed open keeps no descriptor: callers may retry in a loop
+            os.close(self.fd)
+            raise
+
+    def _open(self, data_path: Path) -> None:
         self.header = unpack_header(os.pread(self.fd, HEADER_SIZE, 0), data_path)
-        raw_index = (self.dir / INDEX_FILE).read_bytes()
-        if xxhash.xxh64_intdigest(raw_index) != self.header["index_hash"]:
-            raise SmoeError(f"{self.dir / INDEX_FILE}: does not match {DATA_FILE} (index hash mismatch)")
-        self.meta = json.loads(raw_index)
         size = os.fstat(self.fd).st_size
         if size < self.header["data_end"]:
             raise SmoeError(f"{data_path}: truncated ({size} bytes, header says {self.header['data_end']})")
+        self.meta = read_index(self.dir / INDEX_FILE, self.header)
         self.entries = {(e["layer"], e["expert"]): ExpertEntry.from_json(e) for e in self.meta["experts"]}
+        self.config = check_files(self.dir, self.meta["files"])
 
     @property
     def bits(self) -> int:
@@ -302,6 +368,15 @@ class Vault:
     @property
     def trunk_path(self) -> Path:
         return self.dir / TRUNK_FILE
+
+    def check_trunk(self) -> None:
+        """The trunk file against its checksum: one sequential read (measured in BENCHMARKS.md), made
+        once when a model is opened, never per token."""
+        record = self.meta["files"].get(TRUNK_FILE)
+        if record is None:
+            raise SmoeError(f"{self.dir}: no {TRUNK_FILE} (the trunk) in the vault")
+        if file_checksum(self.trunk_path) != record["xxh3_64"]:
+            raise SmoeError(f"{self.trunk_path}: checksum mismatch (corrupt trunk)")
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         try:
@@ -348,17 +423,67 @@ class Vault:
         self.close()
 
 
+def read_index(path: Path, header: dict) -> dict:
+    """index.json, bound to the header by its hash and checked field by field, read with a size bound."""
+    limit = (1 << 20) + MAX_INDEX_BYTES_PER_BLOB * header["blobs"]
+    if path.stat().st_size > limit:
+        raise SmoeError(f"{path}: {path.stat().st_size:,} bytes, more than {header['blobs']} blobs can need")
+    raw = path.read_bytes()
+    if xxhash.xxh64_intdigest(raw) != header["index_hash"]:
+        raise SmoeError(f"{path}: does not match {DATA_FILE} (index hash mismatch)")
+    try:
+        index = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise SmoeError(f"{path}: not valid JSON ({str(e)[:80]})") from None
+    check_index(index, header, str(path))
+    return index
+
+
+def check_files(directory: Path, files: dict) -> dict | None:
+    """Every listed file is present at its size and every one but the trunk matches its checksum;
+    no file a reader would pick up is unlisted. Returns config.json as the model's configuration
+    (without the vault's quantization_config), or None when the vault has none."""
+    for name in sorted(READ_FILES - set(files)):
+        if (directory / name).exists():
+            raise SmoeError(f"{directory / name}: not covered by the index's checksums (added after quantizing?)")
+    config = None
+    for name, record in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != record["size"]:
+            raise SmoeError(f"{path}: missing or not {record['size']:,} bytes as the index says")
+        if name == TRUNK_FILE:
+            continue
+        raw = path.read_bytes()
+        if checksum(raw) != record["xxh3_64"]:
+            raise SmoeError(f"{path}: checksum mismatch (changed or corrupt since quantizing)")
+        if name == CONFIG_FILE:
+            config = parse_config(raw, path)
+    return config
+
+
+def parse_config(raw: bytes, path: Path) -> dict:
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise SmoeError(f"{path}: not valid JSON") from None
+    if not isinstance(config, dict) or config.get("quantization_config", {}).get("quant_method") != QUANT_METHOD:
+        raise SmoeError(f"{path}: not a vault's config (no smoe quantization_config)")
+    config.pop("quantization_config")
+    return config
+
+
 # --- verification --------------------------------------------------------------------------------
 
 
 def verify(path: str | Path, progress=None) -> list[str]:
-    """Every check a reader relies on; returns the problems found (empty: the vault is sound)."""
+    """Every check a reader relies on; returns the problems found (empty: the vault is sound).
+    Opening checks the header, the index and the small files; then every blob, padding and the trunk."""
     try:
         vault = Vault(path)
     except SmoeError as e:
         return [str(e)]
     with vault:
-        problems = check_layout(vault)
+        problems = []
         entries = sorted(vault.entries.values(), key=lambda e: e.offset)
         for e in progress(entries) if progress else entries:
             try:
@@ -366,30 +491,10 @@ def verify(path: str | Path, progress=None) -> list[str]:
             except SmoeError as err:
                 problems.append(str(err))
         problems += check_padding(vault, entries)
-        problems += check_trunk(vault)
-    return problems
-
-
-def check_layout(vault: Vault) -> list[str]:
-    """Index against header and data: alignment, bounds, overlaps, section sizes, counts."""
-    problems, h = [], vault.header
-    if len(vault.entries) != h["blobs"] or len(vault.entries) != len(vault.meta["experts"]):
-        problems.append(f"index lists {len(vault.meta['experts'])} blobs, header says {h['blobs']}")
-    expected = len(vault.meta.get("moe_layers", [])) * vault.meta.get("num_experts", 0)
-    if expected and expected != len(vault.entries):
-        problems.append(f"index holds {len(vault.entries)} experts, model has {expected}")
-    prev_end = h["data_offset"]
-    for e in sorted(vault.entries.values(), key=lambda e: e.offset):
-        where = f"layer {e.layer} expert {e.expert}"
-        if e.offset % vault.alignment or e.offset < prev_end or e.offset + e.size > h["data_end"]:
-            problems.append(f"{where}: blob at {e.offset}+{e.size} misaligned, overlapping or out of bounds")
-        prev_end = e.offset + e.size
-        for t in e.tensors:
-            codes, scales = codec.encoded_nbytes(t.numel, t.bits)
-            if (t.codes_nbytes, t.scales_nbytes) != (codes, scales) or max(
-                t.codes_offset + t.codes_nbytes, t.scales_offset + t.scales_nbytes
-            ) > e.size:
-                problems.append(f"{where}: tensor {t.role} sections do not match shape {t.shape} at {t.bits} bits")
+        try:
+            vault.check_trunk()
+        except SmoeError as err:
+            problems.append(str(err))
     return problems
 
 
@@ -405,15 +510,6 @@ def check_padding(vault: Vault, entries: list[ExpertEntry]) -> list[str]:
         if stop > start and any(os.pread(vault.fd, stop - start, start)):
             problems.append(f"non-zero bytes in padding between offsets {start} and {stop}")
     return problems
-
-
-def check_trunk(vault: Vault) -> list[str]:
-    expected = vault.meta.get("trunk_checksum")
-    if not vault.trunk_path.exists():
-        return [f"{vault.trunk_path} missing"]
-    if expected and file_checksum(vault.trunk_path) != expected:
-        return [f"{vault.trunk_path}: checksum mismatch (corrupt trunk)"]
-    return []
 
 
 def file_checksum(path: Path, chunk: int = 1 << 24) -> str:

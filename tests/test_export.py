@@ -17,7 +17,7 @@ from smoe.export_mlx import shards
 from smoe.exports import Planned, export
 from smoe.sculpt import sculpt
 from smoe.tiny_models import save_tiny_model
-from smoe.vault import Vault
+from smoe.vault import TRUNK_FILE, Vault
 
 ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 MLX_ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -128,7 +128,7 @@ def test_gguf_q4_1_blocks_are_smoe_codes_with_d_and_m_from_the_scale(vaults, tmp
 def test_gguf_trunk_is_the_vault_trunk(vaults, tmp_path, family):
     vault = vaults[(family, 4)]
     tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf"))
-    trunk = load_file(vault / "trunk.safetensors")  # float32 here: the export keeps it so
+    trunk = load_file(vault / TRUNK_FILE)  # float32 here: the export keeps it so
     value = lambda name: torch.from_numpy(tensors[name].data.copy())
     assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert torch.equal(value("token_embd.weight"), trunk["model.embed_tokens.weight"])
@@ -147,7 +147,7 @@ def test_gguf_trunk_type_sets_the_matrices_type(vaults, tmp_path, trunk_type, qt
     tensors = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf", trunk_type=trunk_type))
     embd = tensors["token_embd.weight"]
     assert embd.tensor_type == getattr(gguf.GGMLQuantizationType, qtype)
-    want = load_file(vault / "trunk.safetensors")["model.embed_tokens.weight"].float().numpy()
+    want = load_file(vault / TRUNK_FILE)["model.embed_tokens.weight"].float().numpy()
     got = gguf.quants.dequantize(embd.data, embd.tensor_type).reshape(want.shape)
     rounding = {"F16": 2**-11, "BF16": 2**-8, "Q8_0": 1 / 254}[qtype]  # relative to the row's / value's magnitude
     assert np.abs(got - want).max() <= rounding * np.abs(want).max()
@@ -217,7 +217,7 @@ def test_mlx_experts_decode_to_the_vault_weights(vaults, tmp_path, family, bits)
 def test_mlx_trunk_and_files_are_what_mlx_lm_reads(vaults, tmp_path):
     vault = vaults[("mixtral", 4)]
     out = export(vault, "mlx", tmp_path / "mlx")
-    trunk = load_file(vault / "trunk.safetensors")
+    trunk = load_file(vault / TRUNK_FILE)
     exported = load_file(out / "model.safetensors")  # torch reads the trunk's bf16 too
     for name, tensor in trunk.items():
         assert torch.equal(exported[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")], tensor)

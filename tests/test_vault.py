@@ -35,10 +35,35 @@ def build_vault(path, layers=2, experts=3, bits=4, alignment=4096, biases=False)
             writer.add(layer, expert, tensors, b)
             written[(layer, expert)] = tensors
     write_safetensors(path / TRUNK_FILE, [("w", torch.float32, (2, 2))], lambda n: torch.eye(2))
-    from smoe.vault import file_checksum
-
-    writer.finish({"moe_layers": list(range(layers)), "num_experts": experts, "trunk_checksum": file_checksum(path / TRUNK_FILE)})
+    writer.finish({"moe_layers": list(range(layers)), "num_experts": experts})
     return written
+
+
+def reseal_header(path, **fields):
+    """Rewrite header fields and its checksum, as a buggy tool or an attacker could."""
+    import struct
+
+    import xxhash
+
+    from smoe.vault import HEADER
+
+    names = ("magic", "version", "group", "bits", "alignment", "data_offset", "data_end", "blobs", "index_hash")
+    with open(path / DATA_FILE, "r+b") as f:
+        values = dict(zip(names, HEADER.unpack(f.read(HEADER.size)))) | fields
+        packed = HEADER.pack(*(values[n] for n in names))
+        f.seek(0)
+        f.write(packed + struct.pack("<Q", xxhash.xxh64_intdigest(packed)))
+
+
+def reseal_index(path, edit):
+    """Apply `edit` to index.json and bind the header to the new index again."""
+    import xxhash
+
+    index = json.loads((path / INDEX_FILE).read_text())
+    edit(index)
+    raw = json.dumps(index).encode()
+    (path / INDEX_FILE).write_bytes(raw)
+    reseal_header(path, index_hash=xxhash.xxh64_intdigest(raw))
 
 
 def flip_byte(path, offset):
@@ -182,19 +207,125 @@ def test_verify_cli_exit_code_is_zero_only_for_a_sound_vault(tmp_path):
     assert not report["ok"] and any("checksum mismatch" in p for p in report["problems"])
 
 
-def test_a_vault_of_a_newer_format_version_is_refused_clearly(tmp_path):
-    import struct
+@pytest.mark.parametrize("version, message", [
+    (3, "format version 3, this smoe reads version 2"),
+    (1, "version 1, whose trunk and config files carry no checksum; this smoe reads version 2: quantize"),
+])
+def test_a_vault_of_another_format_version_is_refused_clearly(tmp_path, version, message):
+    build_vault(tmp_path / "v")
+    reseal_header(tmp_path / "v", version=version)
+    with pytest.raises(SmoeError, match=message):
+        Vault(tmp_path / "v")
 
+
+def point_every_entry_at_the_first_blob(index):
+    for e in index["experts"]:
+        e["offset"] = index["experts"][0]["offset"]
+
+
+def duplicate_the_first_entry(index):
+    index["experts"][1] = index["experts"][0]
+
+
+def set_entry(key, value, i=0):
+    def edit(index):
+        index["experts"][i][key] = value
+    return edit
+
+
+def set_tensor(key, value):
+    def edit(index):
+        index["experts"][0]["tensors"][0][key] = value
+    return edit
+
+
+def set_top(key, value):
+    def edit(index):
+        index[key] = value
+    return edit
+
+
+CRAFTED_INDEXES = {
+    "every entry points at one blob": point_every_entry_at_the_first_blob,
+    "an entry listed twice": duplicate_the_first_entry,
+    "an entry missing": lambda index: index["experts"].pop(),
+    "an offset as a float": set_entry("offset", 4096.0),
+    "a misaligned offset": set_entry("offset", 4096 + 64),
+    "an offset past the data": set_entry("offset", 1 << 40),
+    "a negative offset": set_entry("offset", -4096),
+    "a blob size too large": set_entry("size", 1 << 20),
+    "a blob size too small": set_entry("size", 64),
+    "a layer not in moe_layers": set_entry("layer", 7),
+    "an expert past num_experts": set_entry("expert", 3),
+    "a string layer": set_entry("layer", "0"),
+    "a checksum that is not hex": set_entry("checksum", "zz" * 8),
+    "an unknown entry key": set_entry("extra", 1),
+    "depth 3": set_tensor("bits", 3),
+    "depth as a string": set_tensor("bits", "4"),
+    "depth as true": set_tensor("bits", True),
+    "a shape that disagrees": set_tensor("shape", [32, 32]),
+    "a shape with a float": set_tensor("shape", [32.0, 64]),
+    "codes bytes that disagree": set_tensor("codes_nbytes", 16),
+    "a scales offset inside the codes": set_tensor("scales_offset", 0),
+    "roles swapped": lambda index: index["experts"][0]["tensors"].reverse(),
+    "an unknown top-level key": set_top("surprise", 1),
+    "roles missing": lambda index: index.pop("roles"),
+    "num_experts huge": set_top("num_experts", 10**9),
+    "num_experts as true": set_top("num_experts", True),
+    "top_k above num_experts": set_top("top_k", 4),
+    "top_k zero": set_top("top_k", 0),
+    "duplicate moe_layers": set_top("moe_layers", [0, 0]),
+    "a negative expert dimension": set_top("expert_shapes", {"gate": [-32, 64], "up": [32, 64], "down": [64, 32]}),
+    "a file outside the vault": set_top("files", {"../model.safetensors": {"size": 1, "xxh3_64": "0" * 16}}),
+    "another bits than the header": set_top("bits", 2),
+    "an index of experts only": lambda index: (index.clear(), index.update({"experts": []})),
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED_INDEXES)
+def test_every_crafted_index_is_a_one_line_error_on_open_and_in_verify(tmp_path, case):
+    build_vault(tmp_path / "v")
+    reseal_index(tmp_path / "v", CRAFTED_INDEXES[case])
+    with pytest.raises(SmoeError) as err:
+        Vault(tmp_path / "v")
+    assert "\n" not in str(err.value)
+    problems = verify(tmp_path / "v")
+    assert problems and all("\n" not in p for p in problems)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100000 + b"]" * 100000, b"{not json", b"\xff\xfe", b"[]"])
+def test_index_bytes_that_are_not_an_index_are_a_one_line_error(tmp_path, raw):
     import xxhash
 
-    from smoe.vault import HEADER
-
     build_vault(tmp_path / "v")
-    data = tmp_path / "v" / DATA_FILE
-    with open(data, "r+b") as f:
-        fields = bytearray(f.read(HEADER.size))
-        fields[8:12] = struct.pack("<I", 2)
-        f.seek(0)
-        f.write(bytes(fields) + struct.pack("<Q", xxhash.xxh64_intdigest(bytes(fields))))
-    with pytest.raises(SmoeError, match="format version 2, this smoe reads version 1"):
+    (tmp_path / "v" / INDEX_FILE).write_bytes(raw)
+    reseal_header(tmp_path / "v", index_hash=xxhash.xxh64_intdigest(raw))
+    with pytest.raises(SmoeError) as err:
         Vault(tmp_path / "v")
+    assert "\n" not in str(err.value)
+
+
+def test_an_index_larger_than_its_blobs_can_need_is_refused_before_it_is_read(tmp_path):
+    build_vault(tmp_path / "v")
+    reseal_index(tmp_path / "v", set_top("source", {"padding": "x" * (2 << 20)}))
+    with pytest.raises(SmoeError, match="more than 6 blobs can need"):
+        Vault(tmp_path / "v")
+
+
+@pytest.mark.parametrize("fields", [{"blobs": 10**6}, {"alignment": 3000, "data_offset": 3000}, {"bits": 3},
+                                    {"data_end": 4097}])
+def test_a_resealed_header_with_impossible_values_is_refused(tmp_path, fields):
+    build_vault(tmp_path / "v")
+    reseal_header(tmp_path / "v", **fields)
+    with pytest.raises(SmoeError, match="header"):
+        Vault(tmp_path / "v")
+
+
+def test_a_failed_open_keeps_no_file_descriptor(tmp_path):
+    build_vault(tmp_path / "v")
+    reseal_index(tmp_path / "v", point_every_entry_at_the_first_blob)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(200):
+        with pytest.raises(SmoeError):
+            Vault(tmp_path / "v")
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -1,0 +1,128 @@
+"""Every file of a vault that a reader uses is covered by a checksum, checked when the vault is opened."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from smoe.errors import SmoeError
+from smoe.runtime import StreamingModel
+from smoe.sculpt import sculpt
+from smoe.tiny_models import save_tiny_model
+from smoe.vault import CONFIG_FILE, INDEX_FILE, TRUNK_FILE, Vault, verify
+
+
+@pytest.fixture(scope="module")
+def tiny_vault(tmp_path_factory):
+    root = tmp_path_factory.mktemp("files")
+    save_tiny_model("qwen3_moe", root / "model", seed=3)
+    sculpt(root / "model", root / "vault", bits=4, progress=False)
+    return root / "vault"
+
+
+def copy_vault(src, dst):
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def open_model(vault):
+    return StreamingModel(vault, dtype="float32", cache_bytes=1 << 30)
+
+
+def test_every_file_but_the_blobs_is_listed_with_its_checksum(tiny_vault):
+    index = json.loads((tiny_vault / INDEX_FILE).read_text())
+    on_disk = {p.name for p in tiny_vault.iterdir()} - {"experts.bin", INDEX_FILE}
+    assert set(index["files"]) == on_disk and {TRUNK_FILE, CONFIG_FILE} <= on_disk
+
+
+def test_config_names_smoe_as_its_quantization_method_and_the_model_sees_the_source_config(tiny_vault):
+    raw = json.loads((tiny_vault / CONFIG_FILE).read_text())
+    assert raw["quantization_config"]["quant_method"] == "smoe" and raw["quantization_config"]["version"] == 2
+    with Vault(tiny_vault) as v:
+        assert "quantization_config" not in v.config and v.config["num_experts_per_tok"] == raw["num_experts_per_tok"]
+
+
+def test_a_flipped_trunk_byte_stops_the_model_from_opening_and_fails_verify(tiny_vault, tmp_path):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    trunk = vault / TRUNK_FILE
+    data = bytearray(trunk.read_bytes())
+    data[-3] ^= 0x10  # tensor data, not the header: safetensors itself would not notice
+    trunk.write_bytes(bytes(data))
+    with pytest.raises(SmoeError, match="corrupt trunk"):
+        open_model(vault)
+    assert any("corrupt trunk" in p for p in verify(vault))
+
+
+def test_an_edited_config_value_stops_the_model_from_opening_and_fails_verify(tiny_vault, tmp_path):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    config["num_experts_per_tok"] += 1
+    (vault / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    with pytest.raises(SmoeError, match="config.json.*(checksum mismatch|bytes as the index says)"):
+        open_model(vault)
+    assert verify(vault)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_a_flipped_byte_in_any_copied_file_fails_open_and_verify(tiny_vault, tmp_path, name):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    if not (vault / name).exists():
+        pytest.fail(f"the tiny model's vault should hold {name}")
+    data = bytearray((vault / name).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (vault / name).write_bytes(bytes(data))
+    with pytest.raises(SmoeError, match="checksum mismatch"):
+        Vault(vault)
+    assert any(name in p for p in verify(vault))
+
+
+def test_a_tokenizer_file_added_after_quantizing_is_refused(tiny_vault, tmp_path):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    (vault / "added_tokens.json").write_text('{"<evil>": 5}')
+    with pytest.raises(SmoeError, match="not covered by the index"):
+        Vault(vault)
+
+
+def test_a_deleted_copied_file_is_refused(tiny_vault, tmp_path):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    (vault / "tokenizer.json").unlink()
+    with pytest.raises(SmoeError, match="missing"):
+        Vault(vault)
+
+
+def test_a_failed_model_open_keeps_no_file_descriptor_or_thread(tiny_vault, tmp_path):
+    import threading
+
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    data = bytearray((vault / TRUNK_FILE).read_bytes())
+    data[-3] ^= 0x10
+    (vault / TRUNK_FILE).write_bytes(bytes(data))
+    with pytest.raises(SmoeError):  # warm up: imports and caches open their own files once
+        open_model(vault)
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    for _ in range(30):
+        with pytest.raises(SmoeError):
+            open_model(vault)
+    assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() <= threads
+
+
+def test_generate_on_an_edited_config_is_one_line_and_exit_2(tiny_vault, tmp_path):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    (vault / CONFIG_FILE).write_text(json.dumps(config | {"num_experts_per_tok": 5}, indent=2) + "\n")
+    r = subprocess.run([sys.executable, "-m", "smoe.cli", "generate", str(vault), "-p", "hello", "--max-tokens", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("smoe: error:"), r.stderr
+
+
+def test_a_model_opens_from_a_sound_vault_and_runs(tiny_vault):
+    sm = open_model(tiny_vault)
+    try:
+        assert torch.isfinite(sm.logits(torch.tensor([[1, 2, 3]]))).all()
+    finally:
+        sm.close()
