@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from smoe import __version__
+from smoe import __version__, numeric
 from smoe.errors import SmoeError
+from smoe.paths import check_outputs
 from smoe.prompts import chat_prompt, load_tokenizer
 
 
@@ -16,6 +18,7 @@ def cmd_quantize(args) -> int:
 
     from smoe import plan as planning
 
+    check_outputs([args.output], [args.model, args.calib, args.plan])
     progress = not args.quiet and not args.json
     depths, encoder, stats, planned = planning.quantize_inputs(args, progress)
     report = sculpt(args.model, args.output, bits=args.bits, device=args.device, force=args.force,
@@ -195,7 +198,7 @@ def add_quality_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder", choices=ENCODERS, default=None,
                    help=f"how codes and scales are chosen (default: {DEFAULT} with --calib, grid without)")
     p.add_argument("--calib", metavar="TEXT_FILE", help="calibration text (.gz allowed); never the evaluation text")
-    p.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default 16384)")
+    p.add_argument("--calib-tokens", type=numeric.COUNT.parse, default=None, help="calibration tokens (default 16384)")
 
 
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
@@ -203,25 +206,25 @@ def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> 
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="cuda: trunk and expert cache on the GPU (Qwen3-MoE, Mixtral); auto (default): cuda when "
                    "there is a GPU and the family runs there, else cpu")
-    p.add_argument("--cache-gb", type=float, default=None,
+    p.add_argument("--cache-gb", type=numeric.NON_NEGATIVE_REAL.parse, default=None,
                    help="expert cache budget in host RAM, GB (CPU default: half of the available RAM, at most all "
                    "experts; on a GPU it is a pinned host tier between disk and GPU, default none)")
-    p.add_argument("--gpu-cache-gb", type=float, default=None,
+    p.add_argument("--gpu-cache-gb", type=numeric.NON_NEGATIVE_REAL.parse, default=None,
                    help="GPU expert cache budget, GB (default: all experts if they fit in 80%% of the free GPU "
                    "memory, else that)")
     p.add_argument("--dtype", default=dtype, choices=("float32", "bfloat16"), help=f"compute dtype (default {dtype})")
-    p.add_argument("--threads", type=int, default=16, help="parallel expert reads (default 16, for NVMe)")
+    p.add_argument("--threads", type=numeric.THREADS.parse, default=16, help="parallel expert reads (default 16, for NVMe)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT, bypassing the page cache")
-    p.add_argument("--torch-threads", type=int, default=default_torch_threads(),
+    p.add_argument("--torch-threads", type=numeric.THREADS.parse, default=default_torch_threads(),
                    help="threads for torch's CPU ops (default: 1 on machines of 2 cores or fewer, where batch-1 "
                    "ops are too small to split and a second thread mostly waits; else all cores)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=numeric.MAX_TOKENS.parse, default=128)
+    p.add_argument("--temperature", type=numeric.TEMPERATURE.parse, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=numeric.TOP_P.parse, default=1.0)
+    p.add_argument("--seed", type=numeric.SEED.parse, default=0)
     p.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"),
                    help="lean: the fast decode path (Qwen3-MoE, Mixtral); transformers: the model's own modules")
 
@@ -238,8 +241,26 @@ def cmd_demo(args) -> int:
     return demo.main(args)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's errors in smoe's form: `smoe generate: error: …` on one line and exit 2; a mistyped
+    option also gets the usage of the subcommand it was given to, which lists the right ones."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser):
+    """Every (sub)subcommand's parser, each told its own name so main can hand it its errors."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for sub in action.choices.values():
+            sub.set_defaults(parser=sub)
+            yield from subcommand_parsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="smoe", description="Seal the routed experts of a Hugging Face MoE checkpoint "
+    p = Parser(prog="smoe", description="Seal the routed experts of a Hugging Face MoE checkpoint "
                                 "into SMOE-Q4/Q2 vaults and inspect what a model costs to stream.")
     p.add_argument("--version", action="version", version=f"smoe {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -252,14 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--bits", type=int, choices=(4, 2), default=4, help="SMOE-Q4 (default) or SMOE-Q2")
     q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the scale search")
     q.add_argument("--force", action="store_true", help="replace an existing output and discard a partial run")
-    q.add_argument("--num-experts", type=int, help="experts per MoE layer, for checkpoints whose config lacks it")
+    q.add_argument("--num-experts", type=numeric.COUNT.parse, help="experts per MoE layer, for checkpoints whose config lacks it")
     q.add_argument("--alignment", type=int, choices=(4096, 16384), default=4096,
                    help="blob alignment in bytes (16384 for 16 KiB-page systems)")
     q.add_argument("--json", action="store_true", help="print the summary as JSON")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     add_quality_options(q)
     q.add_argument("--plan", metavar="PLAN_JSON", help="depth per tensor from `smoe plan` (overrides --bits)")
-    q.add_argument("--budget", type=float, metavar="BITS", help="plan and write a mixed vault of at most BITS bits/weight "
+    q.add_argument("--budget", type=numeric.BITS_PER_WEIGHT.parse, metavar="BITS", help="plan and write a mixed vault of at most BITS bits/weight "
                    "(scales included; needs --calib); plan, sensitivity table and heatmap go beside the vault")
     q.set_defaults(func=cmd_quantize)
 
@@ -269,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "exactly. Writes PLAN_JSON and a PNG heatmap beside it.")
     pl.add_argument("model", metavar="MODEL_DIR")
     budget = pl.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget", type=float, metavar="BITS", help="bits per expert weight, scales included (2.25-4.25)")
-    budget.add_argument("--size", type=float, metavar="GB", help="size of experts.bin in GB (1e9 bytes), alignment included")
+    budget.add_argument("--budget", type=numeric.BITS_PER_WEIGHT.parse, metavar="BITS", help="bits per expert weight, scales included (2.25-4.25)")
+    budget.add_argument("--size", type=numeric.POSITIVE_REAL.parse, metavar="GB", help="size of experts.bin in GB (1e9 bytes), alignment included")
     pl.add_argument("-o", "--output", default="plan.json", metavar="PLAN_JSON", help="default plan.json")
     pl.add_argument("--sensitivity", metavar="JSON", help="the sensitivity table (default: PLAN.sensitivity.json)")
     add_quality_options(pl)
@@ -288,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "config.json, or a vault.")
     i.add_argument("path", metavar="PATH")
     i.add_argument("--json", action="store_true")
-    i.add_argument("--disk-gbps", type=float, default=7.4, help="disk read bandwidth in GB/s (default 7.4)")
-    i.add_argument("--num-experts", type=int, help="experts per MoE layer, for configs that lack it")
+    i.add_argument("--disk-gbps", type=numeric.BANDWIDTH_GBPS.parse, default=7.4, help="disk read bandwidth in GB/s (default 7.4)")
+    i.add_argument("--num-experts", type=numeric.COUNT.parse, help="experts per MoE layer, for configs that lack it")
     i.set_defaults(func=cmd_inspect)
 
     t = sub.add_parser("test-quant", help="codec self-test: SNR of both depths on a fixed Gaussian tensor",
@@ -315,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_options(e, dtype="float32")
     e.add_argument("--ref", required=True, metavar="MODEL_DIR", help="the bf16 source model")
     e.add_argument("--data", required=True, metavar="FILE", help="text file (.gz allowed)")
-    e.add_argument("--tokens", type=int, default=16384)
+    e.add_argument("--tokens", type=numeric.EVAL_TOKENS.parse, default=16384)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -345,20 +366,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics. Requests run one at a time, in arrival order.")
     add_runtime_options(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    sv.add_argument("--max-tokens", type=int, default=4096, help="most new tokens one request may ask for (default 4096)")
-    sv.add_argument("--max-body-mb", type=float, default=1.0, help="largest request body in MiB (default 1)")
-    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting or running at once (default 64)")
+    sv.add_argument("--port", type=numeric.PORT.parse, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    sv.add_argument("--max-tokens", type=numeric.MAX_TOKENS.parse, default=4096, help="most new tokens one request may ask for (default 4096)")
+    sv.add_argument("--max-body-mb", type=numeric.BODY_MB.parse, default=1.0, help="largest request body in MiB (default 1)")
+    sv.add_argument("--max-queue", type=numeric.COUNT.parse, default=64, help="requests waiting or running at once (default 64)")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same process)")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     bq = bsub.add_parser("quantize", help="scale-search throughput in MB/s of bf16 input")
-    bq.add_argument("--mb", type=float, default=96.0, help="MB of bf16 weights to encode per depth")
+    bq.add_argument("--mb", type=numeric.POSITIVE_REAL.parse, default=96.0, help="MB of bf16 weights to encode per depth")
     bq.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     bq.add_argument("--json", action="store_true")
     bs = bsub.add_parser("sculpt", help="peak RSS and throughput of `smoe quantize` on a synthetic checkpoint")
-    bs.add_argument("--gb", type=float, default=4.0, help="size of the synthetic checkpoint in GB")
+    bs.add_argument("--gb", type=numeric.POSITIVE_REAL.parse, default=4.0, help="size of the synthetic checkpoint in GB")
     bs.add_argument("--workdir", default=None, help="where to build it (default: a temporary directory)")
     bs.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the sculptor runs its search")
     bs.add_argument("--json", action="store_true")
@@ -366,33 +387,33 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--device", default="auto", choices=("auto", "cuda"))
     bk.add_argument("--shape", action="append", choices=("qwen3-235b-a22b", "qwen3-30b-a3b"),
                     help="expert shapes to measure (default: both)")
-    bk.add_argument("--pool-gb", type=float, default=1.2, help="GB of distinct experts each variant rotates over")
+    bk.add_argument("--pool-gb", type=numeric.POSITIVE_REAL.parse, default=1.2, help="GB of distinct experts each variant rotates over")
     bk.add_argument("--json", action="store_true")
     br = bsub.add_parser("runtime", help="decode tok/s, hit rate, bytes read and peak RSS per cache budget (cold)")
     br.add_argument("vault", metavar="VAULT_DIR")
     br.add_argument("--ref", metavar="MODEL_DIR", help="also time transformers running this model resident in bf16")
     br.add_argument("--gguf", metavar="FILE", help="also time llama.cpp (llama-cpp-python) on this GGUF")
     br.add_argument("--budgets", default="0.05,0.25,1.0", help="cache budgets as fractions of all experts")
-    br.add_argument("--tokens", type=int, default=128)
+    br.add_argument("--tokens", type=numeric.COUNT.parse, default=128)
     br.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    br.add_argument("--threads", type=int, default=1)
+    br.add_argument("--threads", type=numeric.THREADS.parse, default=1)
     br.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"))
-    br.add_argument("--memory-limit-gb", type=float, help="run smoe and llama.cpp inside a memory cgroup of this size")
+    br.add_argument("--memory-limit-gb", type=numeric.POSITIVE_REAL.parse, help="run smoe and llama.cpp inside a memory cgroup of this size")
     br.add_argument("--json", action="store_true")
     bsy = bsub.add_parser("runtime-synthetic", help="the expert store on a synthetic several-GB vault, skewed routing")
     bsy.add_argument("--workdir", default="out/bench", help="where the synthetic vault is built (kept for reruns)")
-    bsy.add_argument("--layers", type=int, default=12, help="layers of 128 Qwen3-30B-A3B experts (12: 3.9 GB at Q4)")
-    bsy.add_argument("--tokens", type=int, default=32)
+    bsy.add_argument("--layers", type=numeric.COUNT.parse, default=12, help="layers of 128 Qwen3-30B-A3B experts (12: 3.9 GB at Q4)")
+    bsy.add_argument("--tokens", type=numeric.COUNT.parse, default=32)
     bsy.add_argument("--budgets", default="0.05,0.25,1.0")
     bsy.add_argument("--json", action="store_true")
     bd = bsub.add_parser("decode", help="GPU decode tok/s of a Qwen3-30B-A3B-shaped vault per GPU cache budget, "
                          "experts in host RAM or on disk, against transformers bf16 (CUDA only)")
     bd.add_argument("--workdir", default="out/bench-gpu", help="where the ~16 GB vault is built (kept for reruns)")
     bd.add_argument("--budgets", default="1.0,0.5,0.25,0.1", help="GPU cache budgets as fractions of all experts")
-    bd.add_argument("--tokens", type=int, default=64, help="timed tokens per row")
-    bd.add_argument("--warmup", type=int, default=32, help="tokens decoded first, to bring the cache to steady state")
-    bd.add_argument("--layers", type=int, default=None, help="fewer layers than the real 48 (quick checks)")
-    bd.add_argument("--threads", type=int, default=16, help="parallel expert reads")
+    bd.add_argument("--tokens", type=numeric.COUNT.parse, default=64, help="timed tokens per row")
+    bd.add_argument("--warmup", type=numeric.NON_NEGATIVE.parse, default=32, help="tokens decoded first, to bring the cache to steady state")
+    bd.add_argument("--layers", type=numeric.COUNT.parse, default=None, help="fewer layers than the real 48 (quick checks)")
+    bd.add_argument("--threads", type=numeric.THREADS.parse, default=16, help="parallel expert reads")
     bd.add_argument("--no-baseline", action="store_true", help="skip transformers bf16 resident on the GPU")
     bd.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
@@ -400,16 +421,24 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job end to end on a built-in default model")
     d.add_argument("--workdir", default="out/demo", help="where the vaults go (default out/demo)")
     d.set_defaults(func=cmd_demo)
+    for _ in subcommand_parsers(p):
+        pass
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand that was given them, not by the top level
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except SmoeError as e:
         print(f"smoe: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `smoe verify --json | head -1`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print("smoe: interrupted (a partial vault is kept and resumed by the same command)", file=sys.stderr)
         return 130

@@ -41,13 +41,17 @@ def peak_rss_bytes() -> int:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0; otherwise nucleus sampling over softmax(logits / T)."""
+    """Greedy at temperature 0; otherwise nucleus sampling over softmax(logits / T). Safe for every
+    T in (0, 2] and top_p in [0, 1]: logits are shifted so the largest is 0 before dividing, so a tiny
+    T drives the others to -inf (probability 0), never to inf - inf; top_p 0 keeps the top token."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    z = logits.double()  # float64: a T of 1e-300 is not rounded to 0 (0 / 0 would be NaN)
+    probs = torch.softmax((z - z.max()) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p  # always keeps the top token
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        keep[0] = True
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 

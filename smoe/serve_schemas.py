@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from smoe import numeric
+
 MAX_STOPS = 16
 Stop = Annotated[str, Field(min_length=1)]
 
@@ -35,12 +37,12 @@ class StreamOptions(Strict):
 
 class OpenAIRequest(Strict):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = numeric.MAX_TOKENS.field(None)
+    max_completion_tokens: int | None = numeric.MAX_TOKENS.field(None)
+    temperature: float = numeric.TEMPERATURE.field(1.0)
+    top_p: float = numeric.TOP_P.field(1.0)
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
-    seed: int | None = None
+    seed: int | None = numeric.SEED.field(None)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -84,11 +86,11 @@ class AnthropicMessage(Strict):
 
 class MessagesRequest(Strict):
     model: str | None = None
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = numeric.MAX_TOKENS.field(...)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextPart] | None = None
-    temperature: float = Field(1.0, ge=0, le=1)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = numeric.ANTHROPIC_TEMPERATURE.field(1.0)
+    top_p: float = numeric.TOP_P.field(1.0)
     top_k: int | None = Field(None, ge=1, description="accepted and ignored: sampling is nucleus-only")
     stop_sequences: list[Stop] | None = Field(None, max_length=MAX_STOPS)
     stream: bool = False

@@ -42,8 +42,6 @@ def test_demo_builds_its_own_model_when_the_shared_one_is_absent(tmp_path, monke
     (["runtime", "VAULT", "--budgets", "abc"], "expected fractions separated by commas"),
     (["runtime", "VAULT", "--budgets", "0,1"], "in (0, 1]"),
     (["decode", "--budgets", "2"], "in (0, 1]"),
-    (["decode", "--tokens", "0"], "--tokens must be at least 1"),
-    (["decode", "--warmup", "-1"], "--warmup must be 0 or more"),
 ])
 def test_bench_options_out_of_range_are_one_line_errors(args, message, capsys):
     from smoe.cli import main
