@@ -10,7 +10,7 @@ import sys
 from smoe import __version__, numeric
 from smoe.errors import SmoeError
 from smoe.paths import check_outputs
-from smoe.prompts import chat_prompt, load_tokenizer
+from smoe.prompts import chat_prompt, check_text, load_tokenizer
 
 
 def cmd_quantize(args) -> int:
@@ -106,7 +106,7 @@ def cmd_generate(args) -> int:
 
     sm = open_model(args)
     tok = load_tokenizer(args.vault)
-    prompt = tok(args.prompt, add_special_tokens=True)["input_ids"]
+    prompt = tok(check_text(args.prompt, "the prompt"), add_special_tokens=True)["input_ids"]
     streamer = None if args.json else TextStreamer(tok, sys.stdout)
     tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer,
                              engine=args.engine)
@@ -131,6 +131,11 @@ def cmd_chat(args) -> int:
             break
         if not line:
             break
+        try:
+            check_text(line, "that line")
+        except SmoeError as e:  # a bad line costs the line, not the conversation
+            print(f"smoe: error: {e}", file=sys.stderr)
+            continue
         history.append({"role": "user", "content": line})
         prompt = chat_prompt(tok, history)
         streamer = TextStreamer(tok, sys.stdout)
@@ -432,16 +437,27 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported by the subcommand that was given them, not by the top level
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return status
     except SmoeError as e:
         print(f"smoe: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `smoe verify --json | head -1`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # a full disk, a read-only directory, a file over the size limit
+        where = f": {e.filename}" if e.filename else ""
+        print(f"smoe: error: {e.strerror or e}{where}{resumable(args)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("smoe: interrupted (a partial vault is kept and resumed by the same command)", file=sys.stderr)
+        print(f"smoe: interrupted{resumable(args)}", file=sys.stderr)
         return 130
+
+
+def resumable(args) -> str:
+    """What an interrupted or failed write leaves: only quantize keeps a partial vault to resume."""
+    return " (the partial vault is kept; the same command resumes it)" if args.command == "quantize" else ""
 
 
 if __name__ == "__main__":

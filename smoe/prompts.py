@@ -16,6 +16,17 @@ def load_tokenizer(path):
         raise SmoeError(f"{path}: no usable tokenizer ({e})") from None
 
 
+def check_text(text: str, what: str) -> str:
+    """Text from the command line or a terminal. Python keeps bytes that are not UTF-8 as lone
+    surrogates, which tokenizers refuse with a traceback: say which byte instead."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else ord(text[e.start])
+        raise SmoeError(f"{what} is not valid UTF-8 (byte {byte:#04x} at character {e.start})") from None
+    return text
+
+
 def chat_prompt(tok, history) -> list[int]:
     """The tokenizer's chat template when it has one; plain "User:/Assistant:" turns otherwise.
 

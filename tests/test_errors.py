@@ -1,0 +1,74 @@
+"""User mistakes and hostile environments give one line `smoe: error: …` (exit 2) and lose nothing."""
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from smoe.sculpt import sculpt
+from smoe.tiny_models import save_tiny_model
+from smoe.vault import verify
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    save_tiny_model("mixtral", root / "model", seed=4)
+    sculpt(root / "model", root / "vault", bits=4, progress=False)
+    return root
+
+
+def smoe(*args, stdin=None, limit_bytes=None):
+    def limit():
+        if limit_bytes is not None:  # a disk that fills: writes past the limit fail with EFBIG
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return subprocess.run([sys.executable, "-m", "smoe.cli", *map(str, args)], input=stdin, capture_output=True,
+                          preexec_fn=limit)
+
+
+def one_line_error(r) -> str:
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.count("\n") == 1 and err.startswith("smoe: error:"), err
+    return err
+
+
+def test_a_prompt_that_is_not_utf8_is_a_one_line_error(tiny):
+    r = subprocess.run([sys.executable, "-m", "smoe.cli", "generate", str(tiny / "vault"), "-p", b"ab\xffcd",
+                        "--max-tokens", "2"], capture_output=True)
+    assert "not valid UTF-8 (byte 0xff" in one_line_error(r)
+
+
+def test_a_chat_line_that_is_not_utf8_costs_the_line_not_the_session(tiny):
+    r = smoe("chat", tiny / "vault", "--max-tokens", "2", stdin=b"hi\xff\nhello\n")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "not valid UTF-8" in err and "Traceback" not in err
+    assert err.count("prompt tokens") == 1  # the second line was answered
+
+
+@pytest.mark.parametrize("args", [("verify", "{vault}", "--json"), ("inspect", "{vault}", "--json")])
+def test_a_closed_output_pipe_ends_quietly(tiny, args):
+    cmd = " ".join([sys.executable, "-m", "smoe.cli", *(a.format(vault=tiny / "vault") for a in args)])
+    r = subprocess.run(["bash", "-c", f"{cmd} | true; echo rc=${{PIPESTATUS[0]}} >&2"], capture_output=True, text=True)
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr and "rc=141" in r.stderr, r.stderr
+
+
+def test_a_disk_that_fills_during_quantize_is_one_line_and_the_rerun_resumes(tiny, tmp_path):
+    out = tmp_path / "vault"
+    r = smoe("quantize", tiny / "model", "-o", out, "--quiet", limit_bytes=150_000)
+    assert "the partial vault is kept" in one_line_error(r)
+    assert not out.exists()
+    r = smoe("quantize", tiny / "model", "-o", out, "--quiet")
+    assert r.returncode == 0, r.stderr.decode()
+    assert verify(out) == []
+    assert (out / "experts.bin").read_bytes() == (tiny / "vault" / "experts.bin").read_bytes()
+
+
+def test_a_disk_that_fills_during_export_is_one_line_and_leaves_nothing(tiny, tmp_path):
+    r = smoe("export", tiny / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf", "-q", limit_bytes=100_000)
+    one_line_error(r)
+    assert os.listdir(tmp_path) == []
