@@ -45,6 +45,8 @@ DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
+# Stored dtypes whose values are the tensor's real values; the others need scales to mean anything.
+REAL_DTYPES = {"BF16", "F16", "F32", "F64"}
 PLAIN_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "F8_E4M3": "fp8_e4m3"}
 CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -60,6 +62,18 @@ UNSUPPORTED_PARTS = {
     ".absmax": "bitsandbytes",
     ".quant_map": "bitsandbytes",
     ".SCB": "bitsandbytes",
+}
+
+
+FLOATS = {"F32", "F16", "BF16"}
+INT32 = {"I32", "U32"}  # a packed bitstream: read as bytes, so either signedness holds the same bits
+# The dtypes each quantised format stores its parts in: any other is a different format whose bytes
+# would be reinterpreted, not read.
+PART_DTYPES = {
+    "mlx_affine": {"weight": INT32, "scales": FLOATS, "biases": FLOATS},
+    "compressed": {"packed": INT32, "scale": FLOATS, "shape": {"I64", "I32", "I16", "I8", "U8"}, "zero_point": INT32},
+    "fp8_block": {"weight": {"F8_E4M3", "F8_E5M2"}, "scale_inv": FLOATS | {"F8_E8M0"}},
+    "mxfp4": {"blocks": {"U8"}, "scales": {"U8", "F8_E8M0"}},
 }
 
 
@@ -105,10 +119,12 @@ class Checkpoint:
         self.has_weights = bool(self._stored)
         self._quant = _Quant.from_config(self.config)
         self._logical = _collapse(stored_names, self._quant)
+        if self.has_weights:
+            self._check_part_dtypes()
 
     def _read_config(self) -> dict:
         if (self.dir / CONFIG).is_file():
-            return _read_json(self.dir / CONFIG)
+            return _read_json(self.inside(CONFIG))
         if (self.dir / SAFETENSORS_INDEX).is_file() or (self.dir / BIN_INDEX).is_file():
             return {}
         raise SmoeError(f"{self.dir}: no {CONFIG} (expected a Hugging Face model directory)")
@@ -119,19 +135,21 @@ class Checkpoint:
         if (d / SAFETENSORS_INDEX).is_file():
             return self._scan_sharded()
         if (d / SAFETENSORS_SINGLE).is_file():
-            self._stored = _read_header(d / SAFETENSORS_SINGLE)
+            self._stored = _read_header(self.inside(SAFETENSORS_SINGLE))
             return list(self._stored)
         if (d / BIN_INDEX).is_file():
             self._bin_weights = True
-            weight_map, self._index_total = _read_index(d / BIN_INDEX)
+            weight_map, self._index_total = _read_index(self.inside(BIN_INDEX))
             return list(weight_map)
         if (d / BIN_SINGLE).is_file():
             raise SmoeError(f"{d}: weights are in {BIN_SINGLE}; convert the checkpoint to safetensors first")
         return []
 
     def _scan_sharded(self) -> list[str]:
-        weight_map, self._index_total = _read_index(self.dir / SAFETENSORS_INDEX)
+        weight_map, self._index_total = _read_index(self.inside(SAFETENSORS_INDEX))
         shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            self.inside(shard, f"{SAFETENSORS_INDEX} lists shard")
         missing = [s for s in shards if not (self.dir / s).is_file()]
         if len(missing) == len(shards):
             return list(weight_map)  # index only: names without weights
@@ -145,6 +163,48 @@ class Checkpoint:
                                 f"although {SAFETENSORS_INDEX} lists it there")
             self._stored[name] = headers[shard][name]
         return list(weight_map)
+
+    def inside(self, relative: str, what: str = "file") -> Path:
+        """DIR/relative, refused unless it is inside the model directory, symlinks resolved: an index
+        or a link must not make smoe read (or copy into a vault) a file from elsewhere."""
+        rel = Path(relative)
+        path = self.dir / rel
+        if rel.is_absolute() or ".." in rel.parts:
+            raise SmoeError(f"{self.dir}: {what} {relative!r} is outside the model directory (smoe reads only files in it)")
+        real = path.resolve()
+        if not (real.is_relative_to(self.dir.resolve()) or _in_hub_blobs(path, real)):
+            raise SmoeError(f"{self.dir}: {what} {relative!r} is a link to {real}, outside the model directory "
+                            f"(smoe reads only files in it)")
+        return path
+
+    def weight_files(self) -> list[Path]:
+        """The safetensors files the tensors are read from."""
+        return sorted({s.file for s in self._stored.values()})
+
+    def _check_part_dtypes(self) -> None:
+        for name, logical in self._logical.items():
+            fmt = "compressed" if (logical.format or "").startswith("compressed_int") else logical.format
+            for role, stored in logical.parts.items():
+                dtype = self._stored[stored].dtype
+                allowed = PART_DTYPES.get(fmt, {}).get(role)
+                if allowed is not None and dtype not in allowed:
+                    raise SmoeError(f"tensor {stored}: the {role} part of {logical.format} tensor {name} is stored as "
+                                    f"{dtype}, the format stores {'/'.join(sorted(allowed))} (refusing to reinterpret it)")
+
+    def check_real_valued(self, name: str, what: str = "tensor") -> None:
+        """Refuse a tensor whose stored values are not its real values: integers, bools or 8-bit floats
+        with no scales are a quantised format smoe does not recognise, or one whose scales are missing."""
+        logical = self._get(name)
+        if logical.format or not self.has_weights:
+            return
+        dtype = self._stored[logical.parts["tensor"]].dtype
+        if dtype in REAL_DTYPES:
+            return
+        if dtype.startswith("F8"):
+            why = "8-bit floats with no scales (fp8 needs its weight_scale_inv and the config's weight_block_size)"
+        else:
+            why = "integers with no scales, not weights (a quantisation smoe does not recognise, or its scales are missing)"
+        raise SmoeError(f"{what} {name} is stored as {dtype}: {why}; dequantise the checkpoint to bf16 first")
 
     # ----- queries -------------------------------------------------------------------------------
 
@@ -209,9 +269,10 @@ class Checkpoint:
 
     # ----- loading -------------------------------------------------------------------------------
 
-    def load(self, name: str, index: int | None = None) -> torch.Tensor:
+    def load(self, name: str, index: int | None = None, digest=None) -> torch.Tensor:
         """The logical tensor (bf16 for quantised sources, else as stored); index=i: only the dim-0 slice [i],
-        reading only that slice's bytes (and its rows of scales / zero points)."""
+        reading only that slice's bytes (and its rows of scales / zero points). `digest` (an xxhash object)
+        is fed every byte read, so a caller can later prove the source unchanged."""
         logical = self._get(name)
         if not self.has_weights:
             if self._bin_weights:
@@ -219,20 +280,20 @@ class Checkpoint:
                                 f"convert the checkpoint to safetensors first")
             raise SmoeError(f"{self.dir}: no weight files (index or config only); cannot load {name!r}")
         if logical.format is None:
-            return self._read(logical.parts["tensor"], index)
+            return self._read(logical.parts["tensor"], index, digest)
         try:
-            return self._dequantise(name, logical, index)
+            return self._dequantise(name, logical, index, digest)
         except ValueError as e:
             raise SmoeError(f"{self.dir}: {name}: {e}") from None
 
-    def _dequantise(self, name: str, logical: _Logical, index: int | None) -> torch.Tensor:
+    def _dequantise(self, name: str, logical: _Logical, index: int | None, digest=None) -> torch.Tensor:
         parts, fmt = logical.parts, logical.format
         # Row i of a 2-D FP8-block or compressed-tensors matrix shares its scale or zero-point row with
         # neighbouring rows: read the rows it needs and dequantise a one-row matrix.
         one_row = index is not None and fmt not in ("mlx_affine", "mxfp4") and len(self.shape(name)) == 2
 
         def read(role: str, row: int | None = index) -> torch.Tensor:
-            t = self._read(parts[role], row)
+            t = self._read(parts[role], row, digest)
             return t.unsqueeze(0) if one_row else t
 
         if fmt == "mlx_affine":
@@ -247,6 +308,8 @@ class Checkpoint:
             return w[0] if one_row else w
         bits = self._quant.int_bits
         shape = self._compressed_shape(name, logical)
+        if digest is not None:
+            digest.update(repr(shape).encode())  # read from the file once per process, so as current as the rest
         if index is not None:
             shape = (1, shape[1]) if one_row else shape[1:]
         zero_point = None
@@ -266,7 +329,7 @@ class Checkpoint:
             self._shapes[name] = tuple(int(d) for d in self._read(logical.parts["shape"]).tolist())
         return self._shapes[name]
 
-    def _read(self, stored_name: str, index: int | None = None) -> torch.Tensor:
+    def _read(self, stored_name: str, index: int | None = None, digest=None) -> torch.Tensor:
         """Read one stored tensor (or its dim-0 slice `index`) with positioned reads."""
         stored = self._stored[stored_name]
         shape, start, nbytes = stored.shape, stored.start, stored.nbytes
@@ -279,7 +342,10 @@ class Checkpoint:
         dtype = DTYPES[stored.dtype]
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self._pread(stored.file, start, nbytes), dtype=dtype).reshape(shape)
+        buf = self._pread(stored.file, start, nbytes)
+        if digest is not None:
+            digest.update(buf)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def _pread(self, file: Path, start: int, nbytes: int) -> bytearray:
         fd = self._fds.get(file)
@@ -448,6 +514,12 @@ def _quantised(name: str, names: set[str], quant: _Quant) -> tuple[str, str, dic
 
 
 # ----- files -------------------------------------------------------------------------------------
+
+
+def _in_hub_blobs(link: Path, real: Path) -> bool:
+    """A link into a Hugging Face hub cache's content store (models--ORG--NAME/blobs/SHA): how every
+    file of a cache snapshot (and of an older `--local-dir` download) is stored."""
+    return link.is_symlink() and real.parent.name == "blobs" and real.parent.parent.name.startswith("models--")
 
 
 def _read_json(path: Path) -> dict:

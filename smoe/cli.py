@@ -186,7 +186,9 @@ def cmd_export(args) -> int:
 def cmd_serve(args) -> int:
     from smoe.serve import Limits, run_server
 
-    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens, max_queue=args.max_queue)
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens, max_queue=args.max_queue,
+                    idle_timeout=args.idle_timeout, request_timeout=args.request_timeout,
+                    max_connections=args.max_connections)
     return run_server(lambda: open_model(args), load_tokenizer, args.vault, args.host, args.port, limits)
 
 
@@ -247,13 +249,13 @@ def cmd_demo(args) -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's errors in smoe's form: `smoe generate: error: …` on one line and exit 2; a mistyped
-    option also gets the usage of the subcommand it was given to, which lists the right ones."""
+    """argparse's errors in smoe's form: `smoe: error: …` on one line and exit 2; a mistyped option
+    also gets the usage of the subcommand it was given to, which lists the right ones."""
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments"):
             self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"smoe: error: {message}\n")
 
 
 def subcommand_parsers(parser: argparse.ArgumentParser):
@@ -375,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens", type=numeric.MAX_TOKENS.parse, default=4096, help="most new tokens one request may ask for (default 4096)")
     sv.add_argument("--max-body-mb", type=numeric.BODY_MB.parse, default=1.0, help="largest request body in MiB (default 1)")
     sv.add_argument("--max-queue", type=numeric.COUNT.parse, default=64, help="requests waiting or running at once (default 64)")
+    sv.add_argument("--idle-timeout", type=numeric.POSITIVE_REAL.parse, default=5.0, help="seconds a connection may stay silent with no request in flight (default 5)")
+    sv.add_argument("--request-timeout", type=numeric.POSITIVE_REAL.parse, default=30.0, help="seconds for a request's head to arrive once begun, and again for its body (default 30)")
+    sv.add_argument("--max-connections", type=numeric.COUNT.parse, default=1024, help="open connections at most; at the limit the oldest idle one makes room (default 1024)")
     sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (ratios against a baseline in the same process)")

@@ -9,25 +9,27 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 from tqdm import tqdm
 
 from smoe import __version__, calibrate, codec, encoders
-from smoe.checkpoint import Checkpoint
+from smoe.checkpoint import SAFETENSORS_INDEX, Checkpoint
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.families import MoEPlan, load_bias, load_projection, plan_experts
-from smoe.vault import DEFAULT_ALIGNMENT, QuantisedTensor, VaultWriter, align, file_checksum, write_safetensors
+from smoe.paths import check_outputs
+from smoe.vault import (
+    COPIED_FILES, DEFAULT_ALIGNMENT, SAFETENSORS_DTYPES, TRUNK_FILE, QuantisedTensor, VaultWriter, align,
+    write_safetensors,
+)
 
 ENCODER = "grid"  # the 64-candidate fp16 scale search of smoe.codec
-COPIED_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-)
 
 
 @dataclass
@@ -50,14 +52,15 @@ class SculptReport:
 
 
 def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int, extra: str = "") -> str:
-    """Hash of what determines the output: index or safetensors headers, config, bits, encoder (and
-    `extra`: the calibration file's hash and the plan, when there are)."""
-    h = hashlib.sha256(f"smoe-vault-1|{bits}|{encoder}|{alignment}{extra}".encode())
-    for path in sorted(ckpt.dir.glob("*.json")) + sorted(ckpt.dir.glob("*.safetensors")):
-        if path.suffix == ".json" and path.name not in ("config.json", "model.safetensors.index.json"):
-            continue
-        h.update(path.name.encode())
-        h.update(safetensors_header(path) if path.suffix == ".safetensors" else path.read_bytes())
+    """Hash of what determines the output's layout: config, index and the headers of the weight files
+    read, bits, encoder (and `extra`: the calibration file's hash and the plan, when there are). No
+    tensor data is read here: each journalled blob carries the digest of its own sources."""
+    h = hashlib.sha256(f"smoe-vault-2|{bits}|{encoder}|{alignment}{extra}".encode())
+    for name in ("config.json", SAFETENSORS_INDEX):
+        if (ckpt.dir / name).is_file():
+            h.update(name.encode() + ckpt.inside(name).read_bytes())
+    for path in ckpt.weight_files():
+        h.update(str(path.relative_to(ckpt.dir)).encode() + safetensors_header(path))
     return h.hexdigest()[:16]
 
 
@@ -85,6 +88,7 @@ def sculpt(
     """`encoder` "grid" or a calibrated one from smoe.encoders, which needs `calib` (a text file;
     `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
     tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without."""
+    check_outputs([out_dir], [model_dir, calib])
     start = time.perf_counter()
     encoder = encoder or encoders.default_encoder(calib)
     codec.check_bits(bits)
@@ -102,6 +106,7 @@ def sculpt(
     if not (ckpt.dir / "config.json").exists():
         raise SmoeError(f"{ckpt.dir}: no config.json")
     plan = plan_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
+    check_sources(ckpt, plan)
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
@@ -116,14 +121,14 @@ def sculpt(
         stats = calibrate.collect(ckpt.dir, calib, calib_tokens, progress=progress)
 
     writer = VaultWriter(partial, bits, alignment)
-    resumed = len(writer.entries)
     try:
         coder = Coder(encoder, stats, depths or {}, bits)
+        resumed = keep_unchanged_blobs(ckpt, plan, writer, coder, progress)
         snr, expert_out = write_experts(ckpt, plan, writer, coder, dev, progress)
-        trunk_bytes = write_trunk_file(ckpt, plan, partial / "trunk.safetensors", progress)
+        trunk_bytes = write_trunk_file(ckpt, plan, partial / TRUNK_FILE, progress)
         for name in COPIED_FILES:
             if (ckpt.dir / name).exists():
-                shutil.copyfile(ckpt.dir / name, partial / name)
+                shutil.copyfile(ckpt.inside(name), partial / name)
         writer.finish(vault_meta(ckpt, plan, partial) | {"encoder": encoder})
     finally:
         if not writer.data.closed:
@@ -185,9 +190,19 @@ class Coder:
     depths: dict[tuple[int, str], int]
     bits: int
 
-    def encode(self, w: torch.Tensor, layer: int, expert: int, role: str, name: str):
+    def moment(self, layer: int, expert: int, role: str, digest=None) -> torch.Tensor | None:
+        """The second moment the encoder weighs `role`'s error by (None without statistics); fed to
+        `digest` too: a calibrated blob depends on it as much as on the weights."""
+        if self.stats is None:
+            return None
+        moment = self.stats.second_moment(layer, expert, role).contiguous()
+        if digest is not None:
+            digest.update(moment.numpy())
+        return moment
+
+    def encode(self, w: torch.Tensor, moment: torch.Tensor | None, layer: int, role: str, name: str):
         bits = self.depths.get((layer, role), self.bits)
-        moment = self.stats.second_moment(layer, expert, role).to(w.device) if self.stats is not None else None
+        moment = moment.to(w.device) if moment is not None else None
         codes, scales = encoders.encode(w, bits, self.encoder, moment, name=name)
         return bits, codes, scales
 
@@ -222,22 +237,87 @@ def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, dev: t
     bar = tqdm(total=weights and 2 * weights * len(plan.experts), initial=weights and 2 * weights * len(done),
                unit="B", unit_scale=True, desc=f"experts ({len(plan.experts)})", disable=not progress)
     for layer, expert in todo:
-        tensors = []
-        for src in plan.experts[(layer, expert)]:
-            w = load_projection(ckpt, src)
+        tensors, digest = [], xxhash.xxh3_64()
+        for src, w, moment in expert_inputs(ckpt, plan, coder, (layer, expert), digest):
             name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
             check_shape(name, src.role, tuple(w.shape), expected)
             w = w.to(dev)
-            bits, codes, scales = coder.encode(w, layer, expert, src.role, name)
+            bits, codes, scales = coder.encode(w, moment, layer, src.role, name)
             q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
             snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
             tensors.append(q)
             bar.update(2 * w.numel())
-        biases = {b.role: load_bias(ckpt, b) for b in plan.biases.get((layer, expert), [])}
-        writer.add(layer, expert, tensors, check_finite_all(biases))
+        biases = expert_biases(ckpt, plan, (layer, expert), digest)
+        writer.add(layer, expert, tensors, check_finite_all(biases), source=digest.hexdigest())
     bar.close()
     snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
     return snr, sum(e.size for e in writer.entries)
+
+
+def expert_inputs(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int], digest):
+    """Yield (source, [out, in] weights, second moment or None) per projection of one expert, one at a
+    time, feeding `digest` everything its blob is encoded from."""
+    for src in plan.experts[key]:
+        yield src, load_projection(ckpt, src, digest), coder.moment(*key, src.role, digest)
+
+
+def expert_biases(ckpt, plan: MoEPlan, key: tuple[int, int], digest) -> dict[str, torch.Tensor]:
+    return {b.role: load_bias(ckpt, b, digest) for b in plan.biases.get(key, [])}
+
+
+def source_digest(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int]) -> str | None:
+    """The digest `write_experts` journals for `key`'s blob, from the source as it is now."""
+    if key not in plan.experts:
+        return None
+    digest = xxhash.xxh3_64()
+    for _ in expert_inputs(ckpt, plan, coder, key, digest):
+        pass
+    expert_biases(ckpt, plan, key, digest)
+    return digest.hexdigest()
+
+
+def keep_unchanged_blobs(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, progress: bool) -> int:
+    """Keep the resumed blobs whose sources (stored bytes, calibration moments) read as when they were
+    encoded; from the first that differs on, the data file is cut and re-encoded. Returns the count kept.
+
+    The fingerprint covers only headers, so a checkpoint rewritten with the same names and shapes (or
+    calibration moved by a changed trunk) reaches the same partial: only this re-read tells."""
+    entries = list(writer.entries)
+    bar = tqdm(entries, desc="checking resumed blobs", unit="blob", disable=not (progress and entries))
+    for i, entry in enumerate(bar):
+        key = (entry.layer, entry.expert)
+        journalled = writer.sources.get(key)
+        if journalled is None or journalled != source_digest(ckpt, plan, coder, key):
+            bar.close()
+            print(f"smoe: notice: layer {entry.layer} expert {entry.expert} was encoded from other source weights or "
+                  f"calibration than the model's now: re-encoding it and the {len(entries) - i - 1} blobs after it "
+                  f"({i} kept)", file=sys.stderr)
+            writer.keep(i)
+            return i
+    return len(entries)
+
+
+def check_sources(ckpt: Checkpoint, plan: MoEPlan) -> None:
+    """Refuse, before anything is written, a tensor that cannot be read (or kept) as its real values,
+    and a file to copy that lies outside the model directory."""
+    for name in sorted(plan.expert_names):
+        ckpt.check_real_valued(name, "expert tensor")
+    for name in trunk_names(ckpt, plan):
+        check_trunk_source(ckpt, name)
+    for name in COPIED_FILES:
+        if (ckpt.dir / name).exists():
+            ckpt.inside(name)
+
+
+def check_trunk_source(ckpt: Checkpoint, name: str) -> None:
+    """A trunk tensor is copied exactly, so integer buffers (position ids) are fine; but a layer's
+    `.weight` is never an integer or unscaled fp8 one, and the trunk file holds only some dtypes."""
+    if name.endswith(".weight"):
+        ckpt.check_real_valued(name, "trunk tensor")
+    dtype = ckpt.dtype(name)
+    if dtype not in SAFETENSORS_DTYPES:
+        raise SmoeError(f"trunk tensor {name} is stored as {ckpt.source_format(name)}, which the vault's trunk file "
+                        f"does not hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES.values()))})")
 
 
 def check_shape(name: str, role: str, shape: tuple[int, int], expected: dict[str, tuple[int, int]]) -> None:
@@ -278,7 +358,6 @@ def vault_meta(ckpt: Checkpoint, plan: MoEPlan, partial: Path) -> dict:
         "expert_shapes": {r: list(s) for r, s in plan.expert_shapes().items()},
         "encoder": ENCODER,
         "source": {"path": str(ckpt.dir), "formats": sorted({ckpt.source_format(n) for n in plan.expert_names})},
-        "trunk_checksum": file_checksum(partial / "trunk.safetensors"),
     }
 
 

@@ -140,13 +140,15 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 (OCP microscaling, gpt-oss `*_blocks` / `*_scales`).
 
     blocks [..., G, 16] uint8: 32 FP4 e2m1 codes per group, two per byte, low nibble first;
-    scales [..., G] uint8: e8m0 exponents biased by 127. Returns [..., G*32]:
+    scales [..., G] uint8 (or float8_e8m0fnu): e8m0 exponents biased by 127. Returns [..., G*32]:
         w[..., 32*g + k] = FP4_E2M1_VALUES[code[..., g, k]] * 2^(scales[..., g] - 127)
     """
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] * 2 != MXFP4_BLOCK:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
     codes = unpack_bits(blocks, 4).long()
     values = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)[codes]
+    if scales.dtype == torch.float8_e8m0fnu:  # the same exponent byte, typed: its bits, not its value 2^(e-127)
+        scales = scales.view(torch.uint8)
     exponents = scales.to(torch.int32) - E8M0_BIAS
     w = torch.ldexp(values, exponents.unsqueeze(-1))
     return w.reshape(*scales.shape[:-1], -1).to(torch.bfloat16)

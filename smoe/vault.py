@@ -249,13 +249,14 @@ class VaultWriter:
             for line in journal.read_text().splitlines():
                 try:
                     record = json.loads(line)
+                    source = record.pop("source", None)
                     entry = ExpertEntry.from_json(record)
                 except (ValueError, KeyError, TypeError):
                     break
                 if checksum(os.pread(f.fileno(), entry.size, entry.offset)) != entry.checksum:
                     break
                 good.append(entry)
-                self.sources[(entry.layer, entry.expert)] = record.get("source")
+                self.sources[(entry.layer, entry.expert)] = source
         return good
 
     def done(self) -> set[tuple[int, int]]:

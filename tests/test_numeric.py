@@ -74,7 +74,7 @@ def test_every_numeric_option_rejects_nan_and_out_of_range(words, action, capsys
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2, (argv, err)
-        assert err.count("\n") == 1 and err.startswith(f"smoe {' '.join(words)}: error: argument"), (argv, err)
+        assert err.count("\n") == 1 and err.startswith("smoe: error: argument"), (argv, err)
 
 
 def test_an_unknown_option_shows_the_subcommands_usage(capsys):
