@@ -7,10 +7,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from smoe.errors import SmoeError
-from smoe.runtime import build_model, experts_modules, is_experts_module, load_trunk
+from smoe.families import check_config_file
+from smoe.paths import check_outputs
+from smoe.runtime import build_model, experts_modules, is_experts_module, load_trunk, model_config
 from smoe.sculpt import COPIED_FILES, publish
 from smoe.vault import Vault
 
@@ -59,13 +60,25 @@ def is_dequantizable(module) -> bool:
     return type(module).__name__ in PARAMETER_WRITERS or is_experts_module(module)
 
 
+def save_config_dtype(config, dtype: torch.dtype, directory: Path) -> None:
+    """save_pretrained records its first parameter's dtype, a trunk tensor's stored one: record the
+    dtype asked for instead, the experts', so that from_pretrained's default ("auto") loads them as made."""
+    for c in [config, *(getattr(config, k) for k in config.sub_configs)]:
+        if c is not None:
+            c.dtype = dtype
+    config.save_pretrained(directory)
+
+
 def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
+    check_outputs([out_dir], [vault_dir])
+    check_config_file(vault_dir)
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
     vault = Vault(vault_dir)
-    model = build_model(AutoConfig.from_pretrained(vault.dir), dtype, streaming=False)
-    load_trunk(model, vault, dtype, is_dequantizable)
+    model = build_model(model_config(vault), dtype, streaming=False)
+    vault.check_trunk()
+    load_trunk(model, vault, None, is_dequantizable)  # as stored: the trunk is written back bit for bit
     for layer, module in experts_modules(model, vault, is_dequantizable).items():
         experts = [vault.read_expert(layer, e) for e in range(vault.meta["num_experts"])]
         decoded = [{t.role: t.decode().to(dtype) for t in tensors} for tensors, _ in experts]
@@ -80,6 +93,7 @@ def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: b
     partial = out.parent / f"{out.name}.partial-dequantize"
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
+    save_config_dtype(model.config, dtype, partial)
     for name in COPIED_FILES:
         if (vault.dir / name).exists() and name != "config.json":
             shutil.copyfile(vault.dir / name, partial / name)

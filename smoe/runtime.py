@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.integrations.moe import ExpertsInterface
@@ -22,6 +22,7 @@ from transformers.integrations.moe import ExpertsInterface
 from smoe import kernels_cpu
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
+from smoe.families import check_model_config
 from smoe.store import ExpertStore, default_cache_bytes
 from smoe.vault import Vault
 
@@ -153,17 +154,26 @@ class StreamingModel:
                  gpu_cache_bytes: int | None = None):
         self.device = resolve_device(device)
         self.vault = Vault(vault_dir)
+        self.store = self.gpu = None
+        try:
+            self._open(dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes)
+        except BaseException:  # a failed open holds no file, thread or GPU memory: callers may retry
+            self.close()
+            raise
+
+    def _open(self, dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes) -> None:
+        check_model_config(self.vault.config, self.vault.meta["num_experts"], str(self.vault.dir / "config.json"))
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        self.config = AutoConfig.from_pretrained(self.vault.dir)
+        self.config = model_config(self.vault)
         prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path,
                                                                               fuse=True))
         self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
         self.model = build_model(self.config, self.dtype)
+        self.vault.check_trunk()
         load_trunk(self.model, self.vault, self.dtype)
         self.model.requires_grad_(False)  # inference only: no autograd graph, also when called directly
         self.engine = ExpertsEngine(self.store, tuple(self.vault.meta["roles"]))
         self.attach_experts()
-        self.gpu = None
         if self.device.type == "cuda" and device == "auto" and not gpu_supported(self):
             self.device = torch.device("cpu")  # auto: the families the GPU path lacks run on the CPU
         if self.device.type == "cuda":
@@ -220,7 +230,8 @@ class StreamingModel:
     def close(self) -> None:
         if self.gpu is not None:
             self.gpu.close()
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
         self.vault.close()
 
 
@@ -293,6 +304,22 @@ def as_sized(prepared) -> tuple[object, int]:
     return prepared, prepared.nbytes
 
 
+def model_config(vault: Vault):
+    """The transformers configuration of the vault's checked config.json (read once, at open)."""
+    config = vault.config
+    if config is None:
+        raise SmoeError(f"{vault.dir}: no config.json")
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise SmoeError(f"{vault.dir / 'config.json'}: model_type {model_type!r} is unknown to transformers "
+                        f"{transformers.__version__}")
+    config_class = CONFIG_MAPPING[model_type]
+    try:  # as from_pretrained reads a file: {"__float__": "Infinity"} back to a float first
+        return config_class.from_dict(config_class._decode_special_floats(config))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise SmoeError(f"{vault.dir / 'config.json'}: transformers cannot read it ({str(e)[:120]})") from None
+
+
 def causal_lm_class(config):
     """The class the checkpoint declares in `architectures`, else the Auto causal-LM mapping."""
     model_class = getattr(transformers, (config.architectures or [""])[0], None)
@@ -317,24 +344,73 @@ def build_model(config, dtype: torch.dtype, streaming: bool = True):
     return model.eval()
 
 
-def load_trunk(model, vault: Vault, dtype: torch.dtype, is_experts=is_experts_module) -> None:
-    """Assign the trunk tensors (renamed as transformers renames checkpoint keys) and rebuild buffers."""
+def load_trunk(model, vault: Vault, dtype: torch.dtype | None, is_experts=is_experts_module) -> None:
+    """Assign the trunk tensors (renamed as transformers renames checkpoint keys), each checked against
+    the model built from config. Floating tensors take the dtype the model holds them in (built with
+    `dtype`; fp32 where it makes a buffer in fp32); dtype None keeps them as stored (to write them out)."""
+    rebuild_meta_buffers(model)  # first: nothing that initialises runs after the trunk is in
+    trunk = read_trunk(model, vault, cast=dtype is not None)
+    model.load_state_dict(trunk, strict=False, assign=True)
+    for tensor in model.state_dict(keep_vars=True).values():
+        if not tensor.is_meta:
+            tensor._is_hf_initialized = True  # so that an init_weights transformers runs later keeps them
+    model.tie_weights(missing_keys=set(model.state_dict()) - set(trunk), recompute_mapping=False)
+    check_trunk_reached(model, trunk)
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not is_experts_param(model, n, is_experts)]
+    if missing:
+        raise SmoeError(f"trunk is missing {len(missing)} tensors the model needs (first: {missing[:3]})")
+
+
+def read_trunk(model, vault: Vault, cast: bool) -> dict[str, torch.Tensor]:
+    """The vault's trunk under the model's names. A tensor of another shape than the model's, or one the
+    model lacks (beyond those transformers itself leaves out on load), is an error."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta = model.state_dict()
-    trunk = {}
+    expected, ignorable = model.state_dict(), ignored_on_load(model)
+    trunk, sources, unknown = {}, {}, []
     for key, tensor in load_file(vault.trunk_path).items():
-        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-        trunk[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    result = model.load_state_dict(trunk, strict=False, assign=True)
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(model.config.get_text_config(), "tie_word_embeddings", False):
-        model.tie_weights()
-    rebuild_meta_buffers(model)
-    missing = [n for n, p in model.named_parameters() if p.is_meta and not is_experts_param(model, n, is_experts)]
-    if missing:
-        raise SmoeError(f"trunk is missing {len(missing)} tensors the model needs (first: {missing[:3]}); "
-                        f"unexpected trunk tensors: {result.unexpected_keys[:3]}")
+        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if name not in expected:
+            unknown += [] if ignorable(name) else [key]
+            continue
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise SmoeError(f"trunk tensor {key}: shape {tuple(tensor.shape)} in the vault, "
+                            f"{tuple(expected[name].shape)} in the model config.json builds")
+        if name in trunk:
+            raise SmoeError(f"trunk tensors {sources[name]} and {key} both load into {name}")
+        trunk[name], sources[name] = cast_as(tensor, expected[name]) if cast else tensor, key
+    if unknown:
+        raise SmoeError(f"the trunk has {len(unknown)} tensors the {type(model).__name__} built from config.json "
+                        f"lacks (first: {unknown[:3]}): a checkpoint of another layout or version?")
+    return trunk
+
+
+def cast_as(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return tensor.to(like.dtype) if tensor.is_floating_point() and like.is_floating_point() else tensor
+
+
+def ignored_on_load(model):
+    """Checkpoint keys transformers drops on load without a word: those the model class declares
+    (`_keys_to_ignore_on_load_unexpected`, e.g. DeepSeek-V3's multi-token-prediction layer 61) and
+    stored copies of buffers the model computes itself (old checkpoints' rotary inv_freq, position_ids)."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    regex = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    state = model.state_dict()
+    computed = {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers() if n not in state}
+    return lambda name: name.rsplit(".", 1)[-1] in computed or (regex is not None and regex.search(name) is not None)
+
+
+def check_trunk_reached(model, trunk: dict[str, torch.Tensor]) -> None:
+    """Proof, by storage, that the model holds each trunk tensor itself: a load hook that copied or
+    dropped one, or a tie that replaced one, shows here. (Ties join tensors of equal value only.)"""
+    tied = model.all_tied_weights_keys
+    partner = dict(tied) | {source: target for target, source in tied.items()}
+    for name, tensor in trunk.items():
+        held = model.get_parameter_or_buffer(name).data_ptr()
+        other = trunk.get(partner.get(name))
+        if held != tensor.data_ptr() and (other is None or held != other.data_ptr()):
+            raise SmoeError(f"trunk tensor {name}: the model does not hold the stored tensor after loading")
 
 
 def experts_modules(model, vault: Vault, is_experts=is_experts_module) -> dict[int, torch.nn.Module]:
@@ -361,8 +437,8 @@ def is_experts_param(model, name: str, is_experts=is_experts_module) -> bool:
 
 def rebuild_meta_buffers(model) -> None:
     """Buffers computed at construction (rotary inv_freq, embedding scales) were made on meta: give
-    them storage and let transformers' own initialisation fill them (parameters are loaded already
-    and flagged as such, so initialisation leaves them alone)."""
+    them storage and let transformers' own initialisation fill them. It runs before the trunk is
+    loaded: parameters are still on meta, flagged so that initialisation leaves them alone."""
     persistent = set(model.state_dict())
     for name, buffer in list(model.named_buffers()):
         if buffer.is_meta:
