@@ -1,21 +1,26 @@
 """Model-family rules: where each family keeps its routed experts, and how to read one expert.
 
-This is the only module that knows tensor names.  A family is a row of FAMILIES: the model_types it
-answers to, the on-disk layouts its routed experts may come in (`layouts`), and which config keys hold
-the expert intermediate size.  Everything else is shared:
+This is the only module that knows tensor names and config keys.  A family is a row of FAMILIES: the
+model_types it answers to, the on-disk layouts its routed experts may come in (`layouts`), and which
+config keys hold the expert intermediate size.  Everything else is shared:
 
 * a tensor name is split into <prefix><layers|blocks>.<L>.<rest>; <rest> with its expert number
   replaced by "{e}" is looked up in the family's layouts (one dict lookup per name), so shared
   experts, dense MLPs, routers and vision towers simply never match;
 * the config says how many experts, how many layers and which layers are MoE (CONFIG_KEYS and
   _config_moe_layers); where it does not, the names say it;
-* plan_experts then counts: every MoE layer x every expert x every role, or a SmoeError.
+* plan_experts then counts: every MoE layer x every expert x every role, or a SmoeError;
+* check_model_config holds every routing and shape value the runtime reads to its kind and range
+  (CONFIG_VALUES, and the relations between them), when quantising and when a vault is opened.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -349,6 +354,257 @@ def _config_moe_layers(configs: list[dict], n: int) -> list[int]:
     return layers
 
 
+# ----- config values the runtime trusts ----------------------------------------------------------
+#
+# transformers builds its modules from these numbers and the compiled decode step indexes arrays by
+# them without bounds checks: a bad value is refused when quantising and again when a vault is opened
+# (one written by an older smoe may hold one), never met as a crash inside a kernel. Only keys present
+# are checked; a key means the same in every family that uses it.
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# kind -> (test, what a value of that kind must be)
+_KINDS = {
+    "count": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "experts": (lambda v: _is_int(v) and v >= 1,
+                "a positive integer (with no routed experts it is not a mixture-of-experts model)"),
+    "size0": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "even": (lambda v: _is_int(v) and v >= 2 and v % 2 == 0,
+             "a positive even integer (rotary embeddings turn pairs of its dimensions)"),
+    "even0": (lambda v: _is_int(v) and v >= 0 and v % 2 == 0,
+              "an even integer >= 0 (rotary embeddings turn pairs of its dimensions)"),
+    "end": (lambda v: _is_int(v) and v >= -1, "a layer number, or -1 for the last layer"),
+    "positive": (lambda v: _is_real(v) and v > 0, "a positive finite number"),
+    "real": (_is_real, "a finite number"),
+    "fraction": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "factors": (lambda v: isinstance(v, list) and all(_is_real(x) and x > 0 for x in v),
+                "a list of positive finite numbers"),
+    "flag": (lambda v: isinstance(v, bool), "true or false"),
+    "layers": (lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v), "a list of layer numbers"),
+    "frequency": (lambda v: (_is_int(v) and v >= 1) or (isinstance(v, list) and all(_is_int(i) and i in (0, 1)
+                                                                                     for i in v)),
+                  "a positive integer, or a list of 0/1 per layer"),
+}
+
+# config key ("a.b" = nested) -> kind, under every name a supported family gives it
+CONFIG_VALUES = {
+    **dict.fromkeys(CONFIG_KEYS["num_experts"], "experts"),
+    **dict.fromkeys(CONFIG_KEYS["top_k"], "count"),
+    **dict.fromkeys(CONFIG_KEYS["hidden_size"], "count"),
+    **dict.fromkeys(CONFIG_KEYS["num_layers"], "count"),
+    **dict.fromkeys(CONFIG_KEYS["mtp_layers"], "size0"),
+    **dict.fromkeys(CONFIG_KEYS["latent_size"], "count"),
+    "vocab_size": "count", "max_position_embeddings": "count", "max_seq_len": "count",
+    # attention heads (MLA ranks and head sizes included)
+    "num_attention_heads": "count", "n_heads": "count", "num_key_value_heads": "count",
+    "attn_config.kv_n_heads": "count", "num_global_key_value_heads": "count",
+    "head_dim": "even", "global_head_dim": "even", "q_lora_rank": "count", "kv_lora_rank": "count",
+    "qk_rope_head_dim": "even0", "qk_nope_head_dim": "size0", "v_head_dim": "size0",  # 0 without MLA (deepseek-ocr)
+    # MLP widths; shared experts may be absent (0)
+    "intermediate_size": "count", "moe_intermediate_size": "count", "intermediate_size_mlp": "count",
+    "ffn_config.ffn_hidden_size": "count", "moe.expert_inner_dim": "count",
+    "shared_expert_intermediate_size": "size0", "moe_shared_expert_intermediate_size": "size0",
+    "shared_intermediate_size": "size0", "n_shared_experts": "size0", "num_shared_experts": "size0",
+    "moe_num_shared_experts": "size0", "num_shared_expert": "size0",
+    # routing
+    "n_group": "count", "topk_group": "count", "routed_scaling_factor": "positive", "norm_topk_prob": "flag",
+    # which layers are MoE (_config_moe_layers)
+    "decoder_sparse_step": "count", "moe_layer_freq": "frequency", "first_k_dense_replace": "size0",
+    "num_dense_layers": "size0", "interleave_moe_layer_step": "count", "expert_layer_period": "count",
+    "expert_layer_offset": "size0", "moe_layer_interval": "count", "moe_layer_start_index": "size0",
+    "moe_layer_end_index": "end", "mlp_only_layers": "layers", "moe_layers": "layers",
+    # linear-attention and state-space layers
+    "linear_num_key_heads": "count", "linear_num_value_heads": "count", "linear_key_head_dim": "count",
+    "linear_value_head_dim": "count", "linear_conv_kernel_dim": "count", "mamba_d_state": "count",
+    "mamba_d_conv": "count", "mamba_expand": "count", "mamba_n_heads": "count", "mamba_d_head": "count",
+    "mamba_n_groups": "count", "mamba_chunk_size": "count", "mamba_num_heads": "count", "mamba_head_dim": "count",
+    "ssm_state_size": "count", "n_groups": "count", "chunk_size": "count", "conv_kernel": "count",
+    "block_size": "count",
+    # norms, positions, attention windows and scales
+    "rms_norm_eps": "positive", "layer_norm_eps": "positive", "layer_norm_epsilon": "positive", "norm_eps": "positive",
+    "rope_theta": "positive", "attn_config.rope_theta": "positive", "partial_rotary_factor": "fraction",
+    "sliding_window": "size0", "attention_chunk_size": "count", "attention_bias": "flag",
+    "tie_word_embeddings": "flag", "clip_qkv": "positive", "attn_config.clip_qkv": "positive",
+    "final_logit_softcapping": "positive", "attn_logit_softcapping": "positive", "embedding_multiplier": "positive",
+    "attention_multiplier": "positive", "residual_multiplier": "positive", "logits_scaling": "positive",
+    "swiglu_limit": "positive",
+}
+# null means "none" or "derive it" for these (no low-rank q or kv, no window, head_dim = hidden / heads)
+NULLABLE = frozenset({
+    "q_lora_rank", "kv_lora_rank", "sliding_window", "head_dim", "global_head_dim", "moe_latent_size",
+    "attention_chunk_size", "clip_qkv", "attn_config.clip_qkv", "final_logit_softcapping", "attn_logit_softcapping",
+    "moe_layer_end_index", "num_global_key_value_heads", *CONFIG_KEYS["mtp_layers"],
+})
+PER_LAYER = frozenset({"moe_topk", "num_experts", "moe_intermediate_size", "num_shared_expert"})  # hunyuan: lists
+ROPE_DICTS = ("rope_parameters", "rope_scaling")  # each may hold one dict per attention type (gemma)
+ROPE_VALUES = {
+    "rope_theta": "positive", "factor": "positive", "original_max_position_embeddings": "count",
+    "beta_fast": "positive", "beta_slow": "positive", "mscale": "real", "mscale_all_dim": "real",
+    "attention_factor": "positive", "low_freq_factor": "positive", "high_freq_factor": "positive",
+    "partial_rotary_factor": "fraction", "short_factor": "factors", "long_factor": "factors",
+    "llama_4_scaling_beta": "real",
+}
+ROPE_REQUIRED = frozenset({"rope_theta", "factor"})  # the other rope values may be null (unused)
+# routers that score an expert group by its two best experts (torch.topk(2) within the group)
+GROUP_TOP2 = frozenset({"deepseek_v3", "glm4_moe", "dots1", "exaone_moe", "nemotron_h", "mistral4"})
+_ABSENT = object()
+
+
+def check_model_config(config: dict, num_experts: int | None = None, where: str = "config.json") -> None:
+    """Every routing and shape value the runtime uses, by each family's key names: a SmoeError naming
+    the first bad one. num_experts: the routed experts actually stored, where known."""
+    if not isinstance(config, dict):
+        return
+    family, _, configs = _resolve(config)
+    _check_config(config, configs, family.name if family else None, num_experts, where)
+
+
+def check_config_file(directory, num_experts: int | None = None) -> None:
+    """check_model_config on DIRECTORY/config.json; a missing or unparsable file is left to the
+    reader that needs it (it says so in its own terms)."""
+    path = Path(directory) / "config.json"
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return
+    check_model_config(config, num_experts, str(path))
+
+
+def _check_config(config: dict, configs: list[dict], family: str | None, num_experts: int | None, where: str) -> None:
+    problem = _bad_value(config)
+    get = lambda *keys: _lookup(configs, keys)
+    for relation in (_top_k_fits, _groups_fit, _heads_fit, _attention_fits, _layer_numbers_fit):
+        problem = problem or relation(get, family, num_experts)
+    if problem:
+        raise SmoeError(f"{where}: {problem}")
+
+
+def _bad_value(config: dict) -> str | None:
+    """The first value not of its key's kind, in the config and the text configs nested in it."""
+    scopes = [("", config)] + [(f"{k}.", config[k]) for k in NESTED_CONFIGS if isinstance(config.get(k), dict)]
+    for prefix, scope in scopes:
+        for key, value, kind, nullable in _values(scope):
+            test, words = _KINDS[kind]
+            if isinstance(value, list) and key in PER_LAYER and value and all(test(v) for v in value):
+                continue
+            if not (test(value) or (value is None and nullable)):
+                return f"{prefix}{key} is {_show(value)}; it must be {words}" + (" or null" if nullable else "")
+    return None
+
+
+def _values(scope: dict):
+    """(key, value, kind, nullable) of every checked key present in one config dict."""
+    for key, kind in CONFIG_VALUES.items():
+        value = _get(scope, key)
+        if value is not _ABSENT:
+            yield key, value, kind, key in NULLABLE
+    for name in ROPE_DICTS:
+        rope = scope.get(name)
+        if not isinstance(rope, dict):
+            continue
+        for prefix, table in [(name, rope)] + [(f"{name}.{k}", v) for k, v in rope.items() if isinstance(v, dict)]:
+            for key, kind in ROPE_VALUES.items():
+                if key in table:
+                    yield f"{prefix}.{key}", table[key], kind, key not in ROPE_REQUIRED
+
+
+def _get(scope: dict, key: str):
+    value = scope
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def _show(value) -> str:
+    """A config value as config.json spells it (true, null, NaN, "4"), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _smallest(value):
+    return min(value) if isinstance(value, list) else value
+
+
+def _top_k_fits(get, family, num_experts) -> str | None:
+    counts = [_smallest(c) for c in (num_experts, get(*CONFIG_KEYS["num_experts"])) if c is not None]
+    if not counts:
+        return None
+    experts = min(counts)
+    for key in CONFIG_KEYS["top_k"]:
+        k = get(key)
+        if k is not None and max(k if isinstance(k, list) else [k]) > experts:
+            return f"{key} is {_show(k)}: more than the {experts} routed experts"
+    return None
+
+
+def _groups_fit(get, family, num_experts) -> str | None:
+    """DeepSeek-style routing: keep topk_group of n_group expert groups, then pick top-k experts in them."""
+    groups, kept = get("n_group"), get("topk_group")
+    experts = num_experts or _smallest(get(*CONFIG_KEYS["num_experts"]))
+    if groups is None or experts is None:
+        return None
+    top_k = _smallest(get(*CONFIG_KEYS["top_k"]))
+    per_group = experts // groups
+    if experts % groups:
+        return f"n_group {groups} does not divide the {experts} routed experts into equal groups"
+    if kept is not None and kept > groups:
+        return f"topk_group is {kept}: more than n_group {groups}"
+    if kept is not None and top_k is not None and kept * per_group < top_k:
+        return f"topk_group {kept} of {groups} groups keeps {kept * per_group} experts, fewer than the {top_k} to pick"
+    if family in GROUP_TOP2 and per_group < 2:
+        return f"n_group {groups} leaves {per_group} expert per group; {family} scores each group by its best two"
+    return None
+
+
+def _heads_fit(get, family, num_experts) -> str | None:
+    heads, hidden = get("num_attention_heads", "n_heads"), get(*CONFIG_KEYS["hidden_size"])
+    for key in ("num_key_value_heads", "attn_config.kv_n_heads", "num_global_key_value_heads"):
+        kv = get(key)
+        if heads is not None and kv is not None and heads % kv:
+            return f"num_attention_heads {heads} is not a multiple of {key} {kv}"
+    key_heads, value_heads = get("linear_num_key_heads"), get("linear_num_value_heads")
+    if key_heads is not None and value_heads is not None and value_heads % key_heads:
+        return f"linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads {key_heads}"
+    # MLA families map head_dim to qk_rope_head_dim
+    derived = get("head_dim", "qk_rope_head_dim") is None and heads is not None and hidden is not None
+    if derived and (hidden % heads or hidden // heads % 2):
+        return (f"no head_dim, and hidden size {hidden} does not split into {heads} heads of an even size "
+                f"(head_dim = hidden size / num_attention_heads)")
+    return None
+
+
+def _attention_fits(get, family, num_experts) -> str | None:
+    """A window of 0 means none only where use_sliding_window says so (qwen2 writes it so); elsewhere
+    transformers masks every key. MLA (a kv_lora_rank) needs rotary and value heads."""
+    if get("sliding_window") == 0 and get("use_sliding_window") is not False:
+        return "sliding_window is 0, a window that holds no token (give null for none)"
+    if get("kv_lora_rank") is not None and 0 in (get("qk_rope_head_dim"), get("v_head_dim")):
+        return (f"kv_lora_rank {get('kv_lora_rank')} (MLA attention) needs a positive qk_rope_head_dim and v_head_dim, "
+                f"got {get('qk_rope_head_dim')} and {get('v_head_dim')}")
+    return None
+
+
+def _layer_numbers_fit(get, family, num_experts) -> str | None:
+    n = get(*CONFIG_KEYS["num_layers"])
+    for key in ("mlp_only_layers", "moe_layers"):
+        beyond = [i for i in get(key) or [] if n is not None and i >= n]
+        if beyond:
+            return f"{key} names layer {beyond[0]}, beyond the {n} layers"
+    period, offset = get("expert_layer_period"), get("expert_layer_offset")
+    if period is not None and offset is not None and offset >= period:
+        return f"expert_layer_offset {offset} is not below expert_layer_period {period}"
+    return None
+
+
 # ----- matching names ----------------------------------------------------------------------------
 
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:.*?\.)?)(?:layers|blocks)\.(?P<layer>\d+)\.(?P<rest>.+)$")
@@ -455,6 +711,7 @@ def plan_experts(config: dict, names: list[str], num_experts: int | None = None)
     if family is None:
         family = _infer_family(names, parsed)
         model_type = family.name
+    _check_config(config or {}, configs, family.name, num_experts, "config.json")
     hits = _match(family, parsed, set(names))
     if not hits:
         raise SmoeError(f"{model_type}: no routed-expert tensors found; expected "
@@ -638,12 +895,13 @@ def _ranges(values: list[int]) -> str:
 _STORED_OUT_IN = {"mxfp4"}
 
 
-def load_projection(ckpt, src: ProjectionSource) -> torch.Tensor:
-    """The projection as [out, in], contiguous, in the source dtype."""
+def load_projection(ckpt, src: ProjectionSource, digest=None) -> torch.Tensor:
+    """The projection as [out, in], contiguous, in the source dtype; `digest` is fed the bytes read."""
+    ckpt.check_real_valued(src.name, "expert tensor")
     if src.stacked:
-        t = _load_block(ckpt, src.name, src.expert_index, src.stacked)
+        t = _load_block(ckpt, src.name, src.expert_index, src.stacked, digest)
     else:
-        t = ckpt.load(src.name, index=src.expert_index)
+        t = ckpt.load(src.name, index=src.expert_index, digest=digest)
     if t.dim() != 2:
         raise SmoeError(f"{src.name}: expected a matrix for expert {src.expert_index} {src.role}, "
                         f"got shape {tuple(t.shape)}")
@@ -652,11 +910,19 @@ def load_projection(ckpt, src: ProjectionSource) -> torch.Tensor:
     return _take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
 
 
-def load_bias(ckpt, src: BiasSource) -> torch.Tensor:
-    t = ckpt.load(src.name, index=src.expert_index)
+def load_bias(ckpt, src: BiasSource, digest=None) -> torch.Tensor:
+    """The bias as [out]; fp64 is rounded here to the fp32 a vault keeps biases in, where a value
+    beyond fp32's range can still be named instead of being stored as inf."""
+    ckpt.check_real_valued(src.name, "expert bias")
+    t = ckpt.load(src.name, index=src.expert_index, digest=digest)
     if t.dim() != 1:
         raise SmoeError(f"{src.name}: expected a vector for expert {src.expert_index} {src.role} bias, "
                         f"got shape {tuple(t.shape)}")
+    if t.dtype == torch.float64:
+        wide, t = t, t.float()
+        if bool(torch.isfinite(wide).all()) and not bool(torch.isfinite(t).all()):
+            raise SmoeError(f"tensor {src.name}: fp64 bias values of expert {src.expert_index} beyond the fp32 range "
+                            f"a vault keeps biases in")
     return _take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
 
 
@@ -670,11 +936,11 @@ def _take_part(t: torch.Tensor, name: str, part: int, parts: int, interleaved: b
     return t.chunk(parts, dim=0)[part]
 
 
-def _load_block(ckpt, name: str, block: int, blocks: int) -> torch.Tensor:
+def _load_block(ckpt, name: str, block: int, blocks: int, digest=None) -> torch.Tensor:
     """Rows block*R:(block+1)*R of a 2-D [blocks*R, C] tensor, read one row at a time so that only
     that expert's bytes are read (a whole DBRX w1 is 2 GB)."""
     shape = ckpt.shape(name)
     if shape is None or len(shape) != 2 or shape[0] % blocks:
         raise SmoeError(f"{name}: shape {shape} does not stack {blocks} experts along dim 0")
     rows = shape[0] // blocks
-    return torch.stack([ckpt.load(name, index=block * rows + r) for r in range(rows)])
+    return torch.stack([ckpt.load(name, index=block * rows + r, digest=digest) for r in range(rows)])

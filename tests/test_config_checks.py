@@ -1,0 +1,245 @@
+"""Every routing and shape value the runtime takes from config.json is checked, by every key name a
+family gives it: a bad one is a one-line error when quantising (nothing written) and when a vault is
+opened (a vault from an older smoe may hold one), never a crash in the compiled decode step."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from smoe.cli import main
+from smoe.errors import SmoeError
+from smoe.vault import CONFIG_FILE, DATA_FILE, HEADER_SIZE, INDEX_FILE, file_checksum, pack_header, unpack_header
+
+NAN, INF = math.nan, math.inf
+
+# What each kind of value must not be: the wrong sign or size, a float or bool for an int, a string, null.
+NOT_A_COUNT = [0, -3, 2.0, True, "2", None]
+NOT_A_SIZE = [-1, 1.5, False, "0", None]  # sizes that may be 0 (no shared expert, no MLA)
+NOT_AN_EVEN_SIZE = [0, 15, 16.0, True, "16", None]
+NOT_POSITIVE = [0, -1e-6, NAN, INF, True, "1e-6", None]
+NOT_A_FRACTION = [0, 1.5, NAN, True, "0.5", None]
+NOT_A_FLAG = [0, 1, "false", None]
+NOT_LAYERS = [[-1], [1.0], [True], 3, None]
+
+KEYS = {
+    # routed experts and top-k, under every family's name
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                     "ffn_config.moe_num_experts", "moe.num_experts"), NOT_A_COUNT),
+    **dict.fromkeys(("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_top_k", "moe_k", "experts_per_token",
+                     "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k", "moe.experts_per_token"),
+                    NOT_A_COUNT),
+    # model sizes
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "num_hidden_layers", "n_layers", "num_layers", "n_layer",
+                     "vocab_size", "max_position_embeddings", "max_seq_len", "num_attention_heads", "n_heads",
+                     "num_key_value_heads", "attn_config.kv_n_heads", "intermediate_size", "moe_intermediate_size",
+                     "intermediate_size_mlp", "ffn_config.ffn_hidden_size", "moe.expert_inner_dim", "n_group",
+                     "topk_group", "decoder_sparse_step", "interleave_moe_layer_step", "expert_layer_period",
+                     "moe_layer_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_d_state", "mamba_d_conv",
+                     "mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_chunk_size",
+                     "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size", "conv_kernel",
+                     "block_size"), NOT_A_COUNT),
+    **dict.fromkeys(("num_global_key_value_heads", "q_lora_rank", "kv_lora_rank", "moe_latent_size",
+                     "attention_chunk_size"), NOT_A_COUNT[:-1]),  # null: none
+    **dict.fromkeys(("head_dim", "global_head_dim"), NOT_AN_EVEN_SIZE[:-1]),  # null: hidden / heads
+    "qk_rope_head_dim": [-2, 15, 16.0, True, "16", None],
+    **dict.fromkeys(("qk_nope_head_dim", "v_head_dim", "shared_expert_intermediate_size",
+                     "moe_shared_expert_intermediate_size", "shared_intermediate_size", "n_shared_experts",
+                     "num_shared_experts", "moe_num_shared_experts", "num_shared_expert", "first_k_dense_replace",
+                     "num_dense_layers", "expert_layer_offset", "moe_layer_start_index"), NOT_A_SIZE),
+    **dict.fromkeys(("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "sliding_window"),
+                    NOT_A_SIZE[:-1]),
+    "moe_layer_end_index": [-2, 1.5, True, "x"],
+    "moe_layer_freq": [0, 1.5, [2], [True], None],
+    **dict.fromkeys(("mlp_only_layers", "moe_layers"), NOT_LAYERS),
+    # routing, norms, rotary embeddings, scales
+    **dict.fromkeys(("norm_topk_prob", "attention_bias", "tie_word_embeddings"), NOT_A_FLAG),
+    **dict.fromkeys(("routed_scaling_factor", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
+                     "rope_theta", "attn_config.rope_theta", "embedding_multiplier", "attention_multiplier",
+                     "residual_multiplier", "logits_scaling", "swiglu_limit", "rope_parameters.rope_theta",
+                     "rope_parameters.factor", "rope_scaling.factor", "rope_parameters.full_attention.rope_theta"),
+                    NOT_POSITIVE),
+    **dict.fromkeys(("clip_qkv", "attn_config.clip_qkv", "final_logit_softcapping", "attn_logit_softcapping",
+                     "rope_parameters.beta_fast", "rope_parameters.beta_slow", "rope_parameters.attention_factor",
+                     "rope_parameters.low_freq_factor", "rope_parameters.high_freq_factor"), NOT_POSITIVE[:-1]),
+    **dict.fromkeys(("rope_parameters.mscale", "rope_parameters.mscale_all_dim",
+                     "rope_parameters.llama_4_scaling_beta"), [NAN, INF, True, "1"]),
+    "rope_parameters.original_max_position_embeddings": NOT_A_COUNT[:-1],
+    "partial_rotary_factor": NOT_A_FRACTION,
+    "rope_parameters.partial_rotary_factor": NOT_A_FRACTION[:-1],  # in a rope table, null: unused
+    **dict.fromkeys(("rope_parameters.short_factor", "rope_parameters.long_factor"), [[0], [NAN], [1, -1], 1.0]),
+    "text_config.num_experts_per_tok": NOT_A_COUNT,  # a wrapper's text model is checked too
+}
+VALUE_CASES = [(key, value) for key, values in KEYS.items() for value in values]
+
+# Values of the right kind that contradict each other: (overrides on the tiny Qwen3-MoE of 6 experts,
+# 4 layers, 4 heads over 2 key/value heads; a word the message must hold).
+RELATION_CASES = {
+    "top-k above the experts": ({"num_experts_per_tok": 7}, "num_experts_per_tok"),
+    "another family's top-k above the experts": ({"moe_k": 9}, "moe_k"),
+    "n_group not dividing the experts": ({"n_group": 4}, "n_group"),
+    "topk_group above n_group": ({"n_group": 2, "topk_group": 3}, "topk_group"),
+    "kept groups holding fewer than top-k": ({"n_group": 3, "topk_group": 1, "num_experts_per_tok": 3}, "topk_group"),
+    "heads not a multiple of key/value heads": ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    "heads not a multiple of global key/value heads": ({"num_global_key_value_heads": 3}, "num_global_key_value_heads"),
+    "linear value heads not a multiple of key heads": ({"linear_num_key_heads": 3, "linear_num_value_heads": 4},
+                                                       "linear_num_key_heads"),
+    "hidden not splitting into heads": ({"head_dim": None, "num_attention_heads": 6, "num_key_value_heads": 2},
+                                        "head_dim"),
+    "hidden splitting into odd heads": ({"head_dim": None, "num_attention_heads": 64, "num_key_value_heads": 2},
+                                        "head_dim"),
+    "a window of no token": ({"sliding_window": 0, "use_sliding_window": True}, "sliding_window"),
+    "MLA without rotary heads": ({"kv_lora_rank": 16, "qk_rope_head_dim": 0}, "qk_rope_head_dim"),
+    "a dense layer past the last": ({"mlp_only_layers": [4]}, "mlp_only_layers"),
+    "an expert layer offset past its period": ({"expert_layer_period": 2, "expert_layer_offset": 2},
+                                               "expert_layer_offset"),
+}
+CASES = [pytest.param({key: value}, key, id=f"{key}={json.dumps(value)}") for key, value in VALUE_CASES] + [
+    pytest.param(overrides, word, id=name) for name, (overrides, word) in RELATION_CASES.items()]
+
+
+def edited(config: dict, overrides: dict) -> dict:
+    """config with each "a.b.c" override set, nested dicts created or merged."""
+    config = json.loads(json.dumps(config))
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        scope = config
+        for p in parents:
+            if not isinstance(scope.get(p), dict):
+                scope[p] = {}
+            scope = scope[p]
+        scope[leaf] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3-MoE and its vault."""
+    from smoe.sculpt import sculpt
+    from smoe.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("built")
+    save_tiny_model("qwen3_moe", root / "model")
+    sculpt(root / "model", root / "vault", progress=False)
+    return {"model": root / "model", "vault": root / "vault"}
+
+
+def model_with(built, tmp: Path, overrides: dict) -> Path:
+    """A copy of the tiny model with an edited config.json."""
+    model = tmp / "model"
+    model.mkdir()
+    for f in built["model"].iterdir():
+        shutil.copyfile(f, model / f.name)
+    config = json.loads((built["model"] / CONFIG_FILE).read_text())
+    (model / CONFIG_FILE).write_text(json.dumps(edited(config, overrides)))
+    return model
+
+
+def vault_with(built, tmp: Path, overrides: dict) -> Path:
+    """A copy of the vault whose config.json is edited and sealed again into the index and the header,
+    as a vault quantized by an older smoe (which checked nothing) holds it."""
+    vault = tmp / "vault"
+    vault.mkdir()
+    for f in built["vault"].iterdir():
+        shutil.copyfile(f, vault / f.name)
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    (vault / CONFIG_FILE).write_text(json.dumps(edited(config, overrides)))
+    index = json.loads((vault / INDEX_FILE).read_text())
+    index["files"][CONFIG_FILE] = {"size": (vault / CONFIG_FILE).stat().st_size,
+                                   "xxh3_64": file_checksum(vault / CONFIG_FILE)}
+    raw = json.dumps(index).encode()
+    (vault / INDEX_FILE).write_bytes(raw)
+    reseal_header(vault / DATA_FILE, raw)
+    return vault
+
+
+def reseal_header(data: Path, raw_index: bytes) -> None:
+    import xxhash
+
+    with open(data, "r+b") as f:
+        h = unpack_header(f.read(HEADER_SIZE), data)
+        f.seek(0)
+        f.write(pack_header(h["bits"], h["alignment"], h["data_end"], h["blobs"], xxhash.xxh64_intdigest(raw_index)))
+
+
+def one_line_error(err: str) -> str:
+    assert err.startswith("smoe: error:") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("overrides, word", CASES)
+def test_a_bad_config_value_is_refused_when_quantizing_before_anything_is_written(built, tmp_path, capsys,
+                                                                                    overrides, word):
+    model = model_with(built, tmp_path, overrides)
+    out = tmp_path / "vault"
+    assert main(["quantize", str(model), "-o", str(out), "-q"]) == 2
+    assert word in one_line_error(capsys.readouterr().err)
+    assert not out.exists() and not list(tmp_path.glob("vault.*"))
+
+
+@pytest.mark.parametrize("overrides, word", CASES)
+def test_a_bad_config_value_in_a_vault_is_refused_when_it_is_opened(built, tmp_path, overrides, word):
+    from smoe.runtime import StreamingModel
+
+    vault = vault_with(built, tmp_path, overrides)
+    with pytest.raises(SmoeError, match="config.json") as refused:
+        StreamingModel(vault, dtype="float32")
+    assert word in str(refused.value) and "\n" not in str(refused.value)
+
+
+OPENERS = {
+    "generate": lambda v, tmp: ["generate", v, "-p", "the sea", "--max-tokens", "2", "--device", "cpu"],
+    "eval": lambda v, tmp: ["eval", v, "--ref", v, "--data", v + "/config.json", "--device", "cpu"],
+    "dequantize": lambda v, tmp: ["dequantize", v, "-o", str(tmp / "out")],
+    "export gguf": lambda v, tmp: ["export", v, "--to", "gguf", "-o", str(tmp / "out.gguf"), "-q"],
+    "export mlx": lambda v, tmp: ["export", v, "--to", "mlx", "-o", str(tmp / "out"), "-q"],
+}
+
+
+@pytest.mark.parametrize("command", OPENERS)
+def test_top_k_outside_one_to_experts_is_refused_by_every_command_that_runs_a_vault(built, tmp_path, capsys, command):
+    vault = vault_with(built, tmp_path, {"num_experts_per_tok": 0})
+    assert main(OPENERS[command](str(vault), tmp_path)) == 2
+    assert "num_experts_per_tok is 0" in one_line_error(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.gguf").exists()
+
+
+def test_top_k_outside_one_to_experts_is_refused_before_any_kernel_runs(built, tmp_path):
+    """The reported crash: top-k 0 reached the compiled step, which read past its arrays (exit 139)."""
+    vault = vault_with(built, tmp_path, {"num_experts_per_tok": 0})
+    command = ["generate", str(vault), "-p", "the sea", "--max-tokens", "4", "--device", "cpu"]
+    proc = subprocess.run([sys.executable, "-m", "smoe.cli", *command], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "num_experts_per_tok is 0" in one_line_error(proc.stderr)
+
+
+def test_a_group_of_one_expert_is_refused_where_the_router_scores_each_group_by_its_best_two():
+    """DeepSeek-V3-style routers take torch.topk(2) inside each of the n_group groups."""
+    from smoe.families import check_model_config
+    from smoe.tiny_models import tiny_config
+
+    config = tiny_config("deepseek_v3").to_dict() | {"n_group": 4, "topk_group": 2}  # 4 experts, top-2
+    with pytest.raises(SmoeError, match="n_group 4 leaves 1 expert per group"):
+        check_model_config(config)
+
+
+def test_every_checked_key_is_in_this_table():
+    """A key the checks learn must get bad values here too."""
+    from smoe.families import CONFIG_VALUES, ROPE_VALUES
+
+    tested = {key.removeprefix("rope_parameters.") for key in KEYS} | set(KEYS)
+    assert set(CONFIG_VALUES) - tested == set() and set(ROPE_VALUES) - tested == set()
+
+
+def test_the_configs_of_every_tiny_family_pass_the_checks():
+    """Every family's own config, as transformers writes it (qwen2 writes a 0 window for none), is accepted."""
+    from smoe.families import check_model_config
+    from smoe.tiny_models import tiny_config, tiny_families
+
+    for family in tiny_families():
+        check_model_config(tiny_config(family).to_dict())
