@@ -453,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except OSError as e:  # a full disk, a read-only directory, a file over the size limit
         where = f": {e.filename}" if e.filename else ""
-        print(f"smoe: error: {e.strerror or e}{where}{resumable(args)}", file=sys.stderr)
+        what = e.strerror or f"a write stopped short ({e}): is the disk full?"  # buffered writes lose the errno
+        print(f"smoe: error: {what}{where}{resumable(args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"smoe: interrupted{resumable(args)}", file=sys.stderr)

@@ -7,12 +7,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from smoe.errors import SmoeError
 from smoe.families import check_config_file
-from smoe.paths import check_outputs
+from smoe.paths import check_outputs, output_lock
 from smoe.runtime import build_model, experts_modules, is_experts_module, load_trunk, model_config
-from smoe.sculpt import COPIED_FILES, publish
+from smoe.sculpt import publish
+from smoe.vault import COPIED_FILES
 from smoe.vault import Vault
 
 
@@ -73,9 +75,23 @@ def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: b
     check_outputs([out_dir], [vault_dir])
     check_config_file(vault_dir)
     out = Path(out_dir)
-    if out.exists() and not force:
-        raise SmoeError(f"{out}: already exists (use --force to replace it)")
-    vault = Vault(vault_dir)
+    with output_lock(out, "dequantize"):
+        if out.exists() and not force:
+            raise SmoeError(f"{out}: already exists (use --force to replace it)")
+        with Vault(vault_dir) as vault:
+            model = dequantized_model(vault, dtype)
+            partial = out.parent / f"{out.name}.partial-dequantize"
+            shutil.rmtree(partial, ignore_errors=True)
+            try:  # nothing half-written stays: a full disk leaves no partial checkpoint behind
+                save_checkpoint(model, vault, dtype, partial)
+                publish(partial, out)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def dequantized_model(vault: Vault, dtype: torch.dtype):
+    """The transformers model of the vault with its trunk as stored and its experts decoded in `dtype`."""
     model = build_model(model_config(vault), dtype, streaming=False)
     vault.check_trunk()
     load_trunk(model, vault, None, is_dequantizable)  # as stored: the trunk is written back bit for bit
@@ -90,12 +106,20 @@ def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: b
                 raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(owner, leaf).shape)} in the model, "
                                 f"the vault gives {tuple(value.shape)}")
             setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=False))
-    partial = out.parent / f"{out.name}.partial-dequantize"
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    save_config_dtype(model.config, dtype, partial)
+    return model
+
+
+def save_checkpoint(model, vault: Vault, dtype: torch.dtype, directory: Path) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its bar would interleave with an error line
+    try:
+        model.save_pretrained(directory)
+    except SafetensorError as e:  # safetensors reports a failed write (a full disk) as its own error
+        raise SmoeError(f"{directory}: cannot write the checkpoint ({e})") from None
+    finally:
+        hf_logging.enable_progress_bar()
+    save_config_dtype(model.config, dtype, directory)
     for name in COPIED_FILES:
         if (vault.dir / name).exists() and name != "config.json":
-            shutil.copyfile(vault.dir / name, partial / name)
-    publish(partial, out)
-    return out
+            shutil.copyfile(vault.dir / name, directory / name)

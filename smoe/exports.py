@@ -23,7 +23,7 @@ from safetensors import safe_open
 from smoe import codec
 from smoe.errors import SmoeError
 from smoe.families import check_config_file
-from smoe.paths import check_outputs
+from smoe.paths import check_outputs, output_lock
 from smoe.sculpt import publish
 from smoe.vault import Vault
 
@@ -38,9 +38,14 @@ def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     if to not in FORMATS:
         raise SmoeError(f"unknown export format {to!r} (gguf, mlx)")
     out = Path(output)
-    if out.exists() and not force:
-        raise SmoeError(f"{out}: already exists (use --force to replace it)")
-    require(out.parent.is_dir(), f"{out.parent}: no such directory")
+    with output_lock(out, "export"):
+        if out.exists() and not force:
+            raise SmoeError(f"{out}: already exists (use --force to replace it)")
+        write_export(vault_dir, to, out, options)
+    return out
+
+
+def write_export(vault_dir, to: str, out: Path, options: dict) -> None:
     source = ExportSource(vault_dir)
     if to == "gguf":
         from smoe.export_gguf import write_gguf as write
@@ -54,7 +59,6 @@ def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     finally:
         remove(partial)
         source.close()
-    return out
 
 
 def remove(path: Path) -> None:

@@ -23,7 +23,7 @@ from smoe.checkpoint import SAFETENSORS_INDEX, Checkpoint
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.families import MoEPlan, load_bias, load_projection, plan_experts
-from smoe.paths import check_outputs
+from smoe.paths import check_outputs, output_lock
 from smoe.vault import (
     COPIED_FILES, DEFAULT_ALIGNMENT, SAFETENSORS_DTYPES, TRUNK_FILE, QuantisedTensor, VaultWriter, align,
     write_safetensors,
@@ -70,7 +70,14 @@ def safetensors_header(path: Path) -> bytes:
         return f.read(min(n, 1 << 30))
 
 
-def sculpt(
+def sculpt(model_dir: str | Path, out_dir: str | Path, **options) -> SculptReport:
+    """Write the vault of `model_dir` at `out_dir` (options: those of `write_vault`), one writer at a time."""
+    check_outputs([out_dir], [model_dir, options.get("calib")])
+    with output_lock(Path(out_dir), "quantize"):
+        return write_vault(model_dir, out_dir, **options)
+
+
+def write_vault(
     model_dir: str | Path,
     out_dir: str | Path,
     bits: int = 4,
@@ -88,7 +95,6 @@ def sculpt(
     """`encoder` "grid" or a calibrated one from smoe.encoders, which needs `calib` (a text file;
     `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
     tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without."""
-    check_outputs([out_dir], [model_dir, calib])
     start = time.perf_counter()
     encoder = encoder or encoders.default_encoder(calib)
     codec.check_bits(bits)

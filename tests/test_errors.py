@@ -60,7 +60,8 @@ def test_a_closed_output_pipe_ends_quietly(tiny, args):
 def test_a_disk_that_fills_during_quantize_is_one_line_and_the_rerun_resumes(tiny, tmp_path):
     out = tmp_path / "vault"
     r = smoe("quantize", tiny / "model", "-o", out, "--quiet", limit_bytes=150_000)
-    assert "the partial vault is kept" in one_line_error(r)
+    err = one_line_error(r)
+    assert "File too large" in err and "the partial vault is kept" in err
     assert not out.exists()
     r = smoe("quantize", tiny / "model", "-o", out, "--quiet")
     assert r.returncode == 0, r.stderr.decode()
@@ -69,6 +70,29 @@ def test_a_disk_that_fills_during_quantize_is_one_line_and_the_rerun_resumes(tin
 
 
 def test_a_disk_that_fills_during_export_is_one_line_and_leaves_nothing(tiny, tmp_path):
-    r = smoe("export", tiny / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf", "-q", limit_bytes=100_000)
-    one_line_error(r)
+    r = smoe("export", tiny / "vault", "--to", "mlx", "-o", tmp_path / "mlx", "-q", limit_bytes=100_000)
+    err = one_line_error(r)
+    assert "File too large" in err or "is the disk full" in err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", [("quantize", "{model}", "-o", "{out}", "-q"),
+                                     ("dequantize", "{vault}", "-o", "{out}"),
+                                     ("export", "{vault}", "--to", "mlx", "-o", "{out}", "-q")])
+def test_a_second_writer_of_one_output_is_refused_naming_the_holder(tiny, tmp_path, command):
+    from smoe.paths import output_lock
+
+    out = tmp_path / "out"
+    args = [a.format(model=tiny / "model", vault=tiny / "vault", out=out) for a in command]
+    with output_lock(out, "quantize"):
+        r = smoe(*args)
+    err = one_line_error(r)
+    assert f"smoe quantize, pid {os.getpid()}" in err and not out.exists()
+    assert smoe(*args).returncode == 0 and out.exists()  # the lock went with its holder
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_disk_that_fills_during_dequantize_is_one_line_and_leaves_nothing(tiny, tmp_path):
+    r = smoe("dequantize", tiny / "vault", "-o", tmp_path / "hf", limit_bytes=100_000)
+    assert "File too large" in one_line_error(r)
     assert os.listdir(tmp_path) == []
