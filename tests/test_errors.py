@@ -96,3 +96,30 @@ def test_a_disk_that_fills_during_dequantize_is_one_line_and_leaves_nothing(tiny
     r = smoe("dequantize", tiny / "vault", "-o", tmp_path / "hf", limit_bytes=100_000)
     assert "File too large" in one_line_error(r)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no write reaches: by its mode for a normal user; as root (whom modes do not stop) a
+    read-only bind mount, where mounting is allowed."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)], capture_output=True).returncode:
+        pytest.skip("running as root where bind mounts are not allowed: no directory is read-only to this process")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("command", [("quantize", "{model}", "-o", "{out}", "-q"),
+                                     ("dequantize", "{vault}", "-o", "{out}"),
+                                     ("export", "{vault}", "--to", "mlx", "-o", "{out}", "-q")])
+def test_a_read_only_output_directory_is_one_line(tiny, read_only_dir, command):
+    args = [a.format(model=tiny / "model", vault=tiny / "vault", out=read_only_dir / "out") for a in command]
+    err = one_line_error(smoe(*args))
+    assert "Read-only file system" in err or "Permission denied" in err
+    assert os.listdir(read_only_dir) == []
