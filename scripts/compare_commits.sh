@@ -6,10 +6,11 @@ set -euo pipefail
 old=$1 new=$2 rounds=${3:-3}
 work=$(mktemp -d /tmp/smoe-compare.XXXX)
 py="$(pwd)/.venv/bin/python"
-model=../shared/models/qwen3-moe-28m
+model=$(realpath ../shared/models/qwen3-moe-28m)
 for c in "$old" "$new"; do
   git worktree add -q --detach "$work/$c" "$c"
-  PYTHONPATH="$work/$c" "$py" -m smoe.cli quantize "$model" -o "$work/vault-$c" --bits 4 --quiet
+  # from inside the worktree: `python -m` puts the working directory first on the path
+  (cd "$work/$c" && PYTHONPATH="$work/$c" "$py" -m smoe.cli quantize "$model" -o "$work/vault-$c" --bits 4 --quiet)
 done
 for r in $(seq "$rounds"); do
   for c in "$old" "$new"; do
