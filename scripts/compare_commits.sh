@@ -14,9 +14,20 @@ for c in "$old" "$new"; do
 done
 for r in $(seq "$rounds"); do
   for c in "$old" "$new"; do
-    line=$(cd "$work/$c" && PYTHONPATH="$work/$c" "$py" -m smoe.cli bench runtime \
-      "$work/vault-$c" --tokens 128 --dtype bfloat16 --threads 1 --budgets 1,0.25 --json 2>/dev/null | tail -1)
-    echo "round $r commit $c $line"
+    (cd "$work/$c" && PYTHONPATH="$work/$c" "$py" -m smoe.cli bench runtime "$work/vault-$c" --tokens 128 \
+      --dtype bfloat16 --threads 1 --budgets 1,0.25 --json > "$work/round-$r-$c.json" 2>/dev/null)
   done
 done
+"$py" - "$work" "$old" "$new" "$rounds" <<'PY'
+import json, statistics, sys
+work, old, new, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+load = lambda r, c: json.load(open(f"{work}/round-{r}-{c}.json"))["rows"]
+for i, row in enumerate(load(1, old)):
+    olds = [load(r, old)[i]["decode_tok_s"] for r in range(1, rounds + 1)]
+    news = [load(r, new)[i]["decode_tok_s"] for r in range(1, rounds + 1)]
+    ratios = [n / o for n, o in zip(news, olds)]
+    print(f"budget {row['budget_fraction']:.2f}: {old} " + " ".join(f"{x:.1f}" for x in olds) + f" | {new} "
+          + " ".join(f"{x:.1f}" for x in news) + " tok/s | new/old per round " + " ".join(f"{x:.3f}" for x in ratios)
+          + f", median {statistics.median(ratios):.3f}")
+PY
 for c in "$old" "$new"; do git worktree remove --force "$work/$c"; done
