@@ -29,6 +29,7 @@ test-integrations: $(INTEGRATIONS) browser
 # llama-cpp-python, mlx[cpu] and mlx-lm at the versions in constraints.txt; llama-cpp-python compiles
 # llama.cpp from its source release once (pip keeps the built wheel).
 $(INTEGRATIONS): $(STAMP)
+	@echo "installing llama-cpp-python, mlx and mlx-lm: llama-cpp-python compiles llama.cpp from source the first time (9+ minutes on 2 cores, with no output from pip meanwhile)"
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,integrations]'
 	touch $(INTEGRATIONS)
 

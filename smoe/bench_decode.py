@@ -73,7 +73,7 @@ def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress
     """A vault of random expert codes and a random trunk, with the config of `cfg`."""
     import json
 
-    from tqdm import tqdm
+    from smoe.progress import bar
 
     path = Path(path)
     if (path / "index.json").exists():
@@ -85,7 +85,7 @@ def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress
     noise = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
     shapes = (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter)))
     done = writer.done()
-    for layer in tqdm(range(layers), desc="experts", unit="layer", disable=not progress):
+    for layer in bar(range(layers), progress, desc="experts", unit="layer"):
         for e in range(experts):
             if (layer, e) in done:
                 continue

@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
+from smoe.encoders import CALIB_TOKENS
 from smoe.errors import SmoeError
 from smoe.evaluate import WINDOW, read_text, token_stream, windows
+from smoe.progress import bar
 
 IMPLEMENTATION = "smoe_calibrate"
 INPUTS = ("gate_up", "down")  # the two inputs a routed expert's projections see
 ROLE_INPUT = {"gate": "gate_up", "up": "gate_up", "down": "down"}
-DEFAULT_TOKENS = 65536  # GPTQ overfits fewer: 16384 tokens gave Q4 KL 0.0146 on qwen3-moe-28m, 65536 gave 0.0132
+DEFAULT_TOKENS = CALIB_TOKENS  # kept in smoe.encoders, which the CLI's help reads without importing transformers
 PRIOR_TOKENS = 16  # weight of the neutral prior, in tokens
 MIN_TOKENS = 8  # an expert routed fewer tokens than this counts as not covered
 MIN_COVERAGE = 0.9  # warn below this share of covered experts
@@ -246,7 +247,7 @@ def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool =
     recorder = Recorder(stats, sizes)
     for module in modules.values():
         module.smoe_recorder = recorder
-    for window in tqdm(chunks, desc="calibrate", unit="window", disable=not progress):
+    for window in bar(chunks, progress, desc="calibrate", unit="window"):
         model(input_ids=window, use_cache=False)
     warn_if_sparse(stats, warn)
     return stats

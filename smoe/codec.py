@@ -63,6 +63,16 @@ def bits_per_weight(bits: int) -> float:
 # --- packing -------------------------------------------------------------------------------------
 
 
+def depth_name(weights: dict[int, int]) -> str:
+    """`SMOE-Q4` when every expert weight has one depth; else `mixed (62% Q4, 38% Q2)`, by share of
+    expert weights, deepest first: a mixed vault's header depth is only its default, not what it holds."""
+    used = {b: n for b, n in weights.items() if n}
+    if len(used) <= 1:
+        return f"SMOE-Q{next(iter(used or weights))}"
+    total = sum(used.values())
+    return "mixed (" + ", ".join(f"{100 * n / total:.0f}% Q{b}" for b, n in sorted(used.items(), reverse=True)) + ")"
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [G, 64] -> packed uint8 [G, 64 * bits / 8], LSB-first."""
     per_byte = 8 // bits

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from smoe.progress import bar
 
 from smoe.errors import SmoeError
 
@@ -52,7 +52,7 @@ def compare(logits_fn, ref_logits_fn, ids: list[int], progress: bool = True) -> 
     """Aggregate NLL of both models, KL(ref||model) and top-1 agreement over every predicted position."""
     nll = ref_nll = kl = agree = 0.0
     count = 0
-    for window in tqdm(windows(ids), desc="eval", unit="window", disable=not progress):
+    for window in bar(windows(ids), progress, desc="eval", unit="window"):
         lp = torch.log_softmax(logits_fn(window)[0, :-1].double(), dim=-1)
         ref_lp = torch.log_softmax(ref_logits_fn(window)[0, :-1].double(), dim=-1)
         target = window[0, 1:]

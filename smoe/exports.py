@@ -181,9 +181,9 @@ def produce(plan: list[Planned], progress: bool = False) -> Iterator[tuple[Plann
     """Each planned tensor's data in order, checked against the plan."""
     items = plan
     if progress:
-        from tqdm import tqdm
+        from smoe.progress import bar
 
-        items = tqdm(plan, unit="tensor", desc="export")
+        items = bar(plan, unit="tensor", desc="export")
     for p in items:
         data = np.ascontiguousarray(p.load())
         if data.nbytes != p.nbytes:

@@ -89,12 +89,23 @@ def inspect_vault(path: Path, disk_gbps: float) -> dict:
             "moe_layers": len(meta["moe_layers"]), "experts_per_layer": meta["num_experts"],
             "experts_per_token": meta["top_k"], "expert_shapes": {r: list(s) for r, s in shapes.items()},
             "params_per_expert": sum(o * i for o, i in shapes.values()), "routed_experts_found": len(entries),
-            "default_bits": v.bits, "stored_bits": {r: {str(b): n for b, n in c.items()} for r, c in v.tensor_bits().items()},
+            "default_bits": v.bits, "depth": stored_depth(v.tensor_bits(), shapes),
+            "stored_bits": {r: {str(b): n for b, n in c.items()} for r, c in v.tensor_bits().items()},
             "disk_gbps": disk_gbps, "source": "vault",
         }
         sizes = expert_bytes(shapes) | {"vault": round(mean_blob)}
         report |= streaming_costs(sizes, report["moe_layers"], meta["top_k"], disk_gbps)
     return report
+
+
+def stored_depth(tensor_bits: dict[str, dict[int, int]], shapes: dict[str, tuple[int, int]]) -> str:
+    """The vault's depth in words, weighing each role's tensor counts by that role's weights."""
+    weights: dict[int, int] = {}
+    for role, counts in tensor_bits.items():
+        o, i = shapes[role]
+        for b, n in counts.items():
+            weights[b] = weights.get(b, 0) + n * o * i
+    return codec.depth_name(weights)
 
 
 def inspect_path(path: str | Path, disk_gbps: float = 7.4, num_experts: int | None = None) -> dict:
@@ -118,6 +129,7 @@ def format_report(r: dict) -> str:
     if r.get("expert_share") is not None:
         lines.append(f"experts share        {100 * r['expert_share']:.1f}% of the checkpoint bytes ({r['expert_share_from']})")
     if "stored_bits" in r:
+        lines.append(f"depth                {r['depth']}")
         lines.append("stored bits          " + json.dumps(r["stored_bits"]))
     lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>13}{'tok/s':>13}   (disk {r['disk_gbps']} GB/s, no cache)")
     for label, size in r["expert_bytes"].items():

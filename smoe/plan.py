@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
 from smoe import codec
@@ -305,10 +306,42 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         meter = KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
         table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter)
     table = table_for_model(table, moe, bias_sizes(ckpt, moe))
-    doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity)}
+    doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity),
+                                                                "calibration": calibration_record(calib, tokens)}
     write_plan(doc, out)
     write_heatmap(doc, table, out.with_suffix(".png"))
     return doc, table, meter, stats
+
+
+def calibration_record(calib, tokens: int) -> dict:
+    """What `quantize --plan` needs to calibrate a calibrated encoder as the plan did: the text and its size."""
+    from smoe.calibrate import file_hash
+
+    return {"file": str(Path(calib).resolve()), "hash": file_hash(calib), "tokens": tokens}
+
+
+def plan_calibration(args, doc: dict, encoder: str) -> None:
+    """`quantize --plan` without --calib: a calibrated encoder calibrates on the plan's own text (and,
+    unless --calib-tokens says otherwise, as many tokens) when that file is still there unchanged;
+    else the error says what to pass."""
+    from smoe.calibrate import file_hash
+    from smoe.encoders import NEEDS_CALIBRATION
+
+    record = doc.get("calibration") or {}
+    if args.calib is not None:
+        args.calib_tokens = args.calib_tokens or record.get("tokens")  # the plan's count unless told otherwise
+        return
+    if encoder not in NEEDS_CALIBRATION:
+        return
+    path = record.get("file")
+    if not path or not Path(path).is_file() or file_hash(path) != record.get("hash"):
+        where = f"its calibration text {path} is gone or changed" if path else "it does not say what it was calibrated on"
+        tokens = f" --calib-tokens {record['tokens']}" if record.get("tokens") else ""
+        raise SmoeError(f"the plan's {encoder} encoder needs calibration text and {where}: pass --calib FILE{tokens} "
+                        f"(the text `smoe plan` ran on), or --encoder grid to quantize without calibration")
+    args.calib, args.calib_tokens = path, args.calib_tokens or record["tokens"]
+    print(f"smoe: notice: calibrating the {encoder} encoder on the plan's text {path} ({args.calib_tokens} tokens)",
+          file=sys.stderr)
 
 
 def bias_sizes(ckpt, moe) -> dict[str, int]:
@@ -383,6 +416,7 @@ def quantize_inputs(args, progress: bool):
     if args.plan:
         doc = load_plan(args.plan)
         encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))
+        plan_calibration(args, doc, encoder)
         ckpt = Checkpoint(args.model)
         return role_bits(doc, plan_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
     return None, encoder, None, None

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import xxhash
-from tqdm import tqdm
 
 from smoe import __version__, calibrate, codec, encoders
 from smoe.checkpoint import SAFETENSORS_INDEX, Checkpoint
@@ -24,6 +23,7 @@ from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.families import MoEPlan, load_bias, load_projection, plan_experts
 from smoe.paths import check_outputs, output_lock
+from smoe.progress import bar as progress_bar
 from smoe.vault import (
     COPIED_FILES, DEFAULT_ALIGNMENT, SAFETENSORS_DTYPES, TRUNK_FILE, QuantisedTensor, VaultWriter, align,
     write_safetensors,
@@ -44,6 +44,11 @@ class SculptReport:
     snr_db: dict[str, float] = field(default_factory=dict)  # role -> mean SNR over experts
     bits: int = 4
     resumed_experts: int = 0
+    weights_by_bits: dict[int, int] = field(default_factory=dict)  # expert weights stored at each depth
+
+    @property
+    def depth(self) -> str:
+        return codec.depth_name(self.weights_by_bits or {self.bits: 1})
 
     @property
     def expert_share(self) -> float:
@@ -144,7 +149,19 @@ def write_vault(
         family=plan.family, experts=len(plan.experts), expert_bytes_in=expert_source_bytes(ckpt, plan),
         trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(out),
         seconds=time.perf_counter() - start, snr_db=snr, bits=bits, resumed_experts=resumed,
+        weights_by_bits=weights_by_bits(plan, depths, bits),
     )
+
+
+def weights_by_bits(plan: MoEPlan, depths: dict | None, bits: int) -> dict[int, int]:
+    """Expert weights per depth; every (layer, role) tensor has the same shape in each of its experts."""
+    shapes = plan.expert_shapes()
+    counts: dict[int, int] = {}
+    for layer in plan.moe_layers:
+        for role, (o, i) in shapes.items():
+            b = (depths or {}).get((layer, role), bits)
+            counts[b] = counts.get(b, 0) + plan.num_experts * o * i
+    return counts
 
 
 def prepare_partial(out: Path, partial: Path, force: bool) -> None:
@@ -240,8 +257,8 @@ def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, dev: t
     expected = plan.expert_shapes()
     snr_sum: dict[str, float] = {}
     weights = sum(o * i for o, i in expected.values()) or None
-    bar = tqdm(total=weights and 2 * weights * len(plan.experts), initial=weights and 2 * weights * len(done),
-               unit="B", unit_scale=True, desc=f"experts ({len(plan.experts)})", disable=not progress)
+    bar = progress_bar(total=weights and 2 * weights * len(plan.experts), initial=weights and 2 * weights * len(done),
+                       enabled=progress, unit="B", unit_scale=True, desc=f"experts ({len(plan.experts)})")
     for layer, expert in todo:
         tensors, digest = [], xxhash.xxh3_64()
         for src, w, moment in expert_inputs(ckpt, plan, coder, (layer, expert), digest):
@@ -289,7 +306,7 @@ def keep_unchanged_blobs(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder,
     The fingerprint covers only headers, so a checkpoint rewritten with the same names and shapes (or
     calibration moved by a changed trunk) reaches the same partial: only this re-read tells."""
     entries = list(writer.entries)
-    bar = tqdm(entries, desc="checking resumed blobs", unit="blob", disable=not (progress and entries))
+    bar = progress_bar(entries, bool(progress and entries), desc="checking resumed blobs", unit="blob")
     for i, entry in enumerate(bar):
         key = (entry.layer, entry.expert)
         journalled = writer.sources.get(key)
@@ -347,7 +364,7 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
 def write_trunk_file(ckpt: Checkpoint, plan: MoEPlan, path: Path, progress: bool) -> int:
     names = trunk_names(ckpt, plan)
     specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in names]
-    bar = (lambda xs: tqdm(xs, unit="tensor", desc="trunk")) if progress else None
+    bar = (lambda xs: progress_bar(xs, unit="tensor", desc="trunk")) if progress else None
     write_safetensors(path, specs, lambda n: check_finite(n, ckpt.load(n)), progress=bar)
     return sum(nbytes_of(ckpt, n) for n in names)
 

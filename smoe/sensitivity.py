@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from smoe import codec, encoders
 from smoe.calibrate import CalibrationStats, load_source_model
@@ -26,6 +25,7 @@ from smoe.checkpoint import Checkpoint
 from smoe.dequantize import expert_parameters
 from smoe.errors import SmoeError
 from smoe.families import load_bias, load_projection, plan_experts
+from smoe.progress import bar as progress_bar
 
 SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
 UNITS = ("gate_up", "down")
@@ -157,8 +157,8 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
     table.update(encoder=qm.encoder, moe_layers=qm.plan.moe_layers, units=list(UNITS), depths=list(depths),
                  numel=unit_sizes(qm.plan), model_type=qm.plan.model_type, num_experts=qm.plan.num_experts)
     todo = [(layer, unit, b) for layer, unit in qm.units() for b in depths if key(layer, unit, b) not in table["kl"]]
-    bar = tqdm(total=len(qm.units()) * len(depths), initial=len(qm.units()) * len(depths) - len(todo),
-               desc="sensitivity", unit="tensor", disable=not progress)
+    bar = progress_bar(total=len(qm.units()) * len(depths), initial=len(qm.units()) * len(depths) - len(todo),
+                       enabled=progress, desc="sensitivity", unit="tensor")
     meter = meter or (KLMeter(qm, windows) if todo else None)
     for layer, unit, b in todo:
         qm.set(layer, unit, b)

@@ -341,7 +341,7 @@ class Vault:
         self.dir = Path(path)
         data_path = self.dir / DATA_FILE
         if not self.dir.is_dir() or not data_path.is_file() or not (self.dir / INDEX_FILE).is_file():
-            raise SmoeError(f"{self.dir}: not a vault (needs {DATA_FILE} and {INDEX_FILE})")
+            raise SmoeError(f"{self.dir}: not a vault (needs {DATA_FILE} and {INDEX_FILE}; make one with `smoe quantize MODEL_DIR -o {self.dir}`)")
         self.fd = os.open(data_path, os.O_RDONLY)
         try:
             self._open(data_path)

@@ -34,6 +34,8 @@ def test_demo_builds_its_own_model_when_the_shared_one_is_absent(tmp_path, monke
     out = capsys.readouterr().out
     assert "tiny random Qwen3-MoE built by smoe" in out
     assert out.count("vault OK") == 2 and "SMOE-Q2 gate" in out and "SMOE-Q4 down" in out
+    assert out.count("says nothing about quality") == 2  # before the figures and after them
+    assert out.count("timed after a 4-token warm-up") == 2
     for bits in (4, 2):
         assert verify(tmp_path / "demo" / f"vault-q{bits}") == []
 
