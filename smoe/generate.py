@@ -11,6 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from smoe.errors import SmoeError
+from smoe.sampling import SamplingParams, Sequence, sample_batch, token_logprobs
+from smoe.sampling import sample  # noqa: F401 (its old home, still imported from here)
 
 
 @dataclass
@@ -40,22 +42,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0; otherwise nucleus sampling over softmax(logits / T). Safe for every
-    T in (0, 2] and top_p in [0, 1]: logits are shifted so the largest is 0 before dividing, so a tiny
-    T drives the others to -inf (probability 0), never to inf - inf; top_p 0 keeps the top token."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    z = logits.double()  # float64: a T of 1e-300 is not rounded to 0 (0 / 0 would be NaN)
-    probs = torch.softmax((z - z.max()) / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-        keep[0] = True
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-
-
 def eos_ids(model) -> set[int]:
     eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
     if eos is None:
@@ -72,7 +58,13 @@ ENGINES = ("auto", "lean", "transformers")
 
 
 def next_logits_function(sm, positions: int, engine: str = "auto"):
-    """step(new_token_ids) -> logits of the last position, continuing the same sequence.
+    """step(new_token_ids) -> logits of the last position, continuing the same sequence."""
+    step = logits_function(sm, positions, engine)
+    return lambda ids: step(ids)[-1]
+
+
+def logits_function(sm, positions: int, engine: str = "auto"):
+    """step(new_token_ids) -> logits [T, V] of the new positions, continuing the same sequence.
 
     "lean" is the fast path for the families that have one; "transformers" runs the model's own
     modules with a DynamicCache (every family); "auto" picks lean where it exists."""
@@ -82,39 +74,54 @@ def next_logits_function(sm, positions: int, engine: str = "auto"):
     if engine == "lean" and lean is None:
         raise SmoeError(f"no lean decode path for the {sm.vault.meta['family']} family (use --engine transformers)")
     if lean is not None:
-        return lambda ids: lean.forward(ids)[-1]
+        return lean.forward
     kv = {cache_keyword(sm.model): DynamicCache(config=sm.model.config)}
 
     def step(ids):
-        return sm.model(input_ids=torch.tensor([ids]), use_cache=True, **kv).logits[0, -1]
+        return sm.model(input_ids=torch.tensor([ids]), use_cache=True, **kv).logits[0]
 
     return step
 
 
 @torch.inference_mode()
 def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, on_token=None, engine: str = "auto") -> tuple[list[int], GenerationStats]:
+             seed: int = 0, on_token=None, engine: str = "auto", params: SamplingParams | None = None,
+             logprobs: int | None = None, on_logprob=None,
+             on_prompt_logprobs=None) -> tuple[list[int], GenerationStats]:
     """Prefill the prompt in one forward (each layer reads its experts once), then decode token by token.
 
-    `on_token(token)` sees each new token; returning False stops generation after it (a server
-    cancels a request whose client went away this way)."""
+    `params` (all sampling settings) replaces temperature, top_p and seed when given. `on_token(token)`
+    sees each new token; returning False stops generation after it (a server cancels a request whose
+    client went away this way). With `logprobs` = n, `on_logprob(TokenLogprob)` sees each new token's
+    log-probability and its n most likely alternatives first, and `on_prompt_logprobs(list)` those
+    of prompt tokens 1.. (the first has no context to be predicted from)."""
     if not prompt_ids:
         raise SmoeError("empty prompt")
     limit = sm.max_positions
     if limit and len(prompt_ids) + max_tokens > limit:
         raise SmoeError(f"prompt of {len(prompt_ids)} tokens + {max_tokens} new tokens exceeds the model's context of {limit}")
     stats0 = sm.cache_stats()
-    generator = torch.Generator().manual_seed(seed)
+    seq = Sequence(params or SamplingParams(temperature=temperature, top_p=top_p, seed=seed), list(prompt_ids))
     stop = eos_ids(sm.model)
-    step = next_logits_function(sm, len(prompt_ids) + max_tokens, engine)
+    step = logits_function(sm, len(prompt_ids) + max_tokens, engine)
+
+    def next_token(logits: torch.Tensor) -> int:  # logits [T, V]; the last row predicts the next token
+        token = sample_batch(logits[-1:], [seq])[0]
+        if logprobs is not None and on_logprob:
+            on_logprob(token_logprobs(logits[-1:], [token], logprobs)[0])
+        return token
+
     start = time.perf_counter()
-    token = sample(step(prompt_ids), temperature, top_p, generator)
+    prefill = step(prompt_ids)
+    if logprobs is not None and on_prompt_logprobs:
+        on_prompt_logprobs(token_logprobs(prefill[:-1], prompt_ids[1:], logprobs))
+    token = next_token(prefill)
     ttft = time.perf_counter() - start
     tokens = [token]
     go_on = not on_token or on_token(token) is not False
     decode_start = time.perf_counter()
     while go_on and len(tokens) < max_tokens and token not in stop:
-        token = sample(step([token]), temperature, top_p, generator)
+        token = next_token(step([token]))
         tokens.append(token)
         go_on = not on_token or on_token(token) is not False
     decode_s = time.perf_counter() - decode_start

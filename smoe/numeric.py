@@ -75,6 +75,11 @@ INT64 = 2**63 - 1
 TEMPERATURE = Range(float, 0, 2, note="0 = greedy")
 ANTHROPIC_TEMPERATURE = Range(float, 0, 1)
 TOP_P = Range(float, 0, 1, note="0 keeps only the most likely token")
+TOP_K = Range(int, 0, note="0 = off")
+MIN_P = Range(float, 0, 1, note="0 = off")
+REPETITION_PENALTY = Range(float, 0, low_open=True, note="1 = off")
+PENALTY = Range(float, -2, 2, note="frequency and presence penalties; 0 = off")
+TOP_LOGPROBS = Range(int, 0, 20)
 MAX_TOKENS = Range(int, 1)
 SEED = Range(int, -INT64 - 1, INT64)
 

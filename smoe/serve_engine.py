@@ -13,10 +13,11 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from smoe.generate import eos_ids, generate
 from smoe.prompts import chat_prompt
+from smoe.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger("smoe.serve")
 
@@ -32,6 +33,17 @@ class Sampling:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # report each token's logprob and this many alternatives
+    prompt_logprobs: bool = False  # and those of the prompt's tokens (completions' echo)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+                              self.frequency_penalty, self.presence_penalty, self.seed)
 
 
 @dataclass
@@ -41,12 +53,15 @@ class Outcome:
     completion_tokens: int
     finish: str  # "eos" (end of text), "stop_sequence", "length" (max_tokens) or "cancelled"
     stop_sequence: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the generated tokens, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., when asked
 
 
 class Job:
     def __init__(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop):
         self.prompt, self.sampling, self.loop = prompt, sampling, loop
-        self.events: asyncio.Queue = asyncio.Queue()  # ("text", str) ..., then ("done", Outcome) or ("error", str)
+        # ("text", str), ("logprobs" or "prompt_logprobs", [TokenLogprob]) ..., then ("done", Outcome) or ("error", str)
+        self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
 
     def post(self, kind: str, value) -> None:
@@ -172,6 +187,16 @@ class Engine:
         with self.tokenizer_lock:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    def decode_prefixes(self, tokens: list[int]) -> list[str]:
+        """The text of tokens[:i] for each i in 0..len: exact character offsets of every token."""
+        with self.tokenizer_lock:
+            return self.tokenizer.batch_decode([tokens[:i] for i in range(len(tokens) + 1)], skip_special_tokens=True)
+
+    def token_strings(self, tokens: list[int]) -> list[str]:
+        """Each token's own vocabulary entry, for logprobs (special tokens included)."""
+        with self.tokenizer_lock:
+            return self.tokenizer.convert_ids_to_tokens(tokens)
+
     def submit(self, prompt: list[int], sampling: Sampling) -> Job:
         job = Job(prompt, sampling, asyncio.get_running_loop())
         with self.waiting_lock:
@@ -203,6 +228,16 @@ class Engine:
         stream = TextStream(self.decode, s.stop)
         self.metrics.current = {"tokens": 0, "since": time.perf_counter()}
 
+        logprobs, prompt_logprobs = [], []
+
+        def on_logprob(entry: TokenLogprob) -> None:
+            logprobs.append(entry)
+            job.post("logprobs", [entry])
+
+        def on_prompt_logprobs(entries: list[TokenLogprob]) -> None:
+            prompt_logprobs.extend(entries)
+            job.post("prompt_logprobs", entries)
+
         def on_token(token: int) -> bool:
             self.metrics.current["tokens"] += 1
             delta = stream.push(token)
@@ -211,7 +246,9 @@ class Engine:
             return stream.stop_sequence is None and not job.cancelled.is_set() and not self.stopping.is_set()
 
         try:
-            tokens, stats = generate(self.sm, job.prompt, s.max_tokens, s.temperature, s.top_p, s.seed, on_token=on_token)
+            tokens, stats = generate(self.sm, job.prompt, s.max_tokens, on_token=on_token, params=s.params(),
+                                     logprobs=s.logprobs, on_logprob=on_logprob,
+                                     on_prompt_logprobs=on_prompt_logprobs if s.prompt_logprobs else None)
         except Exception as e:  # a server-side failure (e.g. a corrupt vault): the client gets a 500
             log.exception("generation failed")
             self.metrics.failed += 1
@@ -222,7 +259,8 @@ class Engine:
             job.post("text", tail)
         finish = self._finish_reason(stream, tokens, job)
         self.metrics.finished(stats, finish)
-        job.post("done", Outcome(stream.text, len(job.prompt), len(tokens), finish, stream.stop_sequence))
+        job.post("done", Outcome(stream.text, len(job.prompt), len(tokens), finish, stream.stop_sequence, logprobs,
+                                 prompt_logprobs))
 
     def _finish_reason(self, stream: TextStream, tokens: list[int], job: Job) -> str:
         if stream.stop_sequence is not None:

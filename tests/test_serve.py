@@ -260,7 +260,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": M, "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "token ids"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 33}, 400, "prompt"),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "NaN"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/messages", {"messages": M}, 400, "max_tokens"),
