@@ -9,8 +9,10 @@ import sys
 
 from smoe import __version__, numeric
 from smoe.errors import SmoeError
+from smoe.hub import resolve_model
 from smoe.paths import check_outputs
-from smoe.prompts import chat_prompt, check_text, load_tokenizer
+from smoe.progress import quiet_library_bars
+from smoe.prompts import check_text, load_tokenizer
 
 
 def cmd_quantize(args) -> int:
@@ -18,6 +20,7 @@ def cmd_quantize(args) -> int:
 
     from smoe import plan as planning
 
+    args.model = resolve_model(args.model)
     check_outputs([args.output], [args.model, args.calib, args.plan])
     progress = not args.quiet and not args.json
     depths, encoder, stats, planned = planning.quantize_inputs(args, progress)
@@ -26,7 +29,7 @@ def cmd_quantize(args) -> int:
                     encoder=encoder, calib=args.calib, plan=depths, calib_tokens=args.calib_tokens, stats=stats)
     measured = planning.after_quantize(args, planned)
     if args.json:
-        print(json.dumps(vars(report) | {"expert_share": report.expert_share} | measured, indent=1))
+        print(json.dumps(vars(report) | {"expert_share": report.expert_share, "depth": report.depth} | measured, indent=1))
     else:
         print_sculpt_summary(report, args.output)
         planning.print_measured(measured)
@@ -36,11 +39,12 @@ def cmd_quantize(args) -> int:
 def cmd_plan(args) -> int:
     from smoe.plan import cmd_plan as run
 
+    args.model = resolve_model(args.model)
     return run(args)
 
 
 def print_sculpt_summary(r, out) -> None:
-    print(f"vault     {out}  ({r.family}, SMOE-Q{r.bits})")
+    print(f"vault     {out}  ({r.family}, {r.depth})")
     print(f"experts   {r.experts}" + (f"  ({r.resumed_experts} resumed from a partial run)" if r.resumed_experts else ""))
     print(f"bytes in  experts {r.expert_bytes_in / 1e6:,.1f} MB + trunk {r.trunk_bytes / 1e6:,.1f} MB"
           f"  (experts are {100 * r.expert_share:.1f}% of the checkpoint)")
@@ -51,11 +55,10 @@ def print_sculpt_summary(r, out) -> None:
 
 
 def cmd_verify(args) -> int:
-    from tqdm import tqdm
-
+    from smoe.progress import bar as progress_bar
     from smoe.vault import verify
 
-    bar = None if args.json else (lambda xs: tqdm(xs, unit="blob", desc="verify"))
+    bar = None if args.json else (lambda xs: progress_bar(xs, unit="blob", desc="verify"))
     problems = verify(args.vault, progress=bar)
     if args.json:
         print(json.dumps({"vault": args.vault, "ok": not problems, "problems": problems}, indent=1))
@@ -69,7 +72,7 @@ def cmd_verify(args) -> int:
 def cmd_inspect(args) -> int:
     from smoe.inspect_model import format_report, inspect_path
 
-    report = inspect_path(args.path, disk_gbps=args.disk_gbps, num_experts=args.num_experts)
+    report = inspect_path(resolve_model(args.path), disk_gbps=args.disk_gbps, num_experts=args.num_experts)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 
@@ -108,8 +111,8 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(args.vault)
     prompt = tok(check_text(args.prompt, "the prompt"), add_special_tokens=True)["input_ids"]
     streamer = None if args.json else TextStreamer(tok, sys.stdout)
-    tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer,
-                             engine=args.engine)
+    tokens, stats = generate(sm, prompt, args.max_tokens, on_token=streamer, engine=args.engine,
+                             params=sampling_params(args))
     if args.json:
         print(json.dumps({"text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens, "stats": stats.as_dict()}))
     else:
@@ -118,41 +121,19 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from smoe.generate import TextStreamer, generate
+    from smoe import chat
 
-    sm = open_model(args)
-    tok = load_tokenizer(args.vault)
-    history = []
-    print("smoe chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        try:
-            check_text(line, "that line")
-        except SmoeError as e:  # a bad line costs the line, not the conversation
-            print(f"smoe: error: {e}", file=sys.stderr)
-            continue
-        history.append({"role": "user", "content": line})
-        prompt = chat_prompt(tok, history)
-        streamer = TextStreamer(tok, sys.stdout)
-        tokens, stats = generate(sm, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, on_token=streamer,
-                                 engine=args.engine)
-        history.append({"role": "assistant", "content": tok.decode(tokens, skip_special_tokens=True)})
-        print("\n" + stats.line(), file=sys.stderr)
-    return 0
+    return chat.run(open_model(args), load_tokenizer(args.vault), args, sampling_params(args))
 
 
 def cmd_eval(args) -> int:
     from smoe.evaluate import compare, load_reference, token_stream
 
+    ref = resolve_model(args.ref)  # before the vault is opened: a missing model is a quick error
     sm = open_model(args)
     tok = load_tokenizer(args.vault)
     ids = token_stream(tok, args.data, args.tokens)
-    result = compare(sm.logits, load_reference(args.ref), ids, progress=not args.json)
+    result = compare(sm.logits, load_reference(ref), ids, progress=not args.json)
     if args.json:
         print(json.dumps(result))
     else:
@@ -200,12 +181,12 @@ def default_torch_threads() -> int:
 
 
 def add_quality_options(p: argparse.ArgumentParser) -> None:
-    from smoe.encoders import DEFAULT, ENCODERS
+    from smoe.encoders import CALIB_TOKENS, DEFAULT, ENCODERS
 
     p.add_argument("--encoder", choices=ENCODERS, default=None,
                    help=f"how codes and scales are chosen (default: {DEFAULT} with --calib, grid without)")
     p.add_argument("--calib", metavar="TEXT_FILE", help="calibration text (.gz allowed); never the evaluation text")
-    p.add_argument("--calib-tokens", type=numeric.COUNT.parse, default=None, help="calibration tokens (default 16384)")
+    p.add_argument("--calib-tokens", type=numeric.COUNT.parse, default=None, help=f"calibration tokens (default {CALIB_TOKENS})")
 
 
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
@@ -231,9 +212,26 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=numeric.MAX_TOKENS.parse, default=128)
     p.add_argument("--temperature", type=numeric.TEMPERATURE.parse, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=numeric.TOP_P.parse, default=1.0)
+    p.add_argument("--top-k", type=numeric.TOP_K.parse, default=0, help="0 = off (default)")
+    p.add_argument("--min-p", type=numeric.MIN_P.parse, default=0.0, help="keep tokens of at least this times the top "
+                   "token's probability; 0 = off (default)")
+    p.add_argument("--repeat-penalty", type=numeric.REPETITION_PENALTY.parse, default=1.0,
+                   help="divide seen tokens' positive logits by it, multiply negative ones; 1 = off (default)")
+    p.add_argument("--frequency-penalty", type=numeric.PENALTY.parse, default=0.0,
+                   help="subtract it times each token's count in the output so far (-2..2, default 0)")
+    p.add_argument("--presence-penalty", type=numeric.PENALTY.parse, default=0.0,
+                   help="subtract it from every token already in the output (-2..2, default 0)")
     p.add_argument("--seed", type=numeric.SEED.parse, default=0)
     p.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"),
                    help="lean: the fast decode path (Qwen3-MoE, Mixtral); transformers: the model's own modules")
+
+
+def sampling_params(args):
+    from smoe.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repeat_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty, seed=args.seed)
 
 
 def cmd_bench(args) -> int:
@@ -246,6 +244,9 @@ def cmd_demo(args) -> int:
     from smoe import demo
 
     return demo.main(args)
+
+
+HUB_HELP = "a HF model directory, or a hub id (ORG/NAME) already in the local Hugging Face cache"
 
 
 class Parser(argparse.ArgumentParser):
@@ -275,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="sculpt a HF MoE checkpoint into a vault",
                        description="Quantise the routed experts of MODEL (a HF model directory with safetensors) "
                        "into a vault; everything else is kept at source precision.")
-    q.add_argument("model", metavar="MODEL_DIR")
+    q.add_argument("model", metavar="MODEL_DIR", help=HUB_HELP)
     q.add_argument("-o", "--output", required=True, metavar="VAULT_DIR")
     q.add_argument("--bits", type=int, choices=(4, 2), default=4, help="SMOE-Q4 (default) or SMOE-Q2")
     q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the scale search")
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Measure KL(source || model with one fused expert tensor quantised) for each tensor "
                         "and depth on the calibration text (resumable sensitivity table), then solve the allocation "
                         "exactly. Writes PLAN_JSON and a PNG heatmap beside it.")
-    pl.add_argument("model", metavar="MODEL_DIR")
+    pl.add_argument("model", metavar="MODEL_DIR", help=HUB_HELP)
     budget = pl.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget", type=numeric.BITS_PER_WEIGHT.parse, metavar="BITS", help="bits per expert weight, scales included (2.25-4.25)")
     budget.add_argument("--size", type=numeric.POSITIVE_REAL.parse, metavar="GB", help="size of experts.bin in GB (1e9 bytes), alignment included")
@@ -313,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="what a model or vault costs to stream",
                        description="PATH: a model directory, a directory with config.json + index, a bare "
-                       "config.json, or a vault.")
+                       "config.json, a vault, or a hub id (ORG/NAME) already in the local Hugging Face cache.")
     i.add_argument("path", metavar="PATH")
     i.add_argument("--json", action="store_true")
     i.add_argument("--disk-gbps", type=numeric.BANDWIDTH_GBPS.parse, default=7.4, help="disk read bandwidth in GB/s (default 7.4)")
@@ -336,12 +337,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat with a vault")
     add_runtime_options(c)
     add_sampling_options(c)
+    c.add_argument("--system", metavar="TEXT", help="the system prompt (in the chat: /system TEXT)")
+    c.add_argument("--ctx", type=numeric.COUNT.parse, metavar="N",
+                   help="tokens the conversation may fill, at most the model's context (default: all of it); "
+                   "when full, the oldest exchanges are forgotten")
     c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a vault against its source model",
                        description="The first N tokens of FILE as one stream, no BOS, windows of 512, fp32 logits.")
     add_runtime_options(e, dtype="float32")
-    e.add_argument("--ref", required=True, metavar="MODEL_DIR", help="the bf16 source model")
+    e.add_argument("--ref", required=True, metavar="MODEL_DIR", help="the bf16 source model (" + HUB_HELP + ")")
     e.add_argument("--data", required=True, metavar="FILE", help="text file (.gz allowed)")
     e.add_argument("--tokens", type=numeric.EVAL_TOKENS.parse, default=16384)
     e.add_argument("--json", action="store_true")
@@ -441,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand that was given them, not by the top level
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    quiet_library_bars()
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
