@@ -169,7 +169,7 @@ def cmd_serve(args) -> int:
 
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), max_tokens=args.max_tokens, max_queue=args.max_queue,
                     idle_timeout=args.idle_timeout, request_timeout=args.request_timeout,
-                    max_connections=args.max_connections)
+                    max_connections=args.max_connections, log_level=args.log_level)
     return run_server(lambda: open_model(args), load_tokenizer, args.vault, args.host, args.port, limits)
 
 
@@ -384,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=numeric.COUNT.parse, default=64, help="requests waiting or running at once (default 64)")
     sv.add_argument("--idle-timeout", type=numeric.POSITIVE_REAL.parse, default=5.0, help="seconds a connection may stay silent with no request in flight (default 5)")
     sv.add_argument("--request-timeout", type=numeric.POSITIVE_REAL.parse, default=30.0, help="seconds for a request's head to arrive once begun, and again for its body (default 30)")
+    sv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                    help="info (default): one access-log line per request on stderr; warning: problems only")
     sv.add_argument("--max-connections", type=numeric.COUNT.parse, default=1024, help="open connections at most; at the limit the oldest idle one makes room (default 1024)")
     sv.set_defaults(func=cmd_serve)
 

@@ -14,6 +14,7 @@ import asyncio
 import functools
 import ipaddress
 import json
+import logging
 import secrets
 import socket
 import sys
@@ -38,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smoe.errors import SmoeError
-from smoe.serve_engine import Engine, Outcome, Overloaded, Sampling
+from smoe.serve_engine import REQUEST_JOBS, Engine, Outcome, Overloaded, Sampling
 from smoe.serve_logprobs import Pieces, chat_content, chat_logprobs, completion_logprobs
 from smoe.serve_schemas import AnthropicPrompt, ChatCompletionRequest, CompletionRequest, MessagesRequest, image_at
 
@@ -58,6 +59,45 @@ FD_RESERVE = 64 + 2 * ACCEPT_BURST  # descriptors beyond the connection limit: t
 # listening socket, and connections accepted or evicted but not yet through connection_made / closed
 
 
+log = logging.getLogger("smoe.serve")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class AccessLog:
+    """One line per HTTP request, once its response has been sent (streams included): method, route,
+    status, prompt and generated tokens, decode tok/s, seconds."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        jobs, status, start = [], [0], time.perf_counter()
+        token = REQUEST_JOBS.set(jobs)
+
+        async def send_noting_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            REQUEST_JOBS.reset(token)
+            log.info(access_line(scope, status[0], jobs, time.perf_counter() - start))
+
+
+def access_line(scope, status: int, jobs: list, seconds: float) -> str:
+    line = f"{scope['method']} {scope['path']} {status or '-'} {seconds:.3f} s"
+    stats = [j.stats for j in jobs if j.stats is not None]
+    if stats:
+        prompt, generated = sum(s.prompt_tokens for s in stats), sum(s.generated_tokens for s in stats)
+        rate = stats[-1].decode_tok_s
+        line += f", prompt {prompt} tokens, generated {generated} tokens" + (f", {rate:.1f} tok/s" if rate else "")
+    return line
+
+
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20
@@ -66,6 +106,7 @@ class Limits:
     idle_timeout: float = 5.0  # seconds a connection may stay silent with no request in flight
     request_timeout: float = 30.0  # seconds for a request's head to arrive, and again for its body
     max_connections: int = 1024
+    log_level: str = "info"  # "info" prints one access-log line per request
 
 
 class ApiError(Exception):
@@ -745,7 +786,10 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
     engine = Engine(open_model(), load_tokenizer(vault), Path(vault).resolve().name, limits.max_queue)
     # no limit_concurrency: uvicorn's counts idle connections and answers in plain text; GuardedH11 caps them
     protocol = functools.partial(GuardedH11, Connections(limits))
-    config = uvicorn.Config(create_app(engine, limits), http=protocol, ws="none", log_level="warning",
+    logging.basicConfig(level=limits.log_level.upper(), format="smoe: %(message)s", stream=sys.stderr)
+    # uvicorn's own access log is off: AccessLog's line also says what the request generated
+    config = uvicorn.Config(AccessLog(create_app(engine, limits)), http=protocol, ws="none",
+                            log_level=max(limits.log_level, "warning", key=LOG_LEVELS.index),
                             access_log=False, timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5,
                             server_header=False, backlog=ACCEPT_BURST)
     warn_if_exposed(sock)

@@ -9,6 +9,7 @@ the next token, or skips the job if it has not started yet.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import queue
 import threading
@@ -57,9 +58,16 @@ class Outcome:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., when asked
 
 
+# the jobs of the HTTP request being handled, for its access-log line (set by smoe.serve.AccessLog)
+REQUEST_JOBS: contextvars.ContextVar[list | None] = contextvars.ContextVar("smoe_request_jobs", default=None)
+
+
 class Job:
     def __init__(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop):
         self.prompt, self.sampling, self.loop = prompt, sampling, loop
+        self.stats = None  # the GenerationStats, once it ran
+        if (request_jobs := REQUEST_JOBS.get()) is not None:
+            request_jobs.append(self)
         # ("text", str), ("logprobs" or "prompt_logprobs", [TokenLogprob]) ..., then ("done", Outcome) or ("error", str)
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -258,6 +266,7 @@ class Engine:
         if tail:
             job.post("text", tail)
         finish = self._finish_reason(stream, tokens, job)
+        job.stats = stats
         self.metrics.finished(stats, finish)
         job.post("done", Outcome(stream.text, len(job.prompt), len(tokens), finish, stream.stop_sequence, logprobs,
                                  prompt_logprobs))
