@@ -110,15 +110,10 @@ def dequantized_model(vault: Vault, dtype: torch.dtype):
 
 
 def save_checkpoint(model, vault: Vault, dtype: torch.dtype, directory: Path) -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # its bar would interleave with an error line
     try:
         model.save_pretrained(directory)
     except SafetensorError as e:  # safetensors reports a failed write (a full disk) as its own error
         raise SmoeError(f"{directory}: cannot write the checkpoint ({e})") from None
-    finally:
-        hf_logging.enable_progress_bar()
     save_config_dtype(model.config, dtype, directory)
     for name in COPIED_FILES:
         if (vault.dir / name).exists() and name != "config.json":

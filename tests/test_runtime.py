@@ -146,12 +146,12 @@ def test_eval_reproduces_the_reference_perplexity_of_the_shared_model(tmp_path):
     assert 0.005 < r["kl"] < 0.03 and r["top1"] > 0.88 and r["ppl"] > r["ref_ppl"]
 
 
-def test_chat_answers_each_line_until_an_empty_one(tmp_path):
+def test_chat_answers_each_line_until_the_input_ends(tmp_path):
     vault, _ = build(tmp_path, "qwen3_moe")
     proc = subprocess.run([sys.executable, "-m", "smoe.cli", "chat", str(vault), "--max-tokens", "4", "--dtype", "float32"],
-                          input="the old man\nthe sea\n\n", capture_output=True, text=True, timeout=300)
+                          input="the old man\n\nthe sea\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("prompt tokens") == 2 and proc.stdout.count("> ") == 3
+    assert proc.stderr.count("prompt tokens") == 2  # the empty line in between asked again, it did not quit
 
 
 def test_lean_decode_path_matches_the_transformers_path(tmp_path):
