@@ -26,10 +26,10 @@ test: $(STAMP)
 test-integrations: $(INTEGRATIONS) browser
 	$(PY) -m pytest -q tests/integration
 
-# llama-cpp-python, mlx[cpu] and mlx-lm at the versions in constraints.txt; llama-cpp-python compiles
+# llama-cpp-python, mlx[cpu], mlx-lm and lm-evaluation-harness at the versions in constraints.txt; llama-cpp-python compiles
 # llama.cpp from its source release once (pip keeps the built wheel).
 $(INTEGRATIONS): $(STAMP)
-	@echo "installing llama-cpp-python, mlx and mlx-lm: llama-cpp-python compiles llama.cpp from source the first time (9+ minutes on 2 cores, with no output from pip meanwhile)"
+	@echo "installing llama-cpp-python, mlx, mlx-lm and lm-evaluation-harness: llama-cpp-python compiles llama.cpp from source the first time (9+ minutes on 2 cores, with no output from pip meanwhile)"
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,integrations]'
 	touch $(INTEGRATIONS)
 
