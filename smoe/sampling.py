@@ -107,6 +107,11 @@ def truncated(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of `logits` [B, V], each drawn with its own sequence's parameters and
     generator; the tokens are appended to each sequence's output."""
+    if all(s.params.temperature <= 0 and not s.params.penalises() for s in seqs):  # plain greedy: no copies
+        tokens = logits.argmax(-1).tolist()
+        for seq, token in zip(seqs, tokens):
+            seq.output.append(token)
+        return tokens
     z = penalised(logits.cpu(), seqs)  # the generators are CPU generators
     probs = z if all(s.params.temperature <= 0 for s in seqs) else distribution(z, seqs)  # argmax is the same
     tokens = []
