@@ -31,6 +31,12 @@ def capped(serve_vault, start_server):
     return start_server(serve_vault, "--max-connections", str(CAP), "--idle-timeout", "60", "--request-timeout", "60")
 
 
+@pytest.fixture(scope="module")
+def patient(serve_vault, start_server):
+    """Long timeouts and the default connection limit: a flood stays open however slowly it is opened."""
+    return start_server(serve_vault, "--idle-timeout", "60", "--request-timeout", "60")
+
+
 def connect(server) -> socket.socket:
     return socket.create_connection((server.host, server.port), timeout=10)
 
@@ -190,11 +196,11 @@ def test_a_slow_request_body_is_cut_off_with_a_json_408(server):
     assert REQUEST_TIMEOUT - 0.5 < took < REQUEST_TIMEOUT + SLACK
 
 
-def test_a_flood_of_idle_connections_does_not_lock_out_a_real_client(server):
-    with connections(server, 300) as socks:
-        status, took = get_health(server)
+def test_a_flood_of_idle_connections_does_not_lock_out_a_real_client(patient):
+    with connections(patient, 300) as socks:
+        status, took = get_health(patient)
         still_open = sum(map(is_open, socks[:20]))
-        completed = complete(server)
+        completed = complete(patient)
     assert status == 200 and took < 1.0, (status, took)
     assert completed == 200
     assert still_open == 20  # answered while the flood was there, not after the idle timeout emptied it
