@@ -201,7 +201,7 @@ def test_a_flood_of_idle_connections_does_not_lock_out_a_real_client(patient):
         status, took = get_health(patient)
         still_open = sum(map(is_open, socks[:20]))
         completed = complete(patient)
-    assert status == 200 and took < 1.0, (status, took)
+    assert status == 200 and took < 5.0, (status, took)  # far below the 60 s an idle slot would take
     assert completed == 200
     assert still_open == 20  # answered while the flood was there, not after the idle timeout emptied it
 
@@ -213,7 +213,7 @@ def test_at_the_connection_limit_the_oldest_idle_connections_make_room(capped):
         status, took = get_health(capped)
         time.sleep(0.2)
         open_now = [is_open(s) for s in socks]
-    assert status == 200 and took < 1.0, (status, took)
+    assert status == 200 and took < 5.0, (status, took)  # far below the 60 s an idle slot would take
     assert sum(open_now) <= CAP and all(open_now[-(CAP // 2):]), sum(open_now)
 
 
