@@ -10,7 +10,6 @@ import torch
 from safetensors import SafetensorError
 
 from smoe.errors import SmoeError
-from smoe.families import check_config_file
 from smoe.paths import check_outputs, output_lock
 from smoe.runtime import build_model, experts_modules, is_experts_module, load_trunk, model_config
 from smoe.sculpt import publish
@@ -73,7 +72,6 @@ def save_config_dtype(config, dtype: torch.dtype, directory: Path) -> None:
 
 def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
     check_outputs([out_dir], [vault_dir])
-    check_config_file(vault_dir)
     out = Path(out_dir)
     with output_lock(out, "dequantize"):
         if out.exists() and not force:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from smoe import codec
 from smoe.errors import SmoeError
-from smoe.families import check_config_file
+from smoe.families import check_model_config
 from smoe.paths import check_outputs, output_lock
 from smoe.sculpt import publish
 from smoe.vault import Vault
@@ -34,7 +34,6 @@ TRUNK_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float
 def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     """Write VAULT as `to` ("gguf": one file, "mlx": a directory) at `output`, atomically."""
     check_outputs([output], [vault_dir])
-    check_config_file(vault_dir)
     if to not in FORMATS:
         raise SmoeError(f"unknown export format {to!r} (gguf, mlx)")
     out = Path(output)
@@ -113,6 +112,7 @@ class ExportSource:
             raise SmoeError(f"{self.vault.dir}: experts with biases ({self.family}) are not exported")
         if self.vault.config is None:
             raise SmoeError(f"{self.vault.dir}: no config.json")
+        check_model_config(self.vault.config, self.num_experts, str(self.vault.dir / "config.json"))
         self.vault.check_trunk()
         self._trunk = safe_open(self.vault.trunk_path, "pt")
 

@@ -466,17 +466,6 @@ def check_model_config(config: dict, num_experts: int | None = None, where: str 
     _check_config(config, configs, family.name if family else None, num_experts, where)
 
 
-def check_config_file(directory, num_experts: int | None = None) -> None:
-    """check_model_config on DIRECTORY/config.json; a missing or unparsable file is left to the
-    reader that needs it (it says so in its own terms)."""
-    path = Path(directory) / "config.json"
-    try:
-        config = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return
-    check_model_config(config, num_experts, str(path))
-
-
 def _check_config(config: dict, configs: list[dict], family: str | None, num_experts: int | None, where: str) -> None:
     problem = _bad_value(config)
     get = lambda *keys: _lookup(configs, keys)

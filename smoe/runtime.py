@@ -162,7 +162,6 @@ class StreamingModel:
             raise
 
     def _open(self, dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes) -> None:
-        check_model_config(self.vault.config, self.vault.meta["num_experts"], str(self.vault.dir / "config.json"))
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.config = model_config(self.vault)
         prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path,
@@ -305,10 +304,12 @@ def as_sized(prepared) -> tuple[object, int]:
 
 
 def model_config(vault: Vault):
-    """The transformers configuration of the vault's checked config.json (read once, at open)."""
+    """The transformers configuration of the vault's config.json (read and checksummed once, at open),
+    its routing and shape values checked before any decoder sees them."""
     config = vault.config
     if config is None:
         raise SmoeError(f"{vault.dir}: no config.json")
+    check_model_config(config, vault.meta["num_experts"], str(vault.dir / "config.json"))
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise SmoeError(f"{vault.dir / 'config.json'}: model_type {model_type!r} is unknown to transformers "
