@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from smoe import encoders
+from smoe.convert import encoders
 
 LAYERS, EXPERTS, HIDDEN, INNER = 94, 128, 4096, 1536
 

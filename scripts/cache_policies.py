@@ -13,8 +13,8 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from smoe.evaluate import token_stream
-from smoe.runtime import StreamingModel
+from smoe.source.text import token_stream
+from smoe.runtime.model import StreamingModel
 from transformers import AutoTokenizer
 
 

@@ -13,9 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from smoe.bench import write_synthetic_checkpoint
-from smoe.exports import export
-from smoe.sculpt import sculpt
+from smoe.bench.main import write_synthetic_checkpoint
+from smoe.export.writer import export
+from smoe.convert.sculpt import sculpt
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "qwen3-moe-28m"
 

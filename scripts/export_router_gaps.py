@@ -15,8 +15,8 @@ from llama_cpp import Llama
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from export_models import prompt_ids  # noqa: E402
 
-from smoe.exports import export  # noqa: E402
-from smoe.runtime import StreamingModel  # noqa: E402
+from smoe.export.writer import export  # noqa: E402
+from smoe.runtime.model import StreamingModel  # noqa: E402
 
 
 def main(vault: str, out: str) -> None:

@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from smoe import codec
+from smoe.format import codec
 
 
 def cases():

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from smoe.dequantize import dequantize
-from smoe.evaluate import load_reference
-from smoe.gpu_cache import blob_slot_bytes
-from smoe.gpu_decode import GpuDecoder
-from smoe.runtime import StreamingModel
+from smoe.convert.dequantize import dequantize
+from smoe.quality.evaluate import load_reference
+from smoe.runtime.gpu.cache import blob_slot_bytes
+from smoe.runtime.gpu.decode import GpuDecoder
+from smoe.runtime.model import StreamingModel
 
 def decode_in_pieces(dec, ids):
     pieces = [ids[:24], *[[t] for t in ids[24:40]], ids[40:]]

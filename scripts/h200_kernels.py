@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from smoe import bench_kernels_gpu as bk  # noqa: E402
+from smoe.bench import kernels_gpu as bk  # noqa: E402
 
 # (rows per program, groups per loop step, warps, pipeline stages, register prefetch)
 GATE_UP_TILES = [(32, 8, 4, 3, 0), (32, 8, 4, 4, 0), (32, 8, 4, 2, 0), (16, 16, 4, 3, 0), (64, 8, 4, 3, 0),

@@ -11,4 +11,4 @@ if [ "${SKIP_CHECKS:-0}" != 1 ]; then
   python3 -m smoe.cli generate out/demo/vault-q4 -p "The old man" --max-tokens 32 --device cuda --gpu-cache-gb 0.005 2>&1 | tail -3
 fi
 python3 -m smoe.cli bench decode --workdir /tmp/bench "$@" --json > "$OUT/bench_decode.json"
-python3 -c "import json, sys; from smoe.bench_decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/bench_decode.json"
+python3 -c "import json, sys; from smoe.bench.decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/bench_decode.json"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from smoe.vault import file_checksum
+from smoe.format.vault import file_checksum
 
 
 def trunk_bytes(config_path: Path) -> tuple[int, int]:

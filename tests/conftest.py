@@ -17,8 +17,8 @@ SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" 
 @pytest.fixture(scope="session")
 def serve_vault(tmp_path_factory) -> Path:
     """The shared trained model's vault at Q4, or a tiny random Qwen3-MoE's when ../shared is absent."""
-    from smoe.sculpt import sculpt
-    from smoe.tiny_models import save_tiny_model
+    from smoe.convert.sculpt import sculpt
+    from smoe.testing.tiny_models import save_tiny_model
 
     out = tmp_path_factory.mktemp("serve")
     model = SHARED_MODEL

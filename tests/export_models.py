@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from smoe.sculpt import sculpt
-from smoe.tiny_models import TOKENIZER_TEXT, tiny_config
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import TOKENIZER_TEXT, tiny_config
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b"}
@@ -100,7 +100,7 @@ def prompt_ids(vault: Path, tokens: int = 128) -> list[int]:
 
     from transformers import AutoTokenizer
 
-    from smoe.tiny_models import TOKENIZER_TEXT
+    from smoe.testing.tiny_models import TOKENIZER_TEXT
 
     corpus = SHARED / "corpus" / "valid.txt.gz"
     text = gzip.open(corpus, "rt").read(40_000)[20_000:] if corpus.exists() else TOKENIZER_TEXT * 8
@@ -109,7 +109,7 @@ def prompt_ids(vault: Path, tokens: int = 128) -> list[int]:
 
 def smoe_logits(vault: Path, ids: list[int]):
     """fp32 logits [T, V] of the streaming runtime."""
-    from smoe.runtime import StreamingModel
+    from smoe.runtime.model import StreamingModel
 
     sm = StreamingModel(vault, dtype="float32")
     try:

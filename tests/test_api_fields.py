@@ -11,10 +11,10 @@ import openai
 import pytest
 import torch
 
-from smoe.generate import generate
-from smoe.prompts import chat_prompt, load_tokenizer
-from smoe.runtime import StreamingModel
-from smoe.sampling import SamplingParams
+from smoe.runtime.generate import generate
+from smoe.hf.tokenizer import chat_prompt, load_tokenizer
+from smoe.runtime.model import StreamingModel
+from smoe.runtime.sampling import SamplingParams
 
 PROMPT = "The sea was"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]

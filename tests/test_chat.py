@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from smoe.chat import Conversation, context_size, fit
+from smoe.cli.chat import Conversation, context_size, fit
 from smoe.errors import SmoeError
 
 CTRL_C, CTRL_D, LEFT, UP = b"\x03", b"\x04", b"\x1b[D", b"\x1b[A"
@@ -24,8 +24,8 @@ STATS = re.compile(rb"\[(\d+) prompt tokens.*?\((\d+) tokens\)")
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory) -> Path:
     """A tiny random Qwen3-MoE at Q4, its context widened so that a reply can outlast a keypress."""
-    from smoe.sculpt import sculpt
-    from smoe.tiny_models import save_tiny_model
+    from smoe.convert.sculpt import sculpt
+    from smoe.testing.tiny_models import save_tiny_model
 
     out = tmp_path_factory.mktemp("chat")
     save_tiny_model("qwen3_moe", out / "model", seed=1)
@@ -198,7 +198,7 @@ def test_a_line_that_is_not_utf8_costs_the_line_not_the_session(vault, monkeypat
 
 def piped_chat(vault, monkeypatch, capsys, typed: bytes, *args: str) -> tuple[int, str, str]:
     """`smoe chat` in this process with `typed` as its (non-terminal) stdin: (status, stdout, stderr)."""
-    from smoe.cli import main
+    from smoe.cli.commands import main
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(typed), encoding="utf-8", errors="surrogateescape"))
     status = main(["chat", str(vault), "--dtype", "float32", *args])
@@ -317,7 +317,7 @@ def test_ctx_larger_than_the_model_is_refused_and_smaller_is_kept():
 
 
 def test_ctx_larger_than_the_model_is_a_one_line_error(vault, capsys):
-    from smoe.cli import main
+    from smoe.cli.commands import main
 
     assert main(["chat", str(vault), "--ctx", "40000"]) == 2
     assert capsys.readouterr().err == "smoe: error: --ctx 40000 exceeds the model's context of 32768 tokens\n"
@@ -325,7 +325,7 @@ def test_ctx_larger_than_the_model_is_a_one_line_error(vault, capsys):
 
 @pytest.mark.parametrize("bad", ["0", "-5", "1.5", "lots"])
 def test_ctx_outside_its_range_is_refused_by_the_parser(vault, bad, capsys):
-    from smoe.cli import main
+    from smoe.cli.commands import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["chat", str(vault), "--ctx", bad])

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from smoe import source_quant as sq
-from smoe.checkpoint import Checkpoint
+from smoe.source import quantised as sq
+from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
 
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "real-checkpoints"

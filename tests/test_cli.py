@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from smoe import demo
-from smoe.vault import verify
+from smoe.cli import demo
+from smoe.format.vault import verify
 
 COMMANDS = [[], ["quantize"], ["verify"], ["inspect"], ["test-quant"], ["bench"], ["bench", "quantize"],
             ["bench", "sculpt"], ["demo"]]
@@ -46,7 +46,7 @@ def test_demo_builds_its_own_model_when_the_shared_one_is_absent(tmp_path, monke
     (["decode", "--budgets", "2"], "in (0, 1]"),
 ])
 def test_bench_options_out_of_range_are_one_line_errors(args, message, capsys):
-    from smoe.cli import main
+    from smoe.cli.commands import main
 
     assert main(["bench", *args]) != 0
     err = capsys.readouterr().err

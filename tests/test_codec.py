@@ -6,7 +6,9 @@ import sys
 import pytest
 import torch
 
-from smoe import codec, quant_report
+from smoe.format import codec
+
+from smoe.quality import codec_report as quant_report
 from smoe.errors import SmoeError
 
 CPU_ENCODERS = ["reference", "numba"]
@@ -48,7 +50,7 @@ def test_triton_encoder_matches_numba_bit_for_bit_under_the_interpreter(tmp_path
     pytest.importorskip("triton", reason="triton not installed: the Triton encoder cannot be checked")
     cases = {"gauss": gaussian((33, 70), seed=3), "mixed": mixed_magnitudes(64 * 12)}
     script = (
-        "import sys, torch; from smoe import codec\n"
+        "import sys, torch; from smoe.format import codec\n"
         "cases = torch.load(sys.argv[1])\n"
         "out = {(k, b): codec.encode(w, b, encoder='triton') for k, w in cases.items() for b in (2, 4)}\n"
         "torch.save(out, sys.argv[2])\n"

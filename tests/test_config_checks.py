@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from smoe.cli import main
+from smoe.cli.commands import main
 from smoe.errors import SmoeError
-from smoe.vault import CONFIG_FILE, DATA_FILE, HEADER_SIZE, INDEX_FILE, file_checksum, pack_header, unpack_header
+from smoe.format.vault import CONFIG_FILE, DATA_FILE, HEADER_SIZE, INDEX_FILE, file_checksum, pack_header, unpack_header
 
 NAN, INF = math.nan, math.inf
 
@@ -120,8 +120,8 @@ def edited(config: dict, overrides: dict) -> dict:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
     """The tiny Qwen3-MoE and its vault."""
-    from smoe.sculpt import sculpt
-    from smoe.tiny_models import save_tiny_model
+    from smoe.convert.sculpt import sculpt
+    from smoe.testing.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("built")
     save_tiny_model("qwen3_moe", root / "model")
@@ -184,7 +184,7 @@ def test_a_bad_config_value_is_refused_when_quantizing_before_anything_is_writte
 
 @pytest.mark.parametrize("overrides, word", CASES)
 def test_a_bad_config_value_in_a_vault_is_refused_when_it_is_opened(built, tmp_path, overrides, word):
-    from smoe.runtime import StreamingModel
+    from smoe.runtime.model import StreamingModel
 
     vault = vault_with(built, tmp_path, overrides)
     with pytest.raises(SmoeError, match="config.json") as refused:
@@ -220,8 +220,8 @@ def test_top_k_outside_one_to_experts_is_refused_before_any_kernel_runs(built, t
 
 def test_a_group_of_one_expert_is_refused_where_the_router_scores_each_group_by_its_best_two():
     """DeepSeek-V3-style routers take torch.topk(2) inside each of the n_group groups."""
-    from smoe.families import check_model_config
-    from smoe.tiny_models import tiny_config
+    from smoe.source.families import check_model_config
+    from smoe.testing.tiny_models import tiny_config
 
     config = tiny_config("deepseek_v3").to_dict() | {"n_group": 4, "topk_group": 2}  # 4 experts, top-2
     with pytest.raises(SmoeError, match="n_group 4 leaves 1 expert per group"):
@@ -230,7 +230,7 @@ def test_a_group_of_one_expert_is_refused_where_the_router_scores_each_group_by_
 
 def test_every_checked_key_is_in_this_table():
     """A key the checks learn must get bad values here too."""
-    from smoe.families import CONFIG_VALUES, ROPE_VALUES
+    from smoe.source.families import CONFIG_VALUES, ROPE_VALUES
 
     tested = {key.removeprefix("rope_parameters.") for key in KEYS} | set(KEYS)
     assert set(CONFIG_VALUES) - tested == set() and set(ROPE_VALUES) - tested == set()
@@ -238,8 +238,8 @@ def test_every_checked_key_is_in_this_table():
 
 def test_the_configs_of_every_tiny_family_pass_the_checks():
     """Every family's own config, as transformers writes it (qwen2 writes a 0 window for none), is accepted."""
-    from smoe.families import check_model_config
-    from smoe.tiny_models import tiny_config, tiny_families
+    from smoe.source.families import check_model_config
+    from smoe.testing.tiny_models import tiny_config, tiny_families
 
     for family in tiny_families():
         check_model_config(tiny_config(family).to_dict())

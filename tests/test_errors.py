@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model
-from smoe.vault import verify
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
+from smoe.format.vault import verify
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_a_disk_that_fills_during_export_is_one_line_and_leaves_nothing(tiny, tm
                                      ("dequantize", "{vault}", "-o", "{out}"),
                                      ("export", "{vault}", "--to", "mlx", "-o", "{out}", "-q")])
 def test_a_second_writer_of_one_output_is_refused_naming_the_holder(tiny, tmp_path, command):
-    from smoe.paths import output_lock
+    from smoe.format.paths import output_lock
 
     out = tmp_path / "out"
     args = [a.format(model=tiny / "model", vault=tiny / "vault", out=out) for a in command]

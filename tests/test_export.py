@@ -13,11 +13,12 @@ from export_models import exportable_vault
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from smoe.export_mlx import shards
-from smoe.exports import Planned, export
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model
-from smoe.vault import TRUNK_FILE, Vault
+from smoe.export.mlx import shards
+from smoe.export.source import Planned
+from smoe.export.writer import export
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
+from smoe.format.vault import TRUNK_FILE, Vault
 
 ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 MLX_ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

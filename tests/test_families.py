@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from smoe import families
-from smoe.checkpoint import Checkpoint
+from smoe.source import families
+from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.families import load_bias, load_projection, plan_experts
-from smoe.tiny_models import save_tiny_model, tiny_families
+from smoe.source.families import load_bias, load_projection, plan_experts
+from smoe.testing.tiny_models import save_tiny_model, tiny_families
 
 FIXTURES = Path(__file__).parents[1] / ".." / "shared" / "fixtures" / "real-checkpoints"
 
@@ -303,7 +303,7 @@ def test_mlx_switch_mlp_is_read_per_expert_without_transpose(tmp_path):
 def test_gpt_oss_mxfp4_experts_are_stored_out_by_in(tmp_path):
     # MXFP4 packs along the input dimension: blocks [E, 2I, H/32, 16] dequantise to [E, 2I, H] (rows still
     # interleaved gate/up), where the bf16 release stores [E, H, 2I].
-    from smoe import source_quant
+    from smoe.source import quantised as source_quant
 
     E, I, H = 2, 4, 64  # noqa: E741
     g = torch.Generator().manual_seed(2)

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from smoe import codec, demo
+from smoe.format import codec
+
+from smoe.cli import demo
 from smoe.errors import SmoeError
-from smoe.checkpoint import Checkpoint
-from smoe.families import plan_experts
-from smoe.inspect_model import format_report, inspect_path
-from smoe.sculpt import SculptReport, sculpt
-from smoe.tiny_models import TOKENIZER_TEXT, save_tiny_model
-from smoe.vault import Vault
+from smoe.source.checkpoint import Checkpoint
+from smoe.source.families import plan_experts
+from smoe.source.inspect import format_report, inspect_path
+from smoe.convert.sculpt import SculptReport, sculpt
+from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
+from smoe.format.vault import Vault
 
 
 def smoe_cli(*args, env=None, stderr=subprocess.PIPE):
@@ -35,7 +37,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_demo_times_generation_only_after_an_untimed_warm_up(tiny, monkeypatch, capsys):
-    from smoe import generate as gen
+    from smoe.runtime import generate as gen
 
     sculpt(tiny / "model", tiny / "q2", bits=2, progress=False)
     calls = []
@@ -79,7 +81,7 @@ def test_depth_name_is_single_only_when_every_weight_has_that_depth(weights, nam
 
 
 def test_quantize_summary_calls_a_mixed_vault_mixed(capsys):
-    from smoe.cli import print_sculpt_summary
+    from smoe.cli.commands import print_sculpt_summary
 
     report = SculptReport(family="qwen3_moe", experts=12, expert_bytes_in=1, trunk_bytes=1, expert_bytes_out=1,
                           vault_bytes=1, seconds=0.1, bits=2, weights_by_bits={4: 1, 2: 2})
@@ -105,8 +107,8 @@ def test_sculpt_and_inspect_name_a_mixed_vault_by_the_shares_it_holds(tiny, tmp_
 
 @pytest.mark.parametrize("command", ["quantize", "plan"])
 def test_calib_tokens_help_names_the_default_the_calibration_uses(command):
-    from smoe import calibrate
-    from smoe.cli import build_parser
+    from smoe.convert import calibrate
+    from smoe.cli.commands import build_parser
 
     sub = build_parser()._subparsers._group_actions[0].choices[command]
     action = next(a for a in sub._actions if "--calib-tokens" in a.option_strings)

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe.dequantize import dequantize
+from smoe.convert.dequantize import dequantize
 from smoe.errors import SmoeError
-from smoe.evaluate import load_reference
-from smoe.gpu_cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
-from smoe.gpu_decode import GpuDecoder
-from smoe.runtime import StreamingModel
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_config
-from smoe.vault import DATA_FILE, Vault
+from smoe.quality.evaluate import load_reference
+from smoe.runtime.gpu.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
+from smoe.runtime.gpu.decode import GpuDecoder
+from smoe.runtime.model import StreamingModel
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_config
+from smoe.format.vault import DATA_FILE, Vault
 
 TOLERANCE = 1e-4  # fp32: the same weights, another summation order
 CUDA = torch.cuda.is_available()
@@ -185,9 +185,9 @@ def test_sequence_longer_than_the_decoder_cache_is_an_error(tiny_vault):
 
 INTERPRETED = """
 import sys, torch
-from smoe.runtime import StreamingModel
-from smoe.gpu_decode import GpuDecoder
-from smoe.gpu_cache import min_gpu_budget
+from smoe.runtime.model import StreamingModel
+from smoe.runtime.gpu.decode import GpuDecoder
+from smoe.runtime.gpu.cache import min_gpu_budget
 sm = StreamingModel(sys.argv[1], dtype="float32", kernel_path="dequant")
 dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
 ids = list(range(5, 17))
@@ -273,7 +273,7 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
 
 @needs_cuda
 def test_cuda_out_of_memory_is_a_one_line_error_naming_the_option():
-    from smoe.gpu_cache import allocate
+    from smoe.runtime.gpu.cache import allocate
 
     with pytest.raises(SmoeError, match="out of memory allocating the GPU expert cache .* smaller --gpu-cache-gb"):
         allocate(1 << 50, torch.device("cuda"), "GPU expert cache", "--gpu-cache-gb")
@@ -298,7 +298,7 @@ SMALL_30B_LIKE = {"hidden_size": 128, "moe_intermediate_size": 64, "num_hidden_l
 def test_benchmark_vault_has_the_config_shapes_and_replayed_routing_picks_the_experts(tmp_path):
     import numpy as np
 
-    from smoe.bench_decode import QWEN3_30B, gpu_bytes_per_token, write_model_vault
+    from smoe.bench.decode import QWEN3_30B, gpu_bytes_per_token, write_model_vault
 
     cfg = dict(QWEN3_30B) | SMALL_30B_LIKE
     vault = write_model_vault(tmp_path / "v", cfg, progress=False)

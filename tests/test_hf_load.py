@@ -8,10 +8,10 @@ from transformers import AutoTokenizer, PreTrainedModel, pipeline
 
 import smoe
 from smoe.errors import SmoeError
-from smoe.generate import generate
-from smoe.runtime import StreamingModel
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model
+from smoe.runtime.generate import generate
+from smoe.runtime.model import StreamingModel
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
 
 PROMPT = "the old man rowed out before the sun"
 NEW_TOKENS = 12

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from smoe.cli import main
-from smoe.tiny_models import TOKENIZER_TEXT
+from smoe.cli.commands import main
+from smoe.testing.tiny_models import TOKENIZER_TEXT
 
 # command -> argv for inputs {"model", "vault", "calib", "plan"} and an output; every writer, with --force
 COMMANDS = {
@@ -36,11 +36,11 @@ CASES = [(c, i, r) for c, inputs in READS.items() for i in inputs for r in RELAT
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     """A tiny model, its vault, a calibration text and a plan for the model."""
-    from smoe.checkpoint import Checkpoint
-    from smoe.families import plan_experts
-    from smoe.sculpt import sculpt
-    from smoe.sensitivity import UNITS
-    from smoe.tiny_models import save_tiny_model
+    from smoe.source.checkpoint import Checkpoint
+    from smoe.source.families import plan_experts
+    from smoe.convert.sculpt import sculpt
+    from smoe.quality.sensitivity import UNITS
+    from smoe.testing.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("sources")
     save_tiny_model("qwen3_moe", root / "model")

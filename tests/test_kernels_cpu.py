@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smoe import codec, kernels_cpu as kc, vault
+from smoe.format import codec, vault
+
+from smoe.runtime.cpu import kernels as kc
 from smoe.errors import SmoeError
 
 # [out, in]: whole 64-row blocks; a partial block (112 = 64 + 48); the small model's gate/up and its
@@ -217,7 +219,7 @@ def test_other_cpu_builds_layouts_are_detected_and_pass_the_self_check(capabilit
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("needs an x86 CPU with AVX2")
     script = (
-        "import torch; from smoe import kernels_cpu as kc\n"
+        "import torch; from smoe.runtime.cpu import kernels as kc\n"
         "print(kc.kernel_layout())\n"
         "t = kc.random_quantised((112, 192), 2)\n"
         "e = kc.prepare_expert([t], {}, torch.bfloat16, 'int4')\n"
@@ -231,7 +233,7 @@ def test_other_cpu_builds_layouts_are_detected_and_pass_the_self_check(capabilit
 
 
 def test_benchmark_reports_every_method_against_the_baseline():
-    from smoe import bench_kernels_cpu as bench
+    from smoe.bench import kernels_cpu as bench
 
     (row,) = bench.bench_matmul(torch.bfloat16, (("small", 96, 384),), (1,))
     assert row["int4_fits"] and row["baseline_ms"] > 0

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smoe import codec, kernels_cpu as kc, kernels_numba as kn
+from smoe.format import codec
+
+from smoe.runtime.cpu import kernels as kc, kernels_numba as kn
 
 # [out, in]: the small model's gate/up and down (in = 96: every other row starts mid-group); whole
 # groups; out not a multiple of 16; in = 200 and 36 (rows start at many offsets inside a group).

@@ -5,10 +5,12 @@ import sys
 import pytest
 import torch
 
-from smoe import cli, codec
-from smoe import kernels_triton as kt
+from smoe.cli import commands as cli
+
+from smoe.format import codec
+from smoe.runtime.gpu import kernels as kt
 from smoe.errors import SmoeError
-from smoe.vault import ExpertEntry, QuantisedTensor, build_blob
+from smoe.format.vault import ExpertEntry, QuantisedTensor, build_blob
 
 pytest.importorskip("triton", reason="triton not installed: the Triton kernels cannot be checked")
 
@@ -48,7 +50,7 @@ def relative_error(y, ref):
 # The interpreter runs in a child process: TRITON_INTERPRET must be set before triton is imported.
 INTERPRETED = """
 import sys, torch
-from smoe import kernels_triton as kt
+from smoe.runtime.gpu import kernels as kt
 cases = torch.load(sys.argv[1])
 out = []
 for c in cases:
@@ -171,7 +173,7 @@ REAL = [(4096, 1536), (2048, 768)]
 
 
 def gpu_pool(hidden, inter, bits, n=12):
-    from smoe.bench_kernels_gpu import random_pool
+    from smoe.bench.kernels_gpu import random_pool
 
     pool, offsets, layout, _ = random_pool(hidden, inter, bits, bits, "cuda", n_experts=n)
     return pool, offsets, layout

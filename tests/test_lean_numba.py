@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe import fast_decode
-from smoe.generate import next_logits_function
-from smoe.runtime import StreamingModel
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model
-from smoe.vault import Vault
+from smoe.runtime.cpu import compiled as fast_decode
+from smoe.runtime.generate import next_logits_function
+from smoe.runtime.model import StreamingModel
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
+from smoe.format.vault import Vault
 from test_runtime import SHARED_MODEL, TOLERANCE, relative_error, small_budget
 
 

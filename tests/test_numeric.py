@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from smoe import numeric
-from smoe.cli import build_parser, main
-from smoe.generate import sample
-from smoe.serve_schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
+from smoe.cli.commands import build_parser, main
+from smoe.runtime.generate import sample
+from smoe.serve.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 
 PLACEHOLDERS = {"-o": "out", "-p": "hi", "--ref": "ref", "--data": "data", "--to": "gguf", "--budget": "3"}
 

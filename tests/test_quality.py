@@ -10,16 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe import calibrate, codec, encoders
-from smoe.checkpoint import Checkpoint
+from smoe.convert import calibrate, encoders
+
+from smoe.format import codec
+from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.families import plan_experts
-from smoe.plan import (bits_cost, blob_nbytes, experts_file_bytes, make_plan, role_bits, solve, table_for_model,
+from smoe.source.families import plan_experts
+from smoe.quality.plan import (bits_cost, blob_nbytes, experts_file_bytes, make_plan, role_bits, solve, table_for_model,
                        write_heatmap)
-from smoe.sculpt import sculpt
-from smoe.sensitivity import UNITS, KLMeter, QuantisedModel, key, measure
-from smoe.tiny_models import TOKENIZER_TEXT, save_tiny_model
-from smoe.vault import Vault
+from smoe.convert.sculpt import sculpt
+from smoe.quality.sensitivity import UNITS, KLMeter, QuantisedModel, key, measure
+from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
+from smoe.format.vault import Vault
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CALIB_TEXT = (TOKENIZER_TEXT + "\n") * 40
@@ -284,7 +286,7 @@ def test_sensitivity_resumes_where_it_stopped(tiny_table):
 
 
 def test_mixed_vault_from_a_plan_runs_and_holds_the_planned_bits(tiny, tiny_table, tiny_stats, tmp_path):
-    from smoe.runtime import StreamingModel
+    from smoe.runtime.model import StreamingModel
 
     qm, windows, _, table = tiny_table
     doc = make_plan(table, budget_bits=3.25)
@@ -344,7 +346,7 @@ def test_gptq_beats_grid_on_a_trained_expert():
         pytest.skip(f"{model} is absent: the trained-model check needs the shared models")
     ckpt = Checkpoint(model)
     moe = plan_experts(ckpt.config, ckpt.names())
-    from smoe.families import load_projection
+    from smoe.source.families import load_projection
 
     src = moe.experts[(0, 0)][0]
     w = load_projection(ckpt, src).float()

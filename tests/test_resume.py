@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from smoe.errors import SmoeError
-from smoe.sculpt import sculpt
-from smoe.tiny_models import TOKENIZER_TEXT, save_tiny_model
-from smoe.vault import TRUNK_FILE, Vault
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
+from smoe.format.vault import TRUNK_FILE, Vault
 
 STOP_AT = (3, 2)  # qwen3_moe tiny: MoE layers 1 and 3, six experts each; the run stops before (3, 2)
 WRITTEN = 6 + STOP_AT[1]

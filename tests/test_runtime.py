@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe.dequantize import dequantize
+from smoe.convert.dequantize import dequantize
 from smoe.errors import SmoeError
-from smoe.evaluate import load_reference
-from smoe.generate import generate
-from smoe.runtime import StreamingModel
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model, tiny_families
-from smoe.vault import DATA_FILE, Vault
+from smoe.quality.evaluate import load_reference
+from smoe.runtime.generate import generate
+from smoe.runtime.model import StreamingModel
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model, tiny_families
+from smoe.format.vault import DATA_FILE, Vault
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m"
@@ -168,7 +168,7 @@ def test_lean_decode_path_matches_the_transformers_path_on_tiny_models(family, t
 
 
 def check_lean_against_transformers(vault: Path) -> None:
-    from smoe.generate import next_logits_function
+    from smoe.runtime.generate import next_logits_function
 
     sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     assert sm.lean_decoder(64) is not None

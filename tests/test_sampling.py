@@ -1,4 +1,4 @@
-"""The sampler (smoe/sampling.py): exact values against transformers' logits processors and hand-computed
+"""The sampler (smoe/runtime/sampling.py): exact values against transformers' logits processors and hand-computed
 references, per-row independence in a batch, and safety at every value in range."""
 
 import itertools
@@ -9,7 +9,7 @@ import torch
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
-from smoe.sampling import SamplingParams, Sequence, penalised, probabilities, sample_batch, token_logprobs
+from smoe.runtime.sampling import SamplingParams, Sequence, penalised, probabilities, sample_batch, token_logprobs
 
 V = 50
 
@@ -129,7 +129,7 @@ def test_token_logprobs_are_the_models_log_softmax_with_the_top_n():
 # --- the command line ----------------------------------------------------------------------------
 
 def test_cli_sampling_options_reach_the_sampler():
-    from smoe.cli import build_parser, sampling_params
+    from smoe.cli.commands import build_parser, sampling_params
 
     args = build_parser().parse_args(["generate", "v", "-p", "x", "--temperature", "0.5", "--top-k", "3", "--min-p",
                                       "0.2", "--repeat-penalty", "1.1", "--frequency-penalty", "-2",
@@ -141,7 +141,7 @@ def test_cli_sampling_options_reach_the_sampler():
                                            ("--repeat-penalty", "0"), ("--repeat-penalty", "nan"),
                                            ("--frequency-penalty", "2.5"), ("--presence-penalty", "-3")])
 def test_cli_sampling_options_out_of_range_are_usage_errors(option, value, capsys):
-    from smoe.cli import main
+    from smoe.cli.commands import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "v", "-p", "x", option, value])

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from smoe import codec
-from smoe.checkpoint import Checkpoint
+from smoe.format import codec
+from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.families import load_projection, plan_experts
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model, tiny_families
-from smoe.vault import TRUNK_FILE, Vault, verify
+from smoe.source.families import load_projection, plan_experts
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model, tiny_families
+from smoe.format.vault import TRUNK_FILE, Vault, verify
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHARED_MODELS = [SHARED / "models" / "qwen3-moe-28m", SHARED / "models" / "mixtral-28m-b"]
@@ -157,7 +157,7 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(tiny_qwen, tmp_path):
 
 def big_tiny_model(path: Path) -> Path:
     """A tiny family with enough expert bytes that a sculpt takes a few seconds."""
-    from smoe.tiny_models import tiny_config
+    from smoe.testing.tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
     config = tiny_config("qwen3_moe")

@@ -18,10 +18,10 @@ import anthropic
 import openai
 import pytest
 
-from smoe.generate import generate
-from smoe.prompts import chat_prompt, load_tokenizer
-from smoe.runtime import StreamingModel
-from smoe.serve_engine import Engine, Overloaded, Sampling, TextStream
+from smoe.runtime.generate import generate
+from smoe.hf.tokenizer import chat_prompt, load_tokenizer
+from smoe.runtime.model import StreamingModel
+from smoe.serve.worker import Engine, Overloaded, Sampling, TextStream
 
 MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
 PROMPT = "The sea was"

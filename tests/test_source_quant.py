@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from smoe import source_quant as sq
+from smoe.source import quantised as sq
 
 torch.manual_seed(0)
 

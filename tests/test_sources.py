@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from smoe import source_quant as sq
-from smoe.checkpoint import Checkpoint
+from smoe.source import quantised as sq
+from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model
-from smoe.vault import TRUNK_FILE
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
+from smoe.format.vault import TRUNK_FILE
 
 EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"  # qwen3_moe tiny
 BIAS = "model.layers.0.mlp.experts.down_proj_bias"  # gpt_oss tiny, [E, out]

@@ -15,13 +15,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from smoe.dequantize import dequantize, is_dequantizable
+from smoe.convert.dequantize import dequantize, is_dequantizable
 from smoe.errors import SmoeError
-from smoe.evaluate import load_reference
-from smoe.runtime import StreamingModel, causal_lm_class, is_experts_param
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model, tiny_families, tiny_model
-from smoe.vault import Vault
+from smoe.quality.evaluate import load_reference
+from smoe.hf.model import causal_lm_class, is_experts_param
+from smoe.runtime.model import StreamingModel
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model, tiny_families, tiny_model
+from smoe.format.vault import Vault
 from test_runtime import TOLERANCE, relative_error
 
 DEQUANTIZE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from smoe import codec
+from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.vault import (
+from smoe.format.vault import (
     DATA_FILE, INDEX_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, verify, write_safetensors,
 )
 
@@ -45,7 +45,7 @@ def reseal_header(path, **fields):
 
     import xxhash
 
-    from smoe.vault import HEADER
+    from smoe.format.vault import HEADER
 
     names = ("magic", "version", "group", "bits", "alignment", "data_offset", "data_end", "blobs", "index_hash")
     with open(path / DATA_FILE, "r+b") as f:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from smoe.errors import SmoeError
-from smoe.runtime import StreamingModel
-from smoe.sculpt import sculpt
-from smoe.tiny_models import save_tiny_model
-from smoe.vault import CONFIG_FILE, INDEX_FILE, TRUNK_FILE, Vault, verify
+from smoe.runtime.model import StreamingModel
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
+from smoe.format.vault import CONFIG_FILE, INDEX_FILE, TRUNK_FILE, Vault, verify
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from export_models import (  # noqa: E402
 from llama_cpp import Llama  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from smoe.exports import export  # noqa: E402
+from smoe.export.writer import export  # noqa: E402
 
 # llama.cpp multiplies Q4_1 weights with activations it rounds to 8 bits (Q8_1) per 32 values, and a
 # BF16 trunk with BF16 activations: logits differ by a few hundredths typically, and a near-tie of

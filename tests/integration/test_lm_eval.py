@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from smoe.dequantize import dequantize  # noqa: E402
+from smoe.convert.dequantize import dequantize  # noqa: E402
 
 TASKS = Path(__file__).resolve().parent / "lm_eval_task"
 # Both sides run the same float32 weights; summation order alone separates them. Measured: at most

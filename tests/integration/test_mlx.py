@@ -14,7 +14,7 @@ from export_models import agreement, figures_line, integration_vault, prompt_ids
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate, generate_step  # noqa: E402
 
-from smoe.exports import export  # noqa: E402
+from smoe.export.writer import export  # noqa: E402
 
 
 def mlx_logits(model, ids: list[int]) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""`smoe bench`: measurements against a baseline run in the same process (codecs, kernels, runtime, decode)."""

@@ -1,0 +1,296 @@
+"""`smoe bench decode`: GPU decode speed of a Qwen3-30B-A3B-shaped vault under GPU cache budgets.
+
+Everything is built in the run: a vault of random codes with the real model's expert shapes (48
+layers x 128 experts of [768, 2048] / [2048, 768], ~16 GB at Q4) and a random bf16 trunk of the real
+shapes. Speed does not depend on the values, but hit rates depend on routing, and a random trunk
+routes almost uniformly: the experts used are therefore replayed from a skewed (Zipf) draw, while
+the router still runs and its top-k is still read by the host, as in real decoding.
+
+For each row: tok/s, GPU hit rate, bytes moved per token, and the ratio to the physical limit
+
+    limit seconds per token = bytes copied to the GPU / source bandwidth (pinned copy or disk)
+                            + bytes the GPU reads (trunk, the k experts of every layer, KV) / HBM bandwidth
+
+with the bandwidths measured in the same run. The baseline is transformers running the same model
+resident in bf16 on the same GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from smoe.format import codec
+from smoe.bench.runtime import drop_page_cache, skewed_routing
+from smoe.errors import SmoeError
+from smoe.format.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, write_safetensors
+
+QWEN3_30B = {  # Qwen3-30B-A3B's config.json, text part
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "norm_topk_prob": True,
+    "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+    "sliding_window": None, "use_sliding_window": False, "hidden_act": "silu", "bos_token_id": 151643,
+    "eos_token_id": 151645, "dtype": "bfloat16",
+}
+
+
+# --- building the model --------------------------------------------------------------------------
+
+
+def trunk_specs(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    specs = [("model.embed_tokens.weight", (cfg["vocab_size"], h)), ("model.norm.weight", (h,)),
+             ("lm_head.weight", (cfg["vocab_size"], h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                  (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                  (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                  (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+                  (p + "mlp.gate.weight", (cfg["num_experts"], h))]
+    return specs
+
+
+def random_trunk_tensor(name: str, shape) -> torch.Tensor:
+    """Norm weights 1, matrices N(0, 0.02): activations stay in a sane range through 48 layers."""
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+
+def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress: bool = True) -> Path:
+    """A vault of random expert codes and a random trunk, with the config of `cfg`."""
+    import json
+
+    from smoe.progress import bar
+
+    path = Path(path)
+    if (path / "index.json").exists():
+        return path
+    h, inter, layers, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts"]
+    writer = VaultWriter(path, bits)
+    # one block of random bytes, read at a different offset per expert: random-looking codes at disk speed
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
+    shapes = (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter)))
+    done = writer.done()
+    for layer in bar(range(layers), progress, desc="experts", unit="layer"):
+        for e in range(experts):
+            if (layer, e) in done:
+                continue
+            tensors = []
+            for role, shape in shapes:
+                n_codes, _ = codec.encoded_nbytes(shape[0] * shape[1], bits)
+                start = int(rng.integers(0, noise.size - n_codes))
+                groups = shape[0] * shape[1] // codec.GROUP_SIZE
+                codes = torch.from_numpy(noise[start:start + n_codes].copy()).view(groups, -1)
+                scales = torch.from_numpy(rng.uniform(0.01, 0.05, groups).astype(np.float16))
+                tensors.append(QuantisedTensor(role, shape, bits, codes, scales))
+            writer.add(layer, e, tensors)
+    specs = trunk_specs(cfg)
+    write_safetensors(path / TRUNK_FILE, [(n, torch.bfloat16, s) for n, s in specs],
+                      lambda name: random_trunk_tensor(name, dict(specs)[name]))
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    writer.finish({"family": "qwen3_moe", "model_type": "qwen3_moe", "moe_layers": list(range(layers)),
+                   "num_experts": experts, "top_k": cfg["num_experts_per_tok"], "roles": ["gate", "up", "down"],
+                   "expert_shapes": {"gate": [inter, h], "up": [inter, h], "down": [h, inter]},
+                   "encoder": "random", "source": {"path": "synthetic", "formats": ["random"]}})
+    return path
+
+
+# --- the machine's limits ------------------------------------------------------------------------
+
+
+def pinned_copy_gbps(device, nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 3 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def hbm_gbps(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy: bytes read + bytes written per second."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    return 5 * 2 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
+    """O_DIRECT reads of whole blobs by a thread pool, as the cache reads them."""
+    from smoe.runtime.gpu.cache import allocate
+    from smoe.runtime.cpu.store import open_direct
+    from smoe.format.vault import align
+
+    with Vault(vault_dir) as v:
+        entries = list(v.entries.values())[:: max(1, len(v.entries) // n_blobs)][:n_blobs]
+        size = align(max(e.size for e in entries), v.alignment)
+        buf = allocate(threads * size, torch.device("cpu"), "read buffers", "--threads").view(threads, size)
+        fd = open_direct(v)
+        try:
+            def read(i):
+                e = entries[i]
+                return os.preadv(fd, [memoryview(buf[i % threads].numpy())[: align(e.size, v.alignment)]], e.offset)
+
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                total = sum(pool.map(read, range(len(entries))))
+            return total / (time.perf_counter() - start) / 1e9
+        finally:
+            os.close(fd)
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+
+def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, warmup: int, tokens: int,
+               threads: int) -> dict:
+    """Decode with the GPU cache at `budget_fraction` of the experts; misses from the pinned host tier
+    (source "host", filled before timing) or from the disk (source "disk": O_DIRECT, page cache dropped)."""
+    from smoe.runtime.gpu.cache import blob_slot_bytes
+    from smoe.runtime.gpu.decode import GpuDecoder
+
+    vault, device = sm.vault, torch.device("cuda")
+    everything = blob_slot_bytes(vault) * len(vault.entries)
+    host = everything if source == "host" and budget_fraction < 1 else 0
+    dec = GpuDecoder(sm, device, int(everything * budget_fraction), warmup + tokens + 8, host_cache_bytes=host,
+                     threads=threads, direct_io=source == "disk", route_replay=torch.from_numpy(routing))
+    try:
+        if host:
+            dec.cache.fill_host_tier()
+        token = 0
+        for t in range(warmup):
+            dec.replay_step = t
+            token = int(dec.forward([token]).argmax())
+        if source == "disk":
+            drop_page_cache(vault.dir / DATA_FILE)
+        before = dict(dec.cache.stats.as_dict())
+        timing0 = dict(dec.timing)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for t in range(warmup, warmup + tokens):
+            dec.replay_step = t
+            token = int(dec.forward([token]).argmax())
+        seconds = time.perf_counter() - start
+        after = dec.cache.stats.as_dict()
+        delta = {k: after[k] - before[k] for k in ("hits", "misses", "host_hits", "bytes_read", "bytes_copied",
+                                                   "wait_seconds")}
+        return delta | {"budget_fraction": budget_fraction, "source": source, "tokens": tokens,
+                        "tok_s": tokens / seconds, "ms_per_token": 1000 * seconds / tokens,
+                        "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
+                        "gpu_read_bytes_per_token": gpu_bytes_per_token(dec, warmup + tokens // 2),
+                        "copied_bytes_per_token": delta["bytes_copied"] / tokens,
+                        "disk_bytes_per_token": delta["bytes_read"] / tokens,
+                        "cache_wait_ms_per_token": 1000 * delta["wait_seconds"] / tokens,
+                        "whole_token_graph": dec.whole_token is not None, "segment_graphs": dec.segments is not None,
+                        "host_ms_per_token": {k: 1000 * (dec.timing[k] - timing0[k]) / tokens for k in dec.timing}}
+    finally:
+        dec.close()
+        del dec
+        torch.cuda.empty_cache()
+
+
+def gpu_bytes_per_token(dec, position: int) -> int:
+    """Bytes the GPU must read for one token: trunk matrices, the k experts of each layer, the KV cache."""
+    trunk = dec.lm_head.numel() * dec.lm_head.element_size()
+    for w in dec.layers:
+        for t in (w.qkv, w.o, w.router, w.input_norm, w.post_norm):
+            trunk += t.numel() * t.element_size() if t is not None else 0
+    experts = sum(dec.top_k * dec.cache.vault.entry(layer, 0).size for layer in dec.layouts)
+    kv = 2 * len(dec.layers) * dec.kv_heads * position * dec.head_dim * dec.k_cache[0].element_size()
+    return trunk + experts + kv
+
+
+def transformers_run(cfg: dict, tokens: int) -> dict:
+    """The same model resident in bf16 on the GPU, transformers' own generate (greedy, static shapes off)."""
+    from smoe.hf.model import random_model
+
+    torch.manual_seed(0)
+    model = random_model(cfg, torch.bfloat16, "cuda")
+    try:
+        ids = torch.tensor([[1, 2, 3, 4]], device="cuda")
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        return {"tok_s": tokens / seconds, "experts_implementation": str(getattr(config, "_experts_implementation", None))}
+    finally:
+        del model
+        torch.cuda.empty_cache()
+
+
+def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, threads: int = 16,
+                 baseline: bool = True, layers: int | None = None) -> dict:
+    from smoe.runtime.model import StreamingModel
+
+    if not torch.cuda.is_available():
+        raise SmoeError("smoe bench decode measures the GPU runtime: no CUDA device is available")
+    cfg = dict(QWEN3_30B) | ({"num_hidden_layers": layers} if layers else {})
+    vault_dir = write_model_vault(Path(workdir) / f"qwen3-30b-shaped-q4-{cfg['num_hidden_layers']}L", cfg)
+    limits = {"pinned_copy_gbps": pinned_copy_gbps("cuda"), "hbm_gbps": hbm_gbps("cuda"), "disk_gbps": disk_gbps(vault_dir)}
+    sm = StreamingModel(vault_dir, dtype="bfloat16", kernel_path="dequant")  # its CPU store stays unused
+    routing = skewed_routing(cfg["num_hidden_layers"], warmup + tokens + 8, seed=0)
+    rows = []
+    try:
+        for fraction in budgets:
+            for source in (("host", "disk") if fraction < 1 else ("host",)):
+                r = decode_run(sm, fraction, source, routing, warmup, tokens, threads)
+                src_gbps = limits["pinned_copy_gbps"] if source == "host" else limits["disk_gbps"]
+                moved = r["copied_bytes_per_token"] if source == "host" else r["disk_bytes_per_token"]
+                # HBM: a device copy's read + write bytes per second, the rate a read-only stream gets
+                limit_s = moved / (src_gbps * 1e9) + r["gpu_read_bytes_per_token"] / (limits["hbm_gbps"] * 1e9)
+                rows.append(r | {"limit_tok_s": 1 / limit_s, "of_limit": r["tok_s"] * limit_s})
+                print(format_row(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        sm.close()
+    with Vault(vault_dir) as v:
+        vault_gb = sum(e.size for e in v.entries.values()) / 1e9
+    result = {"benchmark": "decode", "vault": str(vault_dir), "vault_expert_gb": vault_gb, "limits": limits,
+              "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "rows": rows}
+    if baseline:
+        result["transformers_bf16"] = transformers_run(cfg, min(tokens, 32))
+    return result
+
+
+def format_row(r: dict) -> str:
+    return (f"  budget {100 * r['budget_fraction']:5.1f}%  {r['source']:4s}  {r['tok_s']:7.1f} tok/s  "
+            f"hit {100 * r['hit_rate']:5.1f}%  moved {r['copied_bytes_per_token'] / 1e6:7.1f} MB/tok  "
+            f"limit {r['limit_tok_s']:7.1f} tok/s  ({100 * r['of_limit']:.0f}% of it)  "
+            f"cache wait {r['cache_wait_ms_per_token']:.2f} ms/tok")
+
+
+def format_result(result: dict) -> str:
+    lim = result["limits"]
+    lines = [f"vault {result['vault']}: {result['vault_expert_gb']:.2f} GB of experts, {result['layers']} layers; "
+             f"pinned copy {lim['pinned_copy_gbps']:.1f} GB/s, HBM {lim['hbm_gbps']:.0f} GB/s (read+write), "
+             f"disk {lim['disk_gbps']:.2f} GB/s"]
+    lines += [format_row(r) for r in result["rows"]]
+    if "transformers_bf16" in result:
+        base = result["transformers_bf16"]["tok_s"]
+        best = max(r["tok_s"] for r in result["rows"])
+        lines.append(f"  baseline transformers bf16 resident: {base:.1f} tok/s (smoe best / baseline = {best / base:.2f})")
+    return "\n".join(lines)

@@ -1,0 +1,5 @@
+import sys
+
+from smoe.cli.commands import main
+
+sys.exit(main())

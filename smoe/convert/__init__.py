@@ -1,0 +1,1 @@
+"""Checkpoint → vault and back: sculpting, the encoders (grid, calibrated GPTQ) with their calibration, dequantizing."""

@@ -1,0 +1,253 @@
+"""Calibration: what the routed experts actually see, measured on a text file.
+
+The source model runs in fp32 through transformers, its experts computed by an implementation
+registered in transformers' experts registry (`ExpertsInterface`) that records, per MoE layer and
+expert, the second moments of the inputs of each projection: H = sum over routed tokens of x xᵀ,
+for the input of gate/up (the hidden state) and for the input of down (the gated activation), with
+the number of tokens routed. Encoders weigh quantisation error by H, so that error lands where the
+inputs are small. (Weighting tokens by their squared routing weight measured worse on our models.)
+
+Experts that calibration routes few tokens to would get a noisy H; every H is therefore blended
+with a neutral prior worth PRIOR_TOKENS tokens: for gate/up the second moment of all tokens that
+enter the layer (the same hidden states, unrouted), for down an isotropic matrix of the layer's
+mean activation energy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from smoe.convert.encoders import CALIB_TOKENS
+from smoe.errors import SmoeError
+from smoe.hf.experts import is_experts_module, layer_of, register
+from smoe.hf.model import load_pretrained
+from smoe.hf.tokenizer import load_tokenizer
+from smoe.source.text import WINDOW, read_text, token_stream, windows
+from smoe.progress import bar
+
+IMPLEMENTATION = "smoe_calibrate"
+INPUTS = ("gate_up", "down")  # the two inputs a routed expert's projections see
+ROLE_INPUT = {"gate": "gate_up", "up": "gate_up", "down": "down"}
+DEFAULT_TOKENS = CALIB_TOKENS  # kept in smoe.convert.encoders, which the CLI's help reads without importing transformers
+PRIOR_TOKENS = 16  # weight of the neutral prior, in tokens
+MIN_TOKENS = 8  # an expert routed fewer tokens than this counts as not covered
+MIN_COVERAGE = 0.9  # warn below this share of covered experts
+MAX_CALIB_CHARS = 1 << 28  # read at most this much of the calibration file
+CHARS_PER_WINDOW = WINDOW * 12  # enough text for a window of tokens
+
+
+@dataclass
+class CalibrationStats:
+    """Raw sums per MoE layer: sums[layer][input] is [E, n, n] (fp64), counts[layer] is [E]."""
+
+    num_experts: int
+    tokens: int
+    text_hash: str
+    sums: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    layer_sums: dict[int, torch.Tensor] = field(default_factory=dict)  # all tokens entering the layer: [n, n]
+    layer_tokens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.counts)
+
+    def coverage(self) -> float:
+        """Share of (layer, expert) pairs routed at least MIN_TOKENS calibration tokens."""
+        counts = torch.stack([self.counts[layer] for layer in self.layers])
+        return float((counts >= MIN_TOKENS).double().mean())
+
+    def second_moment(self, layer: int, expert: int, role: str) -> torch.Tensor:
+        """E[x xᵀ] of the input of `role` (gate, up, down or an INPUTS name) for one expert, with the prior, fp32."""
+        which = ROLE_INPUT.get(role, role)
+        n = float(self.counts[layer][expert])
+        total = self.sums[layer][which][expert] + PRIOR_TOKENS * self.prior(layer, which)
+        return (total / (n + PRIOR_TOKENS)).to(torch.float32)
+
+    def importance(self, layer: int, expert: int, role: str) -> torch.Tensor:
+        """Per input channel E[x_j²]: the diagonal of `second_moment`."""
+        return torch.diagonal(self.second_moment(layer, expert, role)).clone()
+
+    def prior(self, layer: int, which: str) -> torch.Tensor:
+        """A per-token second moment that assumes nothing about one expert."""
+        if which == "gate_up":  # all tokens entering the layer, routed or not
+            return self.layer_sums[layer] / max(self.layer_tokens[layer], 1)
+        sums, counts = self.sums[layer][which], self.counts[layer].double()
+        energy = torch.diagonal(sums, dim1=1, dim2=2).sum() / max(float(counts.sum()), 1.0) / sums.shape[-1]
+        eye = torch.eye(sums.shape[-1], dtype=sums.dtype)
+        return eye * (energy if energy > 0 else 1.0)
+
+    def save(self, path: Path) -> None:
+        torch.save(self.__dict__, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "CalibrationStats":
+        return cls(**torch.load(path, weights_only=True))
+
+
+def file_hash(path: str | Path) -> str:
+    """sha256 of the calibration file's bytes (it names the calibration in fingerprints)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        raise SmoeError(f"{path}: cannot read the calibration file ({e.strerror})") from None
+    return h.hexdigest()[:16]
+
+
+def calibration_windows(model_dir, text_path, tokens: int = DEFAULT_TOKENS) -> list[torch.Tensor]:
+    """The first `tokens` tokens of the text, as windows of smoe eval's size (512)."""
+    if not Path(text_path).is_file():
+        raise SmoeError(f"{text_path}: no such calibration file")
+    tokenizer = load_tokenizer(model_dir, "for calibration")
+    text, more = read_text(text_path, MAX_CALIB_CHARS)
+    count = -(-tokens // WINDOW)
+    if more or len(text) > 4 * CHARS_PER_WINDOW * count:
+        found = spread_windows(tokenizer, text, count)
+    else:  # a short text: its first tokens, in order
+        found = windows(token_stream(tokenizer, text_path, tokens))
+    if not found:
+        raise SmoeError(f"{text_path}: the calibration text gave fewer than 2 tokens")
+    return found
+
+
+def spread_windows(tokenizer, text: str, count: int) -> list[torch.Tensor]:
+    """`count` windows of WINDOW tokens taken at evenly spaced places of the text (each starting at a
+    line break), so that calibration sees the whole file rather than its first pages."""
+    found = []
+    step = max(len(text) // count, 1)
+    for k in range(count):
+        start = text.find("\n", k * step)
+        start = k * step if start < 0 else start + 1
+        piece = text[start : start + CHARS_PER_WINDOW]
+        ids = tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"][:WINDOW]
+        if len(ids) > 1:
+            found.append(torch.tensor([ids]))
+    return found
+
+
+# --- running the source model --------------------------------------------------------------------
+
+
+def experts_forward(module, hidden_states, top_k_index, top_k_weights, observe=None):
+    """The routed experts as transformers computes them (from the module's fused parameters and its own
+    gating); `observe(expert, input_name, x)` sees each projection input first."""
+    out = torch.zeros_like(hidden_states)
+    for e in torch.unique(top_k_index).tolist():
+        if e >= module.num_experts:  # expert-parallel sentinel: not an expert
+            continue
+        token_idx, slot = torch.where(top_k_index == e)
+        x = hidden_states[token_idx]
+        weight = top_k_weights[token_idx, slot, None]
+        if observe:
+            observe(e, "gate_up", x)
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        h = linear(module, first, e, x)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        if observe:
+            observe(e, "down", h)
+        y = linear(module, "down_proj", e, h)
+        if getattr(module, "has_post_expert_norm", False):
+            y = module.post_expert_norm(y)
+        out.index_add_(0, token_idx, (y * weight).to(out.dtype))
+    return out
+
+
+def linear(module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    w = getattr(module, name)[expert]
+    y = x @ w if module.is_transposed else x @ w.t()
+    return y + getattr(module, name + "_bias")[expert] if module.has_bias else y
+
+
+def calibration_experts_forward(module, hidden_states, top_k_index, top_k_weights):
+    """The registered implementation: a recorder attached to the module sees every input."""
+    recorder = getattr(module, "smoe_recorder", None)
+    if recorder is not None:
+        recorder.layer_input(module.smoe_layer, hidden_states)
+    observe = (lambda e, which, x: recorder.add(module.smoe_layer, e, which, x)) if recorder else None
+    return experts_forward(module, hidden_states, top_k_index, top_k_weights, observe)
+
+
+register(IMPLEMENTATION, calibration_experts_forward)
+
+
+class Recorder:
+    def __init__(self, stats: CalibrationStats, sizes: dict[str, int]):
+        self.stats, self.sizes = stats, sizes
+
+    def _layer(self, layer: int) -> None:
+        s = self.stats
+        if layer not in s.counts:
+            s.counts[layer] = torch.zeros(s.num_experts, dtype=torch.int64)
+            s.sums[layer] = {k: torch.zeros(s.num_experts, n, n, dtype=torch.float64) for k, n in self.sizes.items()}
+            s.layer_sums[layer] = torch.zeros(self.sizes["gate_up"], self.sizes["gate_up"], dtype=torch.float64)
+            s.layer_tokens[layer] = 0
+
+    def layer_input(self, layer: int, x: torch.Tensor) -> None:
+        self._layer(layer)
+        x = x.reshape(-1, x.shape[-1]).double()
+        self.stats.layer_sums[layer] += x.t() @ x
+        self.stats.layer_tokens[layer] += x.shape[0]
+
+    def add(self, layer: int, expert: int, which: str, x: torch.Tensor) -> None:
+        x = x.double()
+        self.stats.sums[layer][which][expert] += x.t() @ x
+        if which == "gate_up":
+            self.stats.counts[layer][expert] += x.shape[0]
+
+
+def load_source_model(model_dir, implementation: str | None = None):
+    """The source model in fp32 through transformers (families whose experts use the registry)."""
+    model = load_pretrained(model_dir, torch.float32, implementation, "for calibration")
+    modules = {}
+    for name, module in model.named_modules():
+        if is_experts_module(module) and layer_of(name) is not None:
+            module.smoe_layer = layer_of(name)
+            modules[module.smoe_layer] = module
+    if not modules:
+        raise SmoeError(f"{model.config.model_type}: calibration needs experts that run through transformers' experts "
+                        "registry, and this family's do not")
+    return model, modules
+
+
+@torch.inference_mode()
+def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None) -> CalibrationStats:
+    """Run the calibration windows through the source model and return the raw second-moment sums."""
+    chunks = calibration_windows(model_dir, text_path, tokens)
+    model, modules = load_source_model(model_dir, IMPLEMENTATION)
+    some = next(iter(modules.values()))
+    sizes = experts_input_sizes(some)
+    stats = CalibrationStats(num_experts=some.num_experts, tokens=sum(w.shape[1] for w in chunks),
+                             text_hash=file_hash(text_path))
+    recorder = Recorder(stats, sizes)
+    for module in modules.values():
+        module.smoe_recorder = recorder
+    for window in bar(chunks, progress, desc="calibrate", unit="window"):
+        model(input_ids=window, use_cache=False)
+    warn_if_sparse(stats, warn)
+    return stats
+
+
+def experts_input_sizes(module) -> dict[str, int]:
+    """Input widths of the first projection(s) and of down, from the fused parameters' shapes."""
+    first = module.gate_up_proj if module.has_gate else module.up_proj
+    down = module.down_proj
+    hidden = first.shape[1] if module.is_transposed else first.shape[2]
+    inner = down.shape[1] if module.is_transposed else down.shape[2]
+    return {"gate_up": int(hidden), "down": int(inner)}
+
+
+def warn_if_sparse(stats: CalibrationStats, warn=None) -> None:
+    coverage = stats.coverage()
+    if coverage < MIN_COVERAGE:
+        message = (f"smoe: warning: calibration ({stats.tokens} tokens) routed at least {MIN_TOKENS} tokens to only "
+                   f"{100 * coverage:.0f}% of experts; the others use a neutral prior (give a longer text)")
+        (warn or (lambda m: print(m, file=sys.stderr)))(message)

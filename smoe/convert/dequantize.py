@@ -1,0 +1,119 @@
+"""`smoe dequantize`: a standard Hugging Face checkpoint whose experts are the vault's decoded values,
+so smoe can be checked against transformers and other tools on exactly the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from smoe.errors import SmoeError
+from smoe.format.paths import check_outputs, output_lock
+from smoe.hf.experts import is_experts_module
+from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
+from smoe.format.paths import publish
+from smoe.format.vault import COPIED_FILES
+from smoe.format.vault import Vault
+
+
+def expert_parameters(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:
+    """Stack per-expert [out, in] matrices into the module's own parameter layout (its flags say which)."""
+
+    def orient(w):  # [E, out, in] -> the module's layout
+        return w.transpose(1, 2) if module.is_transposed else w
+
+    def fuse(a, b, dim):  # gate and up, concatenated or interleaved along the output dimension
+        return torch.cat([a, b], dim=dim) if module.is_concatenated else torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
+
+    stack = lambda role, src: torch.stack([d[role] for d in src])
+    params = {"down_proj": orient(stack("down", decoded))}
+    if module.has_gate:
+        params["gate_up_proj"] = orient(fuse(stack("gate", decoded), stack("up", decoded), 1))
+    else:
+        params["up_proj"] = orient(stack("up", decoded))
+    if module.has_bias:
+        params["down_proj_bias"] = stack("down", biases)
+        if module.has_gate:
+            params["gate_up_proj_bias"] = fuse(stack("gate", biases), stack("up", biases), 1)
+        else:
+            params["up_proj_bias"] = stack("up", biases)
+    return params
+
+
+def dbrx_parameters(module, decoded, biases) -> dict:
+    """DBRX keeps experts stacked along rows: w1/v1 [E*I, H], and w2 transposed, also [E*I, H]."""
+    cat = lambda role, t=False: torch.cat([d[role].t() if t else d[role] for d in decoded])
+    return {"mlp.w1": cat("gate"), "mlp.v1": cat("up"), "mlp.w2": cat("down", t=True)}
+
+
+def llama4_parameters(module, decoded, biases) -> dict:
+    """Llama 4: gate_up_proj [E, H, 2I] (transposed, gate half first), down_proj [E, I, H]."""
+    gate_up = torch.stack([torch.cat([d["gate"], d["up"]]).t() for d in decoded])
+    return {"gate_up_proj": gate_up, "down_proj": torch.stack([d["down"].t() for d in decoded])}
+
+
+# experts modules outside transformers' registry, by class name; the rest follow their registry flags
+PARAMETER_WRITERS = {"DbrxExperts": dbrx_parameters, "Llama4TextExperts": llama4_parameters}
+
+
+def is_dequantizable(module) -> bool:
+    return type(module).__name__ in PARAMETER_WRITERS or is_experts_module(module)
+
+
+def save_config_dtype(config, dtype: torch.dtype, directory: Path) -> None:
+    """save_pretrained records its first parameter's dtype, a trunk tensor's stored one: record the
+    dtype asked for instead, the experts', so that from_pretrained's default ("auto") loads them as made."""
+    for c in [config, *(getattr(config, k) for k in config.sub_configs)]:
+        if c is not None:
+            c.dtype = dtype
+    config.save_pretrained(directory)
+
+
+def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
+    check_outputs([out_dir], [vault_dir])
+    out = Path(out_dir)
+    with output_lock(out, "dequantize"):
+        if out.exists() and not force:
+            raise SmoeError(f"{out}: already exists (use --force to replace it)")
+        with Vault(vault_dir) as vault:
+            model = dequantized_model(vault, dtype)
+            partial = out.parent / f"{out.name}.partial-dequantize"
+            shutil.rmtree(partial, ignore_errors=True)
+            try:  # nothing half-written stays: a full disk leaves no partial checkpoint behind
+                save_checkpoint(model, vault, dtype, partial)
+                publish(partial, out)
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def dequantized_model(vault: Vault, dtype: torch.dtype):
+    """The transformers model of the vault with its trunk as stored and its experts decoded in `dtype`."""
+    model = build_model(model_config(vault), dtype, streaming=False)
+    vault.check_trunk()
+    load_trunk(model, vault, None, is_dequantizable)  # as stored: the trunk is written back bit for bit
+    for layer, module in experts_modules(model, vault, is_dequantizable).items():
+        experts = [vault.read_expert(layer, e) for e in range(vault.meta["num_experts"])]
+        decoded = [{t.role: t.decode().to(dtype) for t in tensors} for tensors, _ in experts]
+        biases = [{r: b.to(dtype) for r, b in b_.items()} for _, b_ in experts]
+        write = PARAMETER_WRITERS.get(type(module).__name__, expert_parameters)
+        for name, value in write(module, decoded, biases).items():
+            owner, leaf = (module.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (module, name)
+            if tuple(getattr(owner, leaf).shape) != tuple(value.shape):
+                raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(owner, leaf).shape)} in the model, "
+                                f"the vault gives {tuple(value.shape)}")
+            setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=False))
+    return model
+
+
+def save_checkpoint(model, vault: Vault, dtype: torch.dtype, directory: Path) -> None:
+    try:
+        model.save_pretrained(directory)
+    except SafetensorError as e:  # safetensors reports a failed write (a full disk) as its own error
+        raise SmoeError(f"{directory}: cannot write the checkpoint ({e})") from None
+    save_config_dtype(model.config, dtype, directory)
+    for name in COPIED_FILES:
+        if (vault.dir / name).exists() and name != "config.json":
+            shutil.copyfile(vault.dir / name, directory / name)

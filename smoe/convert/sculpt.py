@@ -1,0 +1,392 @@
+"""The sculptor: a Hugging Face MoE checkpoint in, a vault out, tensor by tensor in bounded memory.
+
+The vault is built in `<out>.partial-<fingerprint>` and renamed into place only when complete, so
+an interrupted run leaves nothing under the target name; a re-run with the same inputs resumes from
+the blobs already written and verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from smoe.version import __version__
+
+from smoe.convert import calibrate, encoders
+
+from smoe.format import codec
+from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
+from smoe.devices import resolve_device
+from smoe.errors import SmoeError
+from smoe.source.families import MoEPlan, load_bias, load_projection, plan_experts
+from smoe.format.paths import publish, check_outputs, output_lock
+from smoe.progress import bar as progress_bar
+from smoe.format.vault import (
+    COPIED_FILES, DEFAULT_ALIGNMENT, SAFETENSORS_DTYPES, TRUNK_FILE, QuantisedTensor, VaultWriter, align,
+    write_safetensors,
+)
+
+ENCODER = "grid"  # the 64-candidate fp16 scale search of smoe.format.codec
+
+
+@dataclass
+class SculptReport:
+    family: str
+    experts: int
+    expert_bytes_in: int
+    trunk_bytes: int
+    expert_bytes_out: int
+    vault_bytes: int
+    seconds: float
+    snr_db: dict[str, float] = field(default_factory=dict)  # role -> mean SNR over experts
+    bits: int = 4
+    resumed_experts: int = 0
+    weights_by_bits: dict[int, int] = field(default_factory=dict)  # expert weights stored at each depth
+
+    @property
+    def depth(self) -> str:
+        return codec.depth_name(self.weights_by_bits or {self.bits: 1})
+
+    @property
+    def expert_share(self) -> float:
+        total = self.expert_bytes_in + self.trunk_bytes
+        return self.expert_bytes_in / total if total else 0.0
+
+
+def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int, extra: str = "") -> str:
+    """Hash of what determines the output's layout: config, index and the headers of the weight files
+    read, bits, encoder (and `extra`: the calibration file's hash and the plan, when there are). No
+    tensor data is read here: each journalled blob carries the digest of its own sources."""
+    h = hashlib.sha256(f"smoe-vault-2|{bits}|{encoder}|{alignment}{extra}".encode())
+    for name in ("config.json", SAFETENSORS_INDEX):
+        if (ckpt.dir / name).is_file():
+            h.update(name.encode() + ckpt.inside(name).read_bytes())
+    for path in ckpt.weight_files():
+        h.update(str(path.relative_to(ckpt.dir)).encode() + safetensors_header(path))
+    return h.hexdigest()[:16]
+
+
+def safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return f.read(min(n, 1 << 30))
+
+
+def sculpt(model_dir: str | Path, out_dir: str | Path, **options) -> SculptReport:
+    """Write the vault of `model_dir` at `out_dir` (options: those of `write_vault`), one writer at a time."""
+    check_outputs([out_dir], [model_dir, options.get("calib")])
+    with output_lock(Path(out_dir), "quantize"):
+        return write_vault(model_dir, out_dir, **options)
+
+
+def write_vault(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    bits: int = 4,
+    device: str = "auto",
+    force: bool = False,
+    num_experts: int | None = None,
+    progress: bool = True,
+    alignment: int = DEFAULT_ALIGNMENT,
+    encoder: str | None = None,
+    calib: str | Path | None = None,
+    plan: dict | None = None,
+    calib_tokens: int | None = None,
+    stats=None,
+) -> SculptReport:
+    """`encoder` "grid" or a calibrated one from smoe.convert.encoders, which needs `calib` (a text file;
+    `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
+    tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without."""
+    start = time.perf_counter()
+    encoder = encoder or encoders.default_encoder(calib)
+    codec.check_bits(bits)
+    encoders.check_encoder(encoder)
+    if encoder in encoders.NEEDS_CALIBRATION and calib is None:
+        raise SmoeError(f"the {encoder} encoder needs calibration text (--calib FILE)")
+    depths = plan  # `plan` is the experts' plan below
+    check_plan_bits(depths)
+    if depths:
+        bits = majority_depth(depths)
+    dev = resolve_device(device)
+    ckpt = Checkpoint(model_dir)
+    if not ckpt.has_weights:
+        raise SmoeError(f"{ckpt.dir}: no safetensors weights found (only an index or a config)")
+    if not (ckpt.dir / "config.json").exists():
+        raise SmoeError(f"{ckpt.dir}: no config.json")
+    plan = plan_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
+    check_sources(ckpt, plan)
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise SmoeError(f"{out}: already exists (use --force to replace it)")
+    check_plan_matches(depths, plan)
+    calib_tokens = calib_tokens or calibrate.DEFAULT_TOKENS
+    calib_id = f"|{calibrate.file_hash(calib)}|{calib_tokens}" if calib is not None and encoder != "grid" else ""
+    plan_id = f"|{sorted(depths.items())}" if depths else ""
+    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, encoder, alignment, calib_id + plan_id)}"
+    check_disk_space(ckpt, plan, max(depths.values()) if depths else bits, partial)
+    prepare_partial(out, partial, force)
+    if encoder in encoders.NEEDS_CALIBRATION and stats is None:
+        stats = calibrate.collect(ckpt.dir, calib, calib_tokens, progress=progress)
+
+    writer = VaultWriter(partial, bits, alignment)
+    try:
+        coder = Coder(encoder, stats, depths or {}, bits)
+        resumed = keep_unchanged_blobs(ckpt, plan, writer, coder, progress)
+        snr, expert_out = write_experts(ckpt, plan, writer, coder, dev, progress)
+        trunk_bytes = write_trunk_file(ckpt, plan, partial / TRUNK_FILE, progress)
+        for name in COPIED_FILES:
+            if (ckpt.dir / name).exists():
+                shutil.copyfile(ckpt.inside(name), partial / name)
+        writer.finish(vault_meta(ckpt, plan, partial) | {"encoder": encoder})
+    finally:
+        if not writer.data.closed:
+            writer.close()
+    publish(partial, out)
+    return SculptReport(
+        family=plan.family, experts=len(plan.experts), expert_bytes_in=expert_source_bytes(ckpt, plan),
+        trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(out),
+        seconds=time.perf_counter() - start, snr_db=snr, bits=bits, resumed_experts=resumed,
+        weights_by_bits=weights_by_bits(plan, depths, bits),
+    )
+
+
+def weights_by_bits(plan: MoEPlan, depths: dict | None, bits: int) -> dict[int, int]:
+    """Expert weights per depth; every (layer, role) tensor has the same shape in each of its experts."""
+    shapes = plan.expert_shapes()
+    counts: dict[int, int] = {}
+    for layer in plan.moe_layers:
+        for role, (o, i) in shapes.items():
+            b = (depths or {}).get((layer, role), bits)
+            counts[b] = counts.get(b, 0) + plan.num_experts * o * i
+    return counts
+
+
+def prepare_partial(out: Path, partial: Path, force: bool) -> None:
+    """Create the work directory; stale partials of the same target (other inputs, or --force) go."""
+    for other in out.parent.glob(f"{out.name}.partial-*"):
+        if other != partial or force:
+            shutil.rmtree(other)
+    partial.mkdir(parents=True, exist_ok=True)
+
+
+def check_disk_space(ckpt: Checkpoint, plan: MoEPlan, bits: int, partial: Path) -> None:
+    """Refuse before writing anything; blobs already in a resumable partial count as written."""
+    need = expected_vault_bytes(ckpt, plan, bits)
+    parent = partial.parent
+    if not parent.exists():
+        raise SmoeError(f"{parent}: output directory's parent does not exist")
+    free = shutil.disk_usage(parent).free + (dir_size(partial) if partial.exists() else 0)
+    if free < need:
+        raise SmoeError(f"not enough disk space at {partial.parent}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+
+
+def expected_vault_bytes(ckpt: Checkpoint, plan: MoEPlan, bits: int) -> int:
+    trunk = sum(nbytes_of(ckpt, n) for n in trunk_names(ckpt, plan))
+    per_expert = sum(sum(codec.encoded_nbytes(o * i, bits)) + 128 for o, i in plan.expert_shapes().values())
+    return trunk + len(plan.experts) * align(per_expert, 4096) + (1 << 20)
+
+
+def nbytes_of(ckpt: Checkpoint, name: str) -> int:
+    n = torch.empty(0, dtype=ckpt.dtype(name)).element_size()
+    for s in ckpt.shape(name):
+        n *= s
+    return n
+
+
+def trunk_names(ckpt: Checkpoint, plan: MoEPlan) -> list[str]:
+    return [n for n in ckpt.names() if n not in plan.expert_names]
+
+
+def expert_source_bytes(ckpt: Checkpoint, plan: MoEPlan) -> int:
+    return sum(ckpt.stored_nbytes(n) or 0 for n in plan.expert_names)
+
+
+@dataclass
+class Coder:
+    """How each projection is encoded: the encoder, its calibration statistics and the depth per tensor."""
+
+    encoder: str
+    stats: object
+    depths: dict[tuple[int, str], int]
+    bits: int
+
+    def moment(self, layer: int, expert: int, role: str, digest=None) -> torch.Tensor | None:
+        """The second moment the encoder weighs `role`'s error by (None without statistics); fed to
+        `digest` too: a calibrated blob depends on it as much as on the weights."""
+        if self.stats is None:
+            return None
+        moment = self.stats.second_moment(layer, expert, role).contiguous()
+        if digest is not None:
+            digest.update(moment.numpy())
+        return moment
+
+    def encode(self, w: torch.Tensor, moment: torch.Tensor | None, layer: int, role: str, name: str):
+        bits = self.depths.get((layer, role), self.bits)
+        moment = moment.to(w.device) if moment is not None else None
+        codes, scales = encoders.encode(w, bits, self.encoder, moment, name=name)
+        return bits, codes, scales
+
+
+def check_plan_bits(depths: dict | None) -> None:
+    for (layer, role), b in (depths or {}).items():
+        codec.check_bits(b)
+        if role == "up" and (layer, "gate") in depths and depths[(layer, "gate")] != b:
+            raise SmoeError(f"the plan gives layer {layer} gate and up different depths; one fused kernel serves both")
+
+
+def check_plan_matches(depths: dict | None, plan: MoEPlan) -> None:
+    known = {(layer, role) for layer in plan.moe_layers for role in plan.roles}
+    if depths and set(depths) != known:
+        odd = sorted(set(depths) ^ known)[:4]
+        raise SmoeError(f"the plan does not match the model: tensors {odd} are missing from it or unknown to the model")
+
+
+def majority_depth(depths: dict[tuple[int, str], int]) -> int:
+    """The header's default depth for a mixed vault: the one most tensors have (ties: the deeper)."""
+    values = list(depths.values())
+    return max(set(values), key=lambda b: (values.count(b), b))
+
+
+def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
+    """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
+    done = writer.done()
+    todo = [key for key in sorted(plan.experts) if key not in done]
+    expected = plan.expert_shapes()
+    snr_sum: dict[str, float] = {}
+    weights = sum(o * i for o, i in expected.values()) or None
+    bar = progress_bar(total=weights and 2 * weights * len(plan.experts), initial=weights and 2 * weights * len(done),
+                       enabled=progress, unit="B", unit_scale=True, desc=f"experts ({len(plan.experts)})")
+    for layer, expert in todo:
+        tensors, digest = [], xxhash.xxh3_64()
+        for src, w, moment in expert_inputs(ckpt, plan, coder, (layer, expert), digest):
+            name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+            check_shape(name, src.role, tuple(w.shape), expected)
+            w = w.to(dev)
+            bits, codes, scales = coder.encode(w, moment, layer, src.role, name)
+            q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
+            snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
+            tensors.append(q)
+            bar.update(2 * w.numel())
+        biases = expert_biases(ckpt, plan, (layer, expert), digest)
+        writer.add(layer, expert, tensors, check_finite_all(biases), source=digest.hexdigest())
+    bar.close()
+    snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
+    return snr, sum(e.size for e in writer.entries)
+
+
+def expert_inputs(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int], digest):
+    """Yield (source, [out, in] weights, second moment or None) per projection of one expert, one at a
+    time, feeding `digest` everything its blob is encoded from."""
+    for src in plan.experts[key]:
+        yield src, load_projection(ckpt, src, digest), coder.moment(*key, src.role, digest)
+
+
+def expert_biases(ckpt, plan: MoEPlan, key: tuple[int, int], digest) -> dict[str, torch.Tensor]:
+    return {b.role: load_bias(ckpt, b, digest) for b in plan.biases.get(key, [])}
+
+
+def source_digest(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int]) -> str | None:
+    """The digest `write_experts` journals for `key`'s blob, from the source as it is now."""
+    if key not in plan.experts:
+        return None
+    digest = xxhash.xxh3_64()
+    for _ in expert_inputs(ckpt, plan, coder, key, digest):
+        pass
+    expert_biases(ckpt, plan, key, digest)
+    return digest.hexdigest()
+
+
+def keep_unchanged_blobs(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, progress: bool) -> int:
+    """Keep the resumed blobs whose sources (stored bytes, calibration moments) read as when they were
+    encoded; from the first that differs on, the data file is cut and re-encoded. Returns the count kept.
+
+    The fingerprint covers only headers, so a checkpoint rewritten with the same names and shapes (or
+    calibration moved by a changed trunk) reaches the same partial: only this re-read tells."""
+    entries = list(writer.entries)
+    bar = progress_bar(entries, bool(progress and entries), desc="checking resumed blobs", unit="blob")
+    for i, entry in enumerate(bar):
+        key = (entry.layer, entry.expert)
+        journalled = writer.sources.get(key)
+        if journalled is None or journalled != source_digest(ckpt, plan, coder, key):
+            bar.close()
+            print(f"smoe: notice: layer {entry.layer} expert {entry.expert} was encoded from other source weights or "
+                  f"calibration than the model's now: re-encoding it and the {len(entries) - i - 1} blobs after it "
+                  f"({i} kept)", file=sys.stderr)
+            writer.keep(i)
+            return i
+    return len(entries)
+
+
+def check_sources(ckpt: Checkpoint, plan: MoEPlan) -> None:
+    """Refuse, before anything is written, a tensor that cannot be read (or kept) as its real values,
+    and a file to copy that lies outside the model directory."""
+    for name in sorted(plan.expert_names):
+        ckpt.check_real_valued(name, "expert tensor")
+    for name in trunk_names(ckpt, plan):
+        check_trunk_source(ckpt, name)
+    for name in COPIED_FILES:
+        if (ckpt.dir / name).exists():
+            ckpt.inside(name)
+
+
+def check_trunk_source(ckpt: Checkpoint, name: str) -> None:
+    """A trunk tensor is copied exactly, so integer buffers (position ids) are fine; but a layer's
+    `.weight` is never an integer or unscaled fp8 one, and the trunk file holds only some dtypes."""
+    if name.endswith(".weight"):
+        ckpt.check_real_valued(name, "trunk tensor")
+    dtype = ckpt.dtype(name)
+    if dtype not in SAFETENSORS_DTYPES:
+        raise SmoeError(f"trunk tensor {name} is stored as {ckpt.source_format(name)}, which the vault's trunk file "
+                        f"does not hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES.values()))})")
+
+
+def check_shape(name: str, role: str, shape: tuple[int, int], expected: dict[str, tuple[int, int]]) -> None:
+    """A projection whose shape disagrees with the config means a misread layout: stop, never write it."""
+    if role in expected and shape != expected[role]:
+        raise SmoeError(f"tensor {name}: {role} projection has shape {shape}, the config implies {expected[role]}")
+
+
+def check_finite_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for name, t in tensors.items():
+        check_finite(name, t)
+    return tensors
+
+
+def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise SmoeError(f"tensor {name}: NaN or inf values (refusing to write a broken vault)")
+    return t
+
+
+def write_trunk_file(ckpt: Checkpoint, plan: MoEPlan, path: Path, progress: bool) -> int:
+    names = trunk_names(ckpt, plan)
+    specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in names]
+    bar = (lambda xs: progress_bar(xs, unit="tensor", desc="trunk")) if progress else None
+    write_safetensors(path, specs, lambda n: check_finite(n, ckpt.load(n)), progress=bar)
+    return sum(nbytes_of(ckpt, n) for n in names)
+
+
+def vault_meta(ckpt: Checkpoint, plan: MoEPlan, partial: Path) -> dict:
+    return {
+        "smoe_version": __version__,
+        "family": plan.family,
+        "model_type": plan.model_type,
+        "moe_layers": plan.moe_layers,
+        "num_experts": plan.num_experts,
+        "top_k": plan.top_k,
+        "roles": list(plan.roles),
+        "expert_shapes": {r: list(s) for r, s in plan.expert_shapes().items()},
+        "encoder": ENCODER,
+        "source": {"path": str(ckpt.dir), "formats": sorted({ckpt.source_format(n) for n in plan.expert_names})},
+    }
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

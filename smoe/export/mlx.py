@@ -1,0 +1,189 @@
+"""`smoe export VAULT --to mlx`: a model directory that mlx-lm loads, experts in MLX affine form.
+
+MLX's affine quantisation stores w = scale·q + bias per group, q packed LSB-first into uint32. SMOE
+is that with scale = s/h and bias = −s (h = 7.5 at Q4, 1.5 at Q2), the same codes. Each MoE layer's
+experts become mlx-lm's fused `switch_mlp.{gate,up,down}_proj` ([E, out, in·bits/32] uint32, scales
+and biases [E, out, in/group] in fp16), listed one by one with an explicit `mode` under
+`quantization` in config.json. Where a row is not a multiple of 64 wide (SMOE groups then run
+across rows) the group is 32 and each SMOE scale is written twice, which stays exact. The trunk
+keeps the vault's precision and Hugging Face names, which mlx-lm's models read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from smoe.format import codec
+from smoe.errors import SmoeError
+from smoe.export.source import ExportSource, ExpertTensor, Planned, produce, require, scales_over
+from smoe.format.vault import COPIED_FILES
+
+SHARD_BYTES = 5 * 2**30
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+@dataclass(frozen=True)
+class MlxFamily:
+    block: str  # the MoE block's attribute in mlx-lm's model ("mlp", "block_sparse_moe")
+    renames: tuple[tuple[str, str], ...] = ()  # trunk key rewrites into mlx-lm's names
+
+
+FAMILIES = {
+    "qwen3_moe": MlxFamily("mlp"),
+    # transformers 5 names Mixtral's block `mlp`; mlx-lm keeps the released `block_sparse_moe`
+    "mixtral": MlxFamily("block_sparse_moe", ((r"\.mlp\.gate\.", ".block_sparse_moe.gate."),)),
+}
+PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> None:
+    family = FAMILIES.get(source.model_type)
+    if family is None:
+        raise SmoeError(f"MLX export supports {', '.join(FAMILIES)}; this vault is {source.model_type}")
+    out.mkdir(parents=True)
+    config = source.vault.config
+    quantization = {"group_size": codec.GROUP_SIZE, "bits": source.vault.bits, "mode": "affine"}
+    plan = trunk_plan(source, family) + experts_plan(source, family, quantization)
+    write_shards(out, plan, progress, shard_bytes)
+    (out / "config.json").write_text(json.dumps(mlx_config(source, config, quantization), indent=2))
+    for name in COPIED_FILES:
+        if name != "config.json" and (source.dir / name).exists():
+            shutil.copyfile(source.dir / name, out / name)
+
+
+def mlx_config(source: ExportSource, config: dict, quantization: dict) -> dict:
+    """The vault's config plus what mlx-lm's model classes read under their own names."""
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    heads = config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    require(rope.get("rope_type", "default") == "default",
+            f"{source.model_type}: RoPE scaling {rope.get('rope_type')!r} is not exported to MLX")
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    if source.model_type == "mixtral":
+        require(config.get("head_dim") in (None, config["hidden_size"] // heads),
+                f"mixtral: mlx-lm assumes head_dim = hidden_size / heads; this model has head_dim {config.get('head_dim')}")
+    else:
+        config.setdefault("head_dim", config["hidden_size"] // heads)
+        config["num_experts"] = source.num_experts
+        config.setdefault("norm_topk_prob", False)  # transformers' default for the family
+        config.setdefault("decoder_sparse_step", 1)
+        config.setdefault("mlp_only_layers", [])
+    config["quantization"] = quantization
+    return config
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+
+def trunk_plan(source: ExportSource, family: MlxFamily) -> list[Planned]:
+    plan = []
+    for key in source.trunk_names():
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        t_dtype = source.trunk_dtype(key)
+        require(t_dtype in SAFETENSORS_DTYPES, f"trunk tensor {key}: {t_dtype} is not exported to MLX")
+        name = key
+        for pattern, repl in family.renames:
+            name = re.sub(pattern, repl, name)
+        shape = source.trunk_shape(key)
+        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=t_dtype).element_size()
+        load = lambda key=key: source.trunk_tensor(key).contiguous().view(torch.uint8).numpy()
+        plan.append(Planned(name, SAFETENSORS_DTYPES[t_dtype], shape, nbytes, load))
+    return plan
+
+
+def group_width(inp: int) -> int | None:
+    """MLX group size that holds SMOE's groups exactly: 64, or 32 (half groups) when rows cut groups."""
+    return 64 if inp % 64 == 0 else 32 if inp % 32 == 0 else None
+
+
+def experts_plan(source: ExportSource, family: MlxFamily, quantization: dict) -> list[Planned]:
+    plan, experts = [], source.num_experts
+    for layer in source.meta["moe_layers"]:
+        for role in source.roles:
+            module = f"model.layers.{layer}.{family.block}.switch_mlp.{PROJECTIONS[role]}"
+            out, inp = source.expert_shape(role)
+            width = group_width(inp)
+            get = lambda layer=layer, role=role: source.experts(layer, role)
+            if width is None:  # rows too narrow for any MLX group: written decoded (toy sizes only)
+                load = lambda get=get: np.stack([e.decoded() for e in get()])
+                plan.append(Planned(f"{module}.weight", "F32", (experts, out, inp), experts * out * inp * 4, load))
+                continue
+            bits = source.role_bits(layer, role)  # a mixed-depth layer's Q2 codes fit 4-bit slots too
+            quantization[module] = {"group_size": width, "bits": bits, "mode": "affine"}
+            words, groups = (experts, out, inp * bits // 32), (experts, out, inp // width)
+            plan += [
+                Planned(f"{module}.weight", "U32", words, 4 * int(np.prod(words)),
+                        lambda get=get, bits=bits: np.stack([pack_uint32(e, bits) for e in get()])),
+                Planned(f"{module}.scales", "F16", groups, 2 * int(np.prod(groups)),
+                        lambda get=get, w=width: np.stack([scale_bias(e, w)[0] for e in get()])),
+                Planned(f"{module}.biases", "F16", groups, 2 * int(np.prod(groups)),
+                        lambda get=get, w=width: np.stack([scale_bias(e, w)[1] for e in get()])),
+            ]
+    return plan
+
+
+def pack_uint32(expert: ExpertTensor, bits: int) -> np.ndarray:
+    """Codes [out, in] -> uint32 [out, in·bits/32], code k of a word in bits k·bits … (LSB first)."""
+    out, inp = expert.shape
+    per_word = 32 // bits
+    q = expert.codes[: out * inp].astype(np.uint32).reshape(out, inp // per_word, per_word)
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
+    return np.bitwise_or.reduce(q << shifts, axis=2)
+
+
+def scale_bias(expert: ExpertTensor, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """fp16 (scale, bias) = (s/h, −s) per group of `width`, [out, in/width]."""
+    out, inp = expert.shape
+    s = scales_over(expert, width).astype(np.float64).reshape(out, inp // width)
+    return (s / codec.half_range(expert.bits)).astype(np.float16), (-s).astype(np.float16)
+
+
+# --- safetensors shards --------------------------------------------------------------------------
+
+
+def shards(plan: list[Planned], limit: int = SHARD_BYTES) -> list[list[Planned]]:
+    """Consecutive runs of tensors, each run at most `limit` bytes (a larger tensor sits alone)."""
+    runs, size = [[]], 0
+    for p in plan:
+        if runs[-1] and size + p.nbytes > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(p)
+        size += p.nbytes
+    return runs
+
+
+def write_shards(out: Path, plan: list[Planned], progress: bool, limit: int) -> None:
+    runs = shards(plan, limit)
+    names = ["model.safetensors"] if len(runs) == 1 else [
+        f"model-{i + 1:05d}-of-{len(runs):05d}.safetensors" for i in range(len(runs))]
+    data = produce(plan, progress)
+    for name, run in zip(names, runs):
+        write_safetensors(out / name, run, data)
+    index = {"metadata": {"total_size": sum(p.nbytes for p in plan)},
+             "weight_map": {p.name: name for name, run in zip(names, runs) for p in run}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_safetensors(path: Path, run: list[Planned], data) -> None:
+    """Header from the plan, then each tensor's bytes as `data` yields them (one tensor in memory)."""
+    header, offset = {"__metadata__": {"format": "mlx"}}, 0
+    for p in run:
+        header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
+        offset += p.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _ in run:
+            _, array = next(data)
+            array.tofile(f)

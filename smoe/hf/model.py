@@ -1,0 +1,207 @@
+"""transformers models built from a vault: the configuration, the skeleton on the meta device, the trunk.
+
+The trunk is loaded into the skeleton with transformers' own checkpoint-key renamings, and every
+trunk tensor is checked to be held by the model afterwards (a load hook or tie that dropped one fails).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+from smoe.errors import SmoeError
+from smoe.format.vault import Vault
+from smoe.hf.experts import EXPERTS_IMPLEMENTATION, is_experts_module, layer_of, replace_unregistered_moe_blocks
+from smoe.source.families import check_model_config
+
+
+def model_config(vault: Vault):
+    """The transformers configuration of the vault's config.json (read and checksummed once, at open),
+    its routing and shape values checked before any decoder sees them."""
+    config = vault.config
+    if config is None:
+        raise SmoeError(f"{vault.dir}: no config.json")
+    check_model_config(config, vault.meta["num_experts"], str(vault.dir / "config.json"))
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise SmoeError(f"{vault.dir / 'config.json'}: model_type {model_type!r} is unknown to transformers "
+                        f"{transformers.__version__}")
+    config_class = CONFIG_MAPPING[model_type]
+    try:  # as from_pretrained reads a file: {"__float__": "Infinity"} back to a float first
+        return config_class.from_dict(config_class._decode_special_floats(config))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise SmoeError(f"{vault.dir / 'config.json'}: transformers cannot read it ({str(e)[:120]})") from None
+
+
+def causal_lm_class(config):
+    """The class the checkpoint declares in `architectures`, else the Auto causal-LM mapping."""
+    model_class = getattr(transformers, (config.architectures or [""])[0], None)
+    return model_class if model_class is not None else AutoModelForCausalLM
+
+
+def build_model(config, dtype: torch.dtype, streaming: bool = True):
+    """The transformers model with every parameter on the meta device (nothing allocated yet); with
+    `streaming`, MoE blocks outside the experts registry are swapped for streaming ones."""
+    model_class = causal_lm_class(config)
+    kwargs = {"experts_implementation": EXPERTS_IMPLEMENTATION, "dtype": dtype}
+    try:
+        with torch.device("meta"):
+            if model_class is AutoModelForCausalLM:
+                model = model_class.from_config(config, **kwargs)
+            else:
+                model = model_class._from_config(config, **kwargs)  # what the Auto classes call
+    except ValueError as e:
+        raise SmoeError(f"cannot build a {config.model_type} model with transformers: {e}") from None
+    if streaming:
+        replace_unregistered_moe_blocks(model)
+    return model.eval()
+
+
+def load_trunk(model, vault: Vault, dtype: torch.dtype | None, is_experts=is_experts_module) -> None:
+    """Assign the trunk tensors (renamed as transformers renames checkpoint keys), each checked against
+    the model built from config. Floating tensors take the dtype the model holds them in (built with
+    `dtype`; fp32 where it makes a buffer in fp32); dtype None keeps them as stored (to write them out)."""
+    rebuild_meta_buffers(model)  # first: nothing that initialises runs after the trunk is in
+    trunk = read_trunk(model, vault, cast=dtype is not None)
+    model.load_state_dict(trunk, strict=False, assign=True)
+    for tensor in model.state_dict(keep_vars=True).values():
+        if not tensor.is_meta:
+            tensor._is_hf_initialized = True  # so that an init_weights transformers runs later keeps them
+    model.tie_weights(missing_keys=set(model.state_dict()) - set(trunk), recompute_mapping=False)
+    check_trunk_reached(model, trunk)
+    missing = [n for n, p in model.named_parameters() if p.is_meta and not is_experts_param(model, n, is_experts)]
+    if missing:
+        raise SmoeError(f"trunk is missing {len(missing)} tensors the model needs (first: {missing[:3]})")
+
+
+def read_trunk(model, vault: Vault, cast: bool) -> dict[str, torch.Tensor]:
+    """The vault's trunk under the model's names. A tensor of another shape than the model's, or one the
+    model lacks (beyond those transformers itself leaves out on load), is an error."""
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    expected, ignorable = model.state_dict(), ignored_on_load(model)
+    trunk, sources, unknown = {}, {}, []
+    for key, tensor in load_file(vault.trunk_path).items():
+        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if name not in expected:
+            unknown += [] if ignorable(name) else [key]
+            continue
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise SmoeError(f"trunk tensor {key}: shape {tuple(tensor.shape)} in the vault, "
+                            f"{tuple(expected[name].shape)} in the model config.json builds")
+        if name in trunk:
+            raise SmoeError(f"trunk tensors {sources[name]} and {key} both load into {name}")
+        trunk[name], sources[name] = cast_as(tensor, expected[name]) if cast else tensor, key
+    if unknown:
+        raise SmoeError(f"the trunk has {len(unknown)} tensors the {type(model).__name__} built from config.json "
+                        f"lacks (first: {unknown[:3]}): a checkpoint of another layout or version?")
+    return trunk
+
+
+def cast_as(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return tensor.to(like.dtype) if tensor.is_floating_point() and like.is_floating_point() else tensor
+
+
+def ignored_on_load(model):
+    """Checkpoint keys transformers drops on load without a word: those the model class declares
+    (`_keys_to_ignore_on_load_unexpected`, e.g. DeepSeek-V3's multi-token-prediction layer 61) and
+    stored copies of buffers the model computes itself (old checkpoints' rotary inv_freq, position_ids)."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    regex = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    state = model.state_dict()
+    computed = {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers() if n not in state}
+    return lambda name: name.rsplit(".", 1)[-1] in computed or (regex is not None and regex.search(name) is not None)
+
+
+def check_trunk_reached(model, trunk: dict[str, torch.Tensor]) -> None:
+    """Proof, by storage, that the model holds each trunk tensor itself: a load hook that copied or
+    dropped one, or a tie that replaced one, shows here. (Ties join tensors of equal value only.)"""
+    tied = model.all_tied_weights_keys
+    partner = dict(tied) | {source: target for target, source in tied.items()}
+    for name, tensor in trunk.items():
+        held = model.get_parameter_or_buffer(name).data_ptr()
+        other = trunk.get(partner.get(name))
+        if held != tensor.data_ptr() and (other is None or held != other.data_ptr()):
+            raise SmoeError(f"trunk tensor {name}: the model does not hold the stored tensor after loading")
+
+
+def experts_modules(model, vault: Vault, is_experts=is_experts_module) -> dict[int, torch.nn.Module]:
+    """layer -> the model's experts module, one for every MoE layer of the vault."""
+    layers = set(vault.meta["moe_layers"])
+    found = {}
+    for name, module in model.named_modules():
+        if is_experts(module):
+            layer = layer_of(name)
+            if layer not in layers:
+                raise SmoeError(f"experts module {name}: no matching MoE layer in the vault")
+            found[layer] = module
+    if set(found) != layers:
+        raise SmoeError(f"{vault.meta['family']}: the model has experts modules for layers {sorted(found)}, the vault "
+                        f"has {sorted(layers)} (this family's MoE block is not supported by the runtime yet)")
+    return found
+
+
+def is_experts_param(model, name: str, is_experts=is_experts_module) -> bool:
+    """Whether a parameter lives inside an experts module (whose weights come from the vault)."""
+    parts = name.split(".")[:-1]
+    return any(is_experts(model.get_submodule(".".join(parts[:i]))) for i in range(1, len(parts) + 1))
+
+
+def rebuild_meta_buffers(model) -> None:
+    """Buffers computed at construction (rotary inv_freq, embedding scales) were made on meta: give
+    them storage and let transformers' own initialisation fill them. It runs before the trunk is
+    loaded: parameters are still on meta, flagged so that initialisation leaves them alone."""
+    persistent = set(model.state_dict())
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+            model.get_submodule(owner).register_buffer(
+                leaf, torch.empty_like(buffer, device="cpu"), persistent=name in persistent)
+    for p in model.parameters():
+        p._is_hf_initialized = True  # transformers' marker for "loaded": init_weights skips these
+    model.init_weights()
+
+
+
+def kv_cache_arguments(model) -> dict:
+    """A fresh KV cache as the model's forward takes it: transformers renamed `past_key_values` to
+    `cache` (5.2x); accept either release."""
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {keyword: DynamicCache(config=model.config)}
+
+
+def random_model(config: dict, dtype: torch.dtype, device: str):
+    """A randomly initialised model of a config dict (the transformers peer of the decode benchmark)."""
+    config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def generation_config(directory):
+    """The directory's generation_config.json as transformers reads it, or None without one."""
+    from transformers import GenerationConfig
+
+    path = Path(directory) / "generation_config.json"
+    return GenerationConfig.from_pretrained(directory) if path.exists() else None
+
+
+def load_pretrained(model_dir, dtype=torch.float32, experts_implementation: str | None = None, purpose: str = ""):
+    """The checkpoint as transformers loads it (the reference for eval, the source for calibration);
+    `purpose` ("for calibration") completes the error message."""
+    config = AutoConfig.from_pretrained(model_dir)
+    kwargs = {"dtype": dtype}
+    if experts_implementation:
+        kwargs["experts_implementation"] = experts_implementation
+    try:
+        return causal_lm_class(config).from_pretrained(model_dir, **kwargs).eval()
+    except (OSError, ValueError) as e:
+        raise SmoeError(f"{model_dir}: transformers cannot load this model{purpose and ' ' + purpose} ({e})") from None

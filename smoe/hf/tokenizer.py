@@ -1,0 +1,38 @@
+"""Prompts as token ids: the vault's tokenizer, and chat turns through its chat template."""
+
+from __future__ import annotations
+
+from smoe.errors import SmoeError
+
+ROLE_LABELS = {"user": "User", "system": "System"}
+
+
+def load_tokenizer(path, purpose: str = ""):
+    """The tokenizer saved with a model or vault; `purpose` ("for calibration") completes the error message."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SmoeError(f"{path}: no usable tokenizer{purpose and ' ' + purpose} ({e})") from None
+
+
+def check_text(text: str, what: str) -> str:
+    """Text from the command line or a terminal. Python keeps bytes that are not UTF-8 as lone
+    surrogates, which tokenizers refuse with a traceback: say which byte instead."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else ord(text[e.start])
+        raise SmoeError(f"{what} is not valid UTF-8 (byte {byte:#04x} at character {e.start})") from None
+    return text
+
+
+def chat_prompt(tok, history) -> list[int]:
+    """The tokenizer's chat template when it has one; plain "User:/Assistant:" turns otherwise.
+
+    history: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    text = "".join(f"{ROLE_LABELS.get(m['role'], 'Assistant')}: {m['content']}\n" for m in history)
+    return tok(text + "Assistant:", add_special_tokens=True)["input_ids"]

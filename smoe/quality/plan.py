@@ -1,0 +1,331 @@
+"""Bit allocation: one depth per fused expert tensor, least summed KL under a size budget, solved exactly.
+
+Each MoE layer is a group with one option per combination of depths for its two units (gate_up,
+down); an option costs its honest size and is worth the sum of its units' measured KLs. The
+multiple-choice knapsack is solved by dynamic programming over layers on the Pareto frontier of
+(cost, KL): a partial allocation is dropped only when another one costs no more and loses no more KL,
+so the result is optimal (no rounding of costs, no greedy step).
+
+Sizes are honest: with `--budget BITS` a unit costs numel/64 groups × (64·bits + 16) bits, i.e. 4.25
+or 2.25 bits per weight with the fp16 scales; with `--size GB` an option costs the exact bytes its
+layer's blobs take in experts.bin, 64-byte sections and blob alignment included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+from smoe.format import codec
+from smoe.errors import SmoeError
+from smoe.format.paths import check_outputs
+from smoe.quality.sensitivity import UNIT_ROLES, UNITS, key, save_json
+from smoe.format.vault import DEFAULT_ALIGNMENT, align
+from smoe.format.vault_index import blob_layout
+
+PLAN_FORMAT = "smoe-plan"
+
+
+# --- the exact solver ----------------------------------------------------------------------------
+
+
+def solve(groups: list[list[tuple[int, float]]], capacity: int) -> tuple[list[int], float, int]:
+    """Multiple-choice knapsack: pick one (cost, value) option per group, total cost <= capacity, least
+    total value. Returns (chosen option per group, value, cost); SmoeError when nothing fits."""
+    frontier = [(0, 0.0, ())]  # (cost, value, choices), cost increasing and value strictly decreasing
+    for options in groups:
+        states = sorted((c + oc, v + ov, ch + (i,)) for c, v, ch in frontier for i, (oc, ov) in enumerate(options)
+                        if c + oc <= capacity)
+        frontier = []
+        for c, v, ch in states:  # keep a state only if it beats every cheaper one
+            if not frontier or v < frontier[-1][1]:
+                if frontier and frontier[-1][0] == c:
+                    frontier.pop()
+                frontier.append((c, v, ch))
+        if not frontier:
+            raise SmoeError("no allocation fits the budget")
+    cost, value, choices = frontier[-1]
+    return list(choices), value, cost
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+def blob_nbytes(shapes: dict[str, tuple[int, int]], bits: dict[str, int], bias_nbytes: dict[str, int] | None = None) -> int:
+    """Bytes of one expert's blob as the vault lays it out (codes, scales, biases)."""
+    tensors = [codec.encoded_nbytes(o * i, bits[role]) for role, (o, i) in shapes.items()]
+    return blob_layout(tensors, list((bias_nbytes or {}).values()))[2]
+
+
+def unit_bits(units: dict[str, int], roles) -> dict[str, int]:
+    return {r: units[unit] for unit in UNITS for r in UNIT_ROLES[unit] if r in roles}
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+def layer_options(table: dict, layer: int, depths: list[int]) -> list[dict[str, int]]:
+    return [dict(zip(UNITS, combo)) for combo in itertools.product(depths, repeat=len(UNITS))]
+
+
+def option_kl(table: dict, layer: int, units: dict[str, int]) -> float:
+    try:
+        return sum(table["kl"][key(layer, u, b)] for u, b in units.items())
+    except KeyError as e:
+        raise SmoeError(f"the sensitivity table lacks {e.args[0]} (measure it first)") from None
+
+
+def bits_cost(table: dict, layer: int, units: dict[str, int]) -> int:
+    """Storage bits of a layer's units at the given depths: groups × (64·bits + 16)."""
+    return sum(codec.num_groups(table["numel"][f"{layer}.{u}"]) * (codec.GROUP_SIZE * b + 16) for u, b in units.items())
+
+
+def bytes_cost(table: dict, layer: int, units: dict[str, int], alignment: int) -> int:
+    shapes = {r: tuple(s) for r, s in table["expert_shapes"].items()}
+    blob = blob_nbytes(shapes, unit_bits(units, shapes), table.get("bias_nbytes"))
+    return table["num_experts"] * align(blob, alignment)
+
+
+def experts_file_bytes(table: dict, chosen: dict[int, dict[str, int]], alignment: int = DEFAULT_ALIGNMENT) -> int:
+    """Exact size of experts.bin: the header block plus every layer's aligned blobs."""
+    return alignment + sum(bytes_cost(table, layer, units, alignment) for layer, units in chosen.items())
+
+
+def total_weights(table: dict) -> int:
+    return sum(table["numel"].values())
+
+
+def make_plan(table: dict, budget_bits: float | None = None, size_gb: float | None = None,
+              alignment: int = DEFAULT_ALIGNMENT) -> dict:
+    """The least-KL depth per (layer, unit) within the budget; exactly one of budget_bits / size_gb."""
+    if (budget_bits is None) == (size_gb is None):
+        raise SmoeError("give exactly one of --budget BITS and --size GB")
+    check_budget(table, budget_bits, size_gb, alignment)
+    depths = sorted(table["depths"])
+    layers = table["moe_layers"]
+    options = {layer: layer_options(table, layer, depths) for layer in layers}
+    if budget_bits is not None:
+        cost = lambda layer, u: bits_cost(table, layer, u)
+        capacity = math.floor(budget_bits * total_weights(table) + 1e-9)
+    else:
+        cost = lambda layer, u: bytes_cost(table, layer, u, alignment)
+        capacity = math.floor(size_gb * 1e9) - alignment
+    groups = [[(cost(layer, u), option_kl(table, layer, u)) for u in options[layer]] for layer in layers]
+    choices, predicted, _ = solve(groups, capacity)
+    chosen = {layer: options[layer][i] for layer, i in zip(layers, choices)}
+    return plan_document(table, chosen, predicted, budget_bits, size_gb, alignment)
+
+
+def check_budget(table: dict, budget_bits: float | None, size_gb: float | None, alignment: int) -> None:
+    """A budget below the all-shallowest or above the all-deepest allocation is a mistake, not a plan."""
+    depths = sorted(table["depths"])
+    if budget_bits is not None:
+        low, high = codec.bits_per_weight(depths[0]), codec.bits_per_weight(depths[-1])
+        if not low - 1e-9 <= budget_bits <= high + 1e-9:
+            raise SmoeError(f"--budget {budget_bits:g} bits/weight is outside the depths' range: {low} (all SMOE-Q{depths[0]}) "
+                            f"to {high} (all SMOE-Q{depths[-1]}), scales included")
+        return
+    every = lambda b: {layer: {u: b for u in UNITS} for layer in table["moe_layers"]}
+    low = experts_file_bytes(table, every(depths[0]), alignment) / 1e9
+    high = experts_file_bytes(table, every(depths[-1]), alignment) / 1e9
+    if not low - 1e-12 <= size_gb <= high + 1e-12:
+        raise SmoeError(f"--size {size_gb:g} GB is outside the depths' range for experts.bin: {low:.6g} GB "
+                        f"(all SMOE-Q{depths[0]}) to {high:.6g} GB (all SMOE-Q{depths[-1]})")
+
+
+def plan_document(table, chosen, predicted, budget_bits, size_gb, alignment) -> dict:
+    weights = total_weights(table)
+    storage_bits = sum(bits_cost(table, layer, units) for layer, units in chosen.items())
+    return {
+        "format": PLAN_FORMAT, "version": 1,
+        "model_type": table["model_type"], "moe_layers": table["moe_layers"], "num_experts": table["num_experts"],
+        "expert_shapes": table["expert_shapes"], "encoder": table["encoder"],
+        "budget": {"bits_per_weight": budget_bits} if budget_bits is not None else {"gb": size_gb},
+        "tensors": {f"{layer}.{u}": b for layer, units in chosen.items() for u, b in units.items()},
+        "predicted_kl": predicted,
+        "bits_per_weight": storage_bits / weights,
+        "expert_weights": weights,
+        "predicted_bytes": storage_bits // 8,
+        "experts_file_bytes": experts_file_bytes(table, chosen, alignment),
+    }
+
+
+def load_plan(source: str | Path | dict) -> dict:
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SmoeError(f"{path}: no such plan file") from None
+    except (OSError, ValueError) as e:
+        raise SmoeError(f"{path}: unreadable plan ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or not isinstance(doc.get("tensors"), dict):
+        raise SmoeError(f"{path}: not an smoe plan (written by `smoe plan`)")
+    return doc
+
+
+def role_bits(doc: dict, moe_plan) -> dict[tuple[int, str], int]:
+    """A plan document checked against the model: (layer, role) -> bits, gate and up always equal."""
+    shapes = {r: list(s) for r, s in moe_plan.expert_shapes().items()}
+    if doc.get("moe_layers") != moe_plan.moe_layers or doc.get("num_experts") != moe_plan.num_experts or \
+            (doc.get("expert_shapes") and doc["expert_shapes"] != shapes):
+        raise SmoeError(f"the plan does not match the model: it is for {doc.get('model_type')} with MoE layers "
+                        f"{doc.get('moe_layers')}, {doc.get('num_experts')} experts, shapes {doc.get('expert_shapes')}; "
+                        f"the model has {moe_plan.moe_layers}, {moe_plan.num_experts}, {shapes}")
+    want = {f"{layer}.{u}" for layer in moe_plan.moe_layers for u in UNITS}
+    if set(doc["tensors"]) != want:
+        odd = sorted(set(doc["tensors"]) ^ want)
+        raise SmoeError(f"the plan does not match the model: tensors {odd[:4]} are missing or unknown")
+    bits = {}
+    for name, b in doc["tensors"].items():
+        if b not in codec.DEPTHS:
+            raise SmoeError(f"the plan gives {name} {b} bits; SMOE supports {codec.DEPTHS}")
+        layer, unit = name.split(".")
+        for role in UNIT_ROLES[unit]:
+            if role in moe_plan.roles:
+                bits[(int(layer), role)] = b
+    return bits
+
+
+def table_for_model(table: dict, moe_plan, bias_nbytes: dict[str, int] | None = None) -> dict:
+    """The sensitivity table with the model facts sizes need."""
+    return table | {"expert_shapes": {r: list(s) for r, s in moe_plan.expert_shapes().items()},
+                    "bias_nbytes": bias_nbytes or {}}
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def format_plan(doc: dict, table: dict) -> str:
+    lines = [f"{'layer':>5}  {'unit':<8}{'weights':>12}  {'KL@Q2':>10}  {'KL@Q4':>10}  depth"]
+    for name, b in doc["tensors"].items():
+        layer, unit = name.split(".")
+        kl = {d: table["kl"].get(key(int(layer), unit, d)) for d in table["depths"]}
+        lines.append(f"{layer:>5}  {unit:<8}{table['numel'][name]:>12,}  {fmt(kl.get(2))}  {fmt(kl.get(4))}  Q{b}")
+    budget = doc["budget"]
+    asked = f"{budget['bits_per_weight']:g} bits/weight" if "bits_per_weight" in budget else f"{budget['gb']:g} GB"
+    lines += [
+        f"budget    {asked}",
+        f"predicted KL {doc['predicted_kl']:.5f} (sum of per-tensor KLs)",
+        f"size      {doc['bits_per_weight']:.4f} bits/weight incl. scales: {doc['predicted_bytes'] / 1e6:,.3f} MB of codes "
+        f"and scales; experts.bin {doc['experts_file_bytes'] / 1e6:,.3f} MB with alignment",
+    ]
+    return "\n".join(lines)
+
+
+def fmt(x) -> str:
+    return f"{x:10.5f}" if x is not None else f"{'-':>10}"
+
+
+def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float | None = None) -> Path:
+    """PNG: layers × units, colour = KL at the shallowest depth, each cell labelled with the chosen depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    layers, low = table["moe_layers"], min(table["depths"])
+    grid = np.array([[table["kl"][key(layer, u, low)] for u in UNITS] for layer in layers])
+    fig, ax = plt.subplots(figsize=(4.5, 1.2 + 0.35 * len(layers)))
+    image = ax.imshow(grid, aspect="auto", cmap="magma_r", norm=matplotlib.colors.LogNorm())
+    for r, layer in enumerate(layers):
+        for c, u in enumerate(UNITS):
+            ax.text(c, r, f"Q{doc['tensors'][f'{layer}.{u}']}", ha="center", va="center",
+                    color="white" if grid[r, c] > np.sqrt(grid.max() * grid.min()) else "black", fontsize=8)
+    ax.set_xticks(range(len(UNITS)), UNITS)
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    ax.set_ylabel("MoE layer")
+    fig.colorbar(image, ax=ax, label=f"KL with this tensor alone at Q{low}")
+    title = f"{doc['bits_per_weight']:.3f} bits/weight, predicted KL {doc['predicted_kl']:.4f}"
+    if measured_kl is not None:
+        title += f"\nmeasured KL {measured_kl:.4f} (vault, same windows)"
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def plan_outputs(plan: Path, sensitivity: Path) -> list[Path]:
+    """Every file `plan_model` writes: the plan, its heatmap, the sensitivity table, and their temporaries."""
+    heatmap = plan.with_suffix(".png")
+    return [plan, heatmap, sensitivity, *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity)),
+            heatmap.with_name(heatmap.stem + ".tmp.png")]
+
+
+def write_plan(doc: dict, path: str | Path) -> Path:
+    path = Path(path)
+    save_json(path, doc)
+    return path
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = None, size_gb: float | None = None,
+               encoder: str = "grid", sensitivity: str | Path | None = None, tokens: int | None = None,
+               alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False):
+    """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
+    Returns (plan document, table, KL meter, calibration stats); the last two are None when the table
+    was complete already and `need_meter` is false."""
+    from smoe.convert import calibrate, encoders
+    from smoe.source.checkpoint import Checkpoint
+    from smoe.source.families import plan_experts
+    from smoe.quality.sensitivity import SENSITIVITY_WINDOWS, KLMeter, QuantisedModel, fingerprint, load_table, measure, unit_sizes
+
+    if (budget_bits is None) == (size_gb is None):
+        raise SmoeError("give exactly one of --budget BITS and --size GB")
+    encoders.check_encoder(encoder)
+    out = Path(out)
+    sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
+    check_outputs(plan_outputs(out, sensitivity), [model_dir, calib])
+    if not out.parent.is_dir():
+        raise SmoeError(f"{out.parent}: no such directory for the plan")
+    ckpt = Checkpoint(model_dir)
+    moe = plan_experts(ckpt.config, ckpt.names())
+    skeleton = {"depths": list(codec.DEPTHS), "moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
+                "numel": unit_sizes(moe), "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()}}
+    check_budget(skeleton, budget_bits, size_gb, alignment)  # before any work
+    tokens = tokens or calibrate.DEFAULT_TOKENS
+    windows = calibrate.calibration_windows(model_dir, calib, tokens)[:SENSITIVITY_WINDOWS]
+    fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens) + f"-{len(windows)}"
+    table = load_table(sensitivity, fp)
+    wanted = {key(layer, u, b) for layer in moe.moe_layers for u in UNITS for b in codec.DEPTHS}
+    stats = meter = None
+    if wanted - set(table["kl"]) or need_meter:  # a complete table needs no model run
+        if encoder in encoders.NEEDS_CALIBRATION:
+            stats = calibrate.collect(model_dir, calib, tokens, progress=progress)
+        meter = KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
+        table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter)
+    table = table_for_model(table, moe, bias_sizes(ckpt, moe))
+    doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity),
+                                                                "calibration": calibration_record(calib, tokens)}
+    write_plan(doc, out)
+    write_heatmap(doc, table, out.with_suffix(".png"))
+    return doc, table, meter, stats
+
+
+def calibration_record(calib, tokens: int) -> dict:
+    """What `quantize --plan` needs to calibrate a calibrated encoder as the plan did: the text and its size."""
+    from smoe.convert.calibrate import file_hash
+
+    return {"file": str(Path(calib).resolve()), "hash": file_hash(calib), "tokens": tokens}
+
+
+def bias_sizes(ckpt, moe) -> dict[str, int]:
+    """Bytes of one expert's biases per role (gpt-oss), from the checkpoint's headers."""
+    from smoe.convert.sculpt import nbytes_of
+
+    sizes = {}
+    for b in moe.biases.get(next(iter(moe.experts)), []):
+        n = nbytes_of(ckpt, b.name)
+        sizes[b.role] = n // (moe.num_experts if b.expert_index is not None else 1) // b.parts
+    return sizes

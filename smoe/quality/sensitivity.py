@@ -1,0 +1,189 @@
+"""Sensitivity: what quantising one fused expert tensor costs the model, measured as KL divergence.
+
+The unit is what one fused kernel serves and the plan decides: per MoE layer, "gate_up" (gate and up
+of every expert, or up alone for experts without a gate) and "down". For each unit and depth the
+source model (fp32, in memory) gets that unit's weights replaced by their decoded SMOE values, runs the
+first SENSITIVITY_WINDOWS calibration windows, and KL(source ‖ quantised) averaged over positions is
+recorded; then the source
+weights go back. Results are written to sensitivity.json after each measurement, so an interrupted
+run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from smoe.format import codec
+
+from smoe.convert import encoders
+from smoe.convert.calibrate import CalibrationStats, load_source_model
+from smoe.source.checkpoint import Checkpoint
+from smoe.convert.dequantize import expert_parameters
+from smoe.errors import SmoeError
+from smoe.source.families import load_bias, load_projection, plan_experts
+from smoe.progress import bar as progress_bar
+
+SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
+UNITS = ("gate_up", "down")
+UNIT_ROLES = {"gate_up": ("gate", "up"), "down": ("down",)}
+UNIT_PARAMS = {"gate_up": ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias"),
+               "down": ("down_proj", "down_proj_bias")}
+
+
+def unit_of(role: str) -> str:
+    return "down" if role == "down" else "gate_up"
+
+
+def key(layer: int, unit: str, bits: int) -> str:
+    return f"{layer}.{unit}.{bits}"
+
+
+class QuantisedModel:
+    """The source model in fp32 whose fused expert tensors can be swapped for quantised ones and back."""
+
+    def __init__(self, model_dir, encoder: str = "grid", stats: CalibrationStats | None = None):
+        encoders.check_encoder(encoder)
+        if encoder in encoders.NEEDS_CALIBRATION and stats is None:
+            raise SmoeError(f"the {encoder} encoder needs calibration statistics (--calib FILE)")
+        self.encoder, self.stats = encoder, stats
+        self.ckpt = Checkpoint(model_dir)
+        self.plan = plan_experts(self.ckpt.config, self.ckpt.names())
+        self.model, self.modules = load_source_model(model_dir)
+        missing = set(self.plan.moe_layers) - set(self.modules)
+        if missing:
+            raise SmoeError(f"the model has no experts module for MoE layers {sorted(missing)}")
+        self.original = {layer: {n: p.data for n, p in m.named_parameters(recurse=False)}
+                         for layer, m in self.modules.items()}
+        self.cache: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
+
+    def units(self) -> list[tuple[int, str]]:
+        return [(layer, unit) for layer in self.plan.moe_layers for unit in UNITS]
+
+    def decoded(self, layer: int, unit: str, bits: int) -> dict[str, torch.Tensor]:
+        """The module's parameters for `unit` with every expert encoded at `bits` and decoded."""
+        if (layer, unit, bits) not in self.cache:
+            module = self.modules[layer]
+            experts, biases = [], []
+            for e in range(self.plan.num_experts):
+                sources = self.plan.experts[(layer, e)]
+                weights = {s.role: load_projection(self.ckpt, s).float() for s in sources}
+                for role in UNIT_ROLES[unit]:
+                    if role in weights:
+                        weights[role] = self.quantise(weights[role], layer, e, role, bits)
+                experts.append(weights)
+                biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.plan.biases.get((layer, e), [])})
+            params = expert_parameters(module, experts, biases)
+            self.cache[(layer, unit, bits)] = {n: p for n, p in params.items() if n in UNIT_PARAMS[unit]}
+        return self.cache[(layer, unit, bits)]
+
+    def quantise(self, w: torch.Tensor, layer: int, expert: int, role: str, bits: int) -> torch.Tensor:
+        moment = self.stats.second_moment(layer, expert, role) if self.stats is not None else None
+        codes, scales = encoders.encode(w, bits, self.encoder, moment, name=f"layer {layer} expert {expert} {role}")
+        return codec.decode(codes, scales, bits, tuple(w.shape))
+
+    def set(self, layer: int, unit: str, bits: int | None) -> None:
+        """Put `unit` of `layer` at `bits` (None: the source weights)."""
+        module = self.modules[layer]
+        params = self.decoded(layer, unit, bits) if bits is not None else \
+            {n: p for n, p in self.original[layer].items() if n in UNIT_PARAMS[unit]}
+        for name, value in params.items():
+            if tuple(getattr(module, name).shape) != tuple(value.shape):
+                raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(module, name).shape)}, decoded "
+                                f"{tuple(value.shape)}")
+            getattr(module, name).data = value.to(getattr(module, name).dtype)
+
+    def set_plan(self, bits: dict[tuple[int, str], int | None]) -> None:
+        for (layer, unit), b in bits.items():
+            self.set(layer, unit, b)
+
+    @torch.inference_mode()
+    def log_probs(self, window: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.model(input_ids=window, use_cache=False).logits[0, :-1].double(), dim=-1)
+
+
+class KLMeter:
+    """KL(source ‖ current model) over fixed windows; the source's log-probabilities computed once."""
+
+    def __init__(self, qm: QuantisedModel, windows: list[torch.Tensor]):
+        self.qm, self.windows = qm, windows
+        self.reference = [qm.log_probs(w) for w in windows]
+
+    def kl(self) -> float:
+        total = count = 0.0
+        for window, ref in zip(self.windows, self.reference):
+            lp = self.qm.log_probs(window)
+            total += float((ref.exp() * (ref - lp)).sum())
+            count += ref.shape[0]
+        return total / count
+
+
+def fingerprint(model_dir, encoder: str, calib_hash: str, tokens: int) -> str:
+    """What a sensitivity table depends on: the model's config and weights' headers, encoder, calibration."""
+    from smoe.convert.sculpt import source_fingerprint
+
+    ckpt = Checkpoint(model_dir)
+    h = hashlib.sha256(f"{source_fingerprint(ckpt, 0, encoder, 0)}|{calib_hash}|{tokens}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_table(path: Path, fp: str) -> dict:
+    if not path.exists():
+        return {"fingerprint": fp, "kl": {}}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SmoeError(f"{path}: unreadable sensitivity table ({e})") from None
+    if table.get("fingerprint") != fp:
+        raise SmoeError(f"{path}: measured for another model, encoder or calibration "
+                        "(remove it or pass another --sensitivity path)")
+    return table
+
+
+def save_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, fp: str,
+            depths: tuple[int, ...] = codec.DEPTHS, progress: bool = True, meter: KLMeter | None = None) -> dict:
+    """Fill `path` (sensitivity.json) with KL per (layer, unit, depth); resumes what is there."""
+    path = Path(path)
+    table = load_table(path, fp)
+    table.update(encoder=qm.encoder, moe_layers=qm.plan.moe_layers, units=list(UNITS), depths=list(depths),
+                 numel=unit_sizes(qm.plan), model_type=qm.plan.model_type, num_experts=qm.plan.num_experts)
+    todo = [(layer, unit, b) for layer, unit in qm.units() for b in depths if key(layer, unit, b) not in table["kl"]]
+    bar = progress_bar(total=len(qm.units()) * len(depths), initial=len(qm.units()) * len(depths) - len(todo),
+                       enabled=progress, desc="sensitivity", unit="tensor")
+    meter = meter or (KLMeter(qm, windows) if todo else None)
+    for layer, unit, b in todo:
+        qm.set(layer, unit, b)
+        try:
+            value = meter.kl()
+        finally:
+            qm.set(layer, unit, None)
+        if not math.isfinite(value):
+            raise SmoeError(f"layer {layer} {unit} at Q{b}: KL is not finite")
+        table["kl"][key(layer, unit, b)] = value
+        save_json(path, table)
+        bar.update(1)
+    bar.close()
+    save_json(path, table)
+    return table
+
+
+def unit_sizes(plan) -> dict[str, int]:
+    """Weights per unit ("layer.unit" -> count over all experts of the layer)."""
+    shapes = plan.expert_shapes()
+    sizes = {}
+    for layer in plan.moe_layers:
+        for unit in UNITS:
+            n = sum(shapes[r][0] * shapes[r][1] for r in UNIT_ROLES[unit] if r in shapes)
+            sizes[f"{layer}.{unit}"] = n * plan.num_experts
+    return sizes

@@ -1,0 +1,1 @@
+"""Running a vault: the opened model, expert caches, decoders per device, sampling and generation."""

@@ -1,0 +1,152 @@
+"""Token generation over a StreamingModel: sampling, streaming text, and the statistics users see."""
+
+from __future__ import annotations
+
+import inspect
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from smoe.errors import SmoeError
+from smoe.hf.model import kv_cache_arguments
+from smoe.runtime.sampling import SamplingParams, Sequence, sample_batch, token_logprobs
+from smoe.runtime.sampling import sample  # noqa: F401 (its old home, still imported from here)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    hits: int
+    misses: int
+    hit_rate: float
+    bytes_read: int
+    read_wait_s: float
+    peak_rss_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        return (f"[{self.prompt_tokens} prompt tokens, TTFT {self.ttft_s * 1000:.0f} ms, prefill {self.prefill_tok_s:.1f} tok/s, "
+                f"decode {self.decode_tok_s:.1f} tok/s ({self.generated_tokens} tokens), cache hit rate "
+                f"{100 * self.hit_rate:.1f}%, read {self.bytes_read / 1e9:.3f} GB, RSS {self.peak_rss_bytes / 1e9:.2f} GB]")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def eos_ids(model) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+    if eos is None:
+        eos = model.config.get_text_config().eos_token_id
+    return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+ENGINES = ("auto", "lean", "transformers")
+
+
+def next_logits_function(sm, positions: int, engine: str = "auto"):
+    """step(new_token_ids) -> logits of the last position, continuing the same sequence."""
+    step = logits_function(sm, positions, engine)
+    return lambda ids: step(ids)[-1]
+
+
+def logits_function(sm, positions: int, engine: str = "auto"):
+    """step(new_token_ids) -> logits [T, V] of the new positions, continuing the same sequence.
+
+    "lean" is the fast path for the families that have one; "transformers" runs the model's own
+    modules with a DynamicCache (every family); "auto" picks lean where it exists."""
+    if engine not in ENGINES:
+        raise SmoeError(f"unknown engine {engine!r} ({', '.join(ENGINES)})")
+    lean = sm.lean_decoder(positions) if engine != "transformers" else None
+    if engine == "lean" and lean is None:
+        raise SmoeError(f"no lean decode path for the {sm.vault.meta['family']} family (use --engine transformers)")
+    if lean is not None:
+        return lean.forward
+    kv = kv_cache_arguments(sm.model)
+
+    def step(ids):
+        return sm.model(input_ids=torch.tensor([ids]), use_cache=True, **kv).logits[0]
+
+    return step
+
+
+@torch.inference_mode()
+def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, on_token=None, engine: str = "auto", params: SamplingParams | None = None,
+             logprobs: int | None = None, on_logprob=None,
+             on_prompt_logprobs=None) -> tuple[list[int], GenerationStats]:
+    """Prefill the prompt in one forward (each layer reads its experts once), then decode token by token.
+
+    `params` (all sampling settings) replaces temperature, top_p and seed when given. `on_token(token)`
+    sees each new token; returning False stops generation after it (a server cancels a request whose
+    client went away this way). With `logprobs` = n, `on_logprob(TokenLogprob)` sees each new token's
+    log-probability and its n most likely alternatives first, and `on_prompt_logprobs(list)` those
+    of prompt tokens 1.. (the first has no context to be predicted from)."""
+    if not prompt_ids:
+        raise SmoeError("empty prompt")
+    limit = sm.max_positions
+    if limit and len(prompt_ids) + max_tokens > limit:
+        raise SmoeError(f"prompt of {len(prompt_ids)} tokens + {max_tokens} new tokens exceeds the model's context of {limit}")
+    stats0 = sm.cache_stats()
+    seq = Sequence(params or SamplingParams(temperature=temperature, top_p=top_p, seed=seed), list(prompt_ids))
+    stop = eos_ids(sm.model)
+    step = logits_function(sm, len(prompt_ids) + max_tokens, engine)
+
+    def next_token(logits: torch.Tensor) -> int:  # logits [T, V]; the last row predicts the next token
+        token = sample_batch(logits[-1:], [seq])[0]
+        if logprobs is not None and on_logprob:
+            on_logprob(token_logprobs(logits[-1:], [token], logprobs)[0])
+        return token
+
+    start = time.perf_counter()
+    prefill = step(prompt_ids)
+    if logprobs is not None and on_prompt_logprobs:
+        on_prompt_logprobs(token_logprobs(prefill[:-1], prompt_ids[1:], logprobs))
+    token = next_token(prefill)
+    ttft = time.perf_counter() - start
+    tokens = [token]
+    go_on = not on_token or on_token(token) is not False
+    decode_start = time.perf_counter()
+    while go_on and len(tokens) < max_tokens and token not in stop:
+        token = next_token(step([token]))
+        tokens.append(token)
+        go_on = not on_token or on_token(token) is not False
+    decode_s = time.perf_counter() - decode_start
+    return tokens, make_stats(sm, stats0, len(prompt_ids), tokens, ttft, decode_s)
+
+
+def make_stats(sm, before: dict, prompt_tokens: int, tokens: list[int], ttft: float, decode_s: float) -> GenerationStats:
+    now = sm.cache_stats()
+    hits, misses = now["hits"] - before["hits"], now["misses"] - before["misses"]
+    decoded = len(tokens) - 1
+    return GenerationStats(
+        prompt_tokens=prompt_tokens, generated_tokens=len(tokens), ttft_s=ttft,
+        prefill_tok_s=prompt_tokens / ttft if ttft else 0.0,
+        decode_tok_s=decoded / decode_s if decoded and decode_s else 0.0,
+        hits=hits, misses=misses, hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+        bytes_read=now["bytes_read"] - before["bytes_read"],
+        read_wait_s=now["wait_seconds"] - before["wait_seconds"], peak_rss_bytes=peak_rss_bytes(),
+    )
+
+
+class TextStreamer:
+    """Prints decoded text as tokens arrive (decoding the whole suffix keeps multi-byte characters intact)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.tokens, self.printed = tokenizer, out, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text

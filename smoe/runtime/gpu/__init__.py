@@ -1,0 +1,1 @@
+"""The NVIDIA side of the runtime: the GPU expert cache, Triton kernels and the CUDA-graph decode step."""

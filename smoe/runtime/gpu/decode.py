@@ -1,0 +1,360 @@
+"""The decode path on an NVIDIA GPU: trunk resident on the GPU, routed experts in the GPU expert cache,
+computed by the Triton kernels straight from their blobs (Qwen3-MoE and Mixtral layouts).
+
+One token is cut into segments at the points where the host must learn the routing:
+
+    segment i = experts of layer i-1 (+ residual) -> attention of layer i -> router i -> top-k
+
+Each segment works on static buffers (token id, position, residual, expert input, top-k ids and
+weights, blob offsets), so it is captured once as a CUDA graph and replayed: one launch per segment
+instead of ~30 small kernels. Between segments the host reads layer i's top-k ids (the one sync per
+layer that streaming needs: the experts to read depend on them), lets the cache bring misses in
+(copies on a side stream the compute stream waits for) and writes the blob offsets. When the cache
+holds every expert of the model, offsets come from a device table inside the graph and the whole
+token is one graph with no sync but the final read of the logits.
+
+Several tokens at once (prompt prefill, teacher-forced evaluation) run eagerly, layer by layer, with
+the grouped kernel; a layer whose experts do not fit the cache together is done in token chunks.
+
+On a CPU "device" (tests without a GPU) everything runs eagerly and the experts run through
+kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from smoe.runtime.gpu import kernels as kernels_triton
+from smoe.errors import SmoeError
+from smoe.runtime.cpu.compiled import SUPPORTED, check_room, dense_mlp, fuse_qkv, rope_tables, rotate
+from smoe.runtime.gpu.cache import GpuExpertCache
+
+ACT = torch.float32  # the residual stream; matrices run in the model's dtype
+
+
+class GpuLayer:
+    """One decoder layer's trunk weights on the device."""
+
+    def __init__(self, layer, qk_norm: bool, device, dtype):
+        def put(t, as_dtype=dtype):
+            return t.detach().to(device=device, dtype=as_dtype).contiguous()
+
+        attn, mlp = layer.self_attn, layer.mlp
+        fuse_qkv(attn)
+        # the residual stream is fp32, so are the norms applied to it
+        self.input_norm, self.post_norm = put(layer.input_layernorm.weight, ACT), put(layer.post_attention_layernorm.weight, ACT)
+        self.qkv, self.o = put(attn.smoe_qkv), put(attn.o_proj.weight)
+        self.qk_norm = None
+        if qk_norm:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
+            heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+            self.qk_norm = torch.cat([put(attn.q_norm.weight).expand(heads, -1), put(attn.k_norm.weight).expand(kv_heads, -1)])
+        self.moe = hasattr(mlp, "experts")
+        self.router = put(mlp.gate.weight) if self.moe else None
+        self.dense = None if self.moe else tuple(put(p.weight) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+class GpuDecoder:
+    """forward(ids) -> logits [T, V] (fp32) of the new tokens, continuing the cached sequence."""
+
+    def __init__(self, sm, device: torch.device, gpu_cache_bytes: int, max_positions: int, host_cache_bytes: int = 0,
+                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True,
+                 route_replay: torch.Tensor | None = None):
+        cfg = sm.config.get_text_config()
+        self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
+        self.eps, self.top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.normalize = getattr(cfg, "norm_topk_prob", True)
+        self.kernel_path = kernel_path
+        # benchmarks: [steps, layers, k] expert ids used instead of the router's (which still runs), read
+        # on the device at the step set by `replay_step`, so graphs and host syncs stay as in real decoding
+        self.route_replay = None if route_replay is None else route_replay.to(device=device, dtype=torch.int64)
+        self.replay_step = 0
+        self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0}  # host seconds per phase of step()
+        try:
+            self.load(sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io)
+        except torch.OutOfMemoryError:
+            raise SmoeError(f"out of GPU memory placing the trunk, a GPU expert cache of {gpu_cache_bytes / 1e9:.3g} GB "
+                            f"and a KV cache of {max_positions} positions; use a smaller --gpu-cache-gb") from None
+        self.static = StaticBuffers(self, cfg.hidden_size)
+        # graphs need every layer on the Triton kernels: the decode-then-matmul fallback syncs
+        self.graphs = graphs and self.device.type == "cuda" and kernel_path != "reference" and all(
+            layout.unsupported() is None for layout in self.layouts.values())
+        # inductor fuses a single-token step's small kernels (SMOE_COMPILE=0: eager, as on the CPU)
+        compile_ok = self.graphs and os.environ.get("SMOE_COMPILE", "1") != "0"
+        self.block = compiled_attention_block() if compile_ok else attention_block
+        self.segments: list | None = None  # captured CUDA graphs, one per segment
+        self.whole_token = None  # one graph for the whole token when every expert is resident
+        self.table = None  # [layers, experts] blob offsets in the pool (whole-token mode)
+
+    def load(self, sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io) -> None:
+        """Trunk, expert cache and KV cache onto the device."""
+        base = sm.model.model
+        put = lambda t: t.detach().to(device=self.device, dtype=self.dtype).contiguous()
+        self.embed, self.lm_head = put(base.embed_tokens.weight), put(sm.model.lm_head.weight)
+        self.final_norm = base.norm.weight.detach().to(device=self.device, dtype=ACT)
+        qk_norm = SUPPORTED[self.vault.meta["family"]]
+        self.layers = [GpuLayer(layer, qk_norm, self.device, self.dtype) for layer in base.layers]
+        self.layouts = {i: layer_layout(self.vault, i) for i, w in enumerate(self.layers) if w.moe}
+        self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
+                                    threads=threads, direct_io=direct_io)
+        self.max_positions = max_positions
+        cos, sin = rope_tables(base.rotary_emb, max_positions, self.head_dim)
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        shape = (1, self.kv_heads, max_positions, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.positions = torch.arange(max_positions, device=self.device)
+        self.pos = 0
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    # --- many tokens: eager, grouped kernel ------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        start, t = self.pos, check_room(self.pos, len(ids), self.max_positions)
+        if t == 1:
+            return self.step(ids[0])
+        x = self.embed[torch.tensor(ids, device=self.device)].to(ACT)
+        pos = torch.arange(start, start + t, device=self.device)
+        for i, w in enumerate(self.layers):
+            x, h, top_i, top_w = attention_block(x, None, pos, **self.block_args(i))
+            x = x + (self.experts_chunked(i, h, top_i, top_w) if w.moe else dense_mlp(w.dense, h))
+        self.pos = start + t
+        return self.logits(x)
+
+    def experts_chunked(self, i: int, h, top_i, top_w):
+        """The layer's experts for every token, in token chunks whose experts fit the cache together."""
+        ids = top_i.tolist()
+        out, start = torch.empty_like(h), 0
+        while start < len(ids):
+            end = len(ids)
+            while len({e for row in ids[start:end] for e in row}) > self.cache.n_slots:
+                end = start + max(1, (end - start) // 2)
+            offsets = self.cache.offsets(i, sum(ids[start:end], []))
+            offs = torch.tensor(offsets, dtype=torch.int64, device=self.device).view(end - start, -1)
+            out[start:end] = kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h[start:end], offs,
+                                                            top_w[start:end], path=self.kernel_path)
+            start = end
+        return out
+
+    # --- the pieces of a layer -------------------------------------------------------------------
+
+    def block_args(self, i: int) -> dict:
+        """Everything attention_block needs for layer i but the residual and the positions."""
+        w = self.layers[i]
+        return dict(k_cache=self.k_cache[i], v_cache=self.v_cache[i], positions=self.positions, cos=self.cos,
+                    sin=self.sin, input_norm=w.input_norm, qkv=w.qkv, qk_norm=w.qk_norm, o=w.o,
+                    post_norm=w.post_norm, router=w.router, heads=self.heads, kv_heads=self.kv_heads, eps=self.eps,
+                    top_k=self.top_k, normalize=self.normalize, dtype=self.dtype)
+
+    def logits(self, x):
+        return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
+
+    # --- one token: segments on static buffers ---------------------------------------------------
+
+    def step(self, token: int) -> torch.Tensor:
+        s = self.static
+        s.set_token(token, self.pos, self.replay_step)
+        if self.all_resident():
+            clock = time.perf_counter()
+            self.run_whole_token()
+            self.cache.stats.hits += self.top_k * len(self.layouts)  # every routed expert is resident
+            self.timing["launch"] += time.perf_counter() - clock
+        else:
+            for seg in range(len(self.layers) + 1):
+                clock = time.perf_counter()
+                self.run_segment(seg)
+                self.timing["launch"] += time.perf_counter() - clock
+                if seg < len(self.layers) and self.layers[seg].moe:
+                    self.load_offsets(seg)
+        self.pos += 1
+        return s.logits.clone()
+
+    def load_offsets(self, i: int) -> None:
+        s = self.static
+        clock = time.perf_counter()
+        ids = s.top_i[0].tolist()  # the sync: the host must know which experts to bring
+        now = time.perf_counter()
+        self.timing["routing_sync"] += now - clock
+        s.set_offsets(self.cache.offsets(i, ids))
+        self.timing["cache"] += time.perf_counter() - now
+
+    def segment(self, seg: int) -> None:
+        """experts of layer seg-1, then attention and routing of layer seg (or the LM head)."""
+        s = self.static
+        if seg == 0:
+            s.x.copy_(self.embed[s.token].to(ACT))
+            added = None
+        else:
+            prev = self.layers[seg - 1]
+            added = self.experts_one(seg - 1, s.offsets) if prev.moe else dense_mlp(prev.dense, s.h)
+        if seg == len(self.layers):
+            s.logits.copy_(self.logits(s.x + added))
+            return
+        x, h, top_i, top_w = self.run_block(s.x, added, s.pos, self.block_args(seg))
+        s.x.copy_(x)
+        s.h.copy_(h)
+        if top_i is not None:
+            s.top_i.copy_(self.route_replay[s.step, seg] if self.route_replay is not None else top_i)
+            s.top_w.copy_(top_w)
+
+    def run_block(self, x, added, pos, args):
+        try:
+            return self.block(x, added, pos, **args)
+        except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
+            if self.block is attention_block:
+                raise
+            kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
+            self.block = attention_block
+            return self.block(x, added, pos, **args)
+
+    def experts_one(self, i: int, offsets):
+        s = self.static
+        layout = self.layouts[i]
+        # straight to the decode kernels where they run: experts_forward checks the offsets' alignment
+        # on the host, a sync that a captured graph cannot hold (the cache's slots are aligned by design)
+        if self.device.type == "cuda" and self.kernel_path != "reference" and layout.unsupported() is None:
+            return kernels_triton.decode_forward(self.cache.pool, layout, s.h, offsets, s.top_w[0])
+        return kernels_triton.experts_forward(self.cache.pool, layout, s.h, offsets[None], s.top_w,
+                                              path=self.kernel_path)
+
+    def run_segment(self, seg: int) -> None:
+        """Eager on the first token (it compiles the kernels and warms the libraries up), captured at
+        its end, replayed from then on."""
+        if self.segments is None:
+            self.segment(seg)
+            if self.graphs and seg == len(self.layers):
+                self.segments = [capture(lambda i=i: self.segment(i), self.device) for i in range(seg + 1)]
+            return
+        self.segments[seg].replay()
+
+    # --- every expert resident: one graph per token ----------------------------------------------
+
+    def all_resident(self) -> bool:
+        return self.table is not None or (self.cache.n_slots >= len(self.vault.entries) and self.preload())
+
+    def preload(self) -> bool:
+        """Bring every expert into the GPU cache and build the device offset table."""
+        experts = 1 + max(e for _, e in self.vault.entries)
+        table = torch.zeros(len(self.layers), experts, dtype=torch.int64)
+        for layer, e in sorted(self.vault.entries):
+            table[layer, e] = self.cache.offsets(layer, [e])[0]
+        self.table = table.to(self.device)
+        return True
+
+    def whole_token_body(self) -> None:
+        s = self.static
+        for seg in range(len(self.layers) + 1):
+            if seg > 0 and self.layers[seg - 1].moe:
+                s.offsets.copy_(self.table[seg - 1][s.top_i[0]])
+            self.segment(seg)
+
+    def run_whole_token(self) -> None:
+        if self.whole_token is None:
+            self.whole_token_body()  # eager first: compiles and warms up, see run_segment
+            if self.graphs:
+                self.whole_token = capture(self.whole_token_body, self.device)
+            return
+        self.whole_token.replay()
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qk_norm, o, post_norm,
+                    router, heads: int, kv_heads: int, eps: float, top_k: int, normalize: bool, dtype):
+    """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
+    (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
+    cache, then the experts' input h and the routing (top-k ids and weights; None for a dense layer).
+    A pure function of its tensors, so that it can be compiled once and serve every layer."""
+    if added is not None:
+        x = x + added
+    t, hd = x.shape[0], cos.shape[-1]
+    h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
+    q, k, v = F.linear(h, qkv).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    qk = torch.cat([q.view(t, heads, hd), k.view(t, kv_heads, hd)], dim=1)
+    if qk_norm is not None:  # one norm over q and k heads: their weights side by side
+        qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
+    q, k = rotate(qk, cos[pos][:, None], sin[pos][:, None]).split([heads, kv_heads], dim=1)
+    k_cache[0].index_copy_(1, pos, k.transpose(0, 1))
+    v_cache[0].index_copy_(1, pos, v.view(t, kv_heads, hd).transpose(0, 1))
+    # every cached position up to each token's own: a mask over the whole static cache, so the shapes
+    # never change and the step can be captured in a graph
+    visible = positions[None, :] <= pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, attn_mask=visible[None, None],
+                                         enable_gqa=True)
+    x = x + F.linear(out[0].transpose(0, 1).reshape(t, -1), o)
+    h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
+    if router is None:
+        return x, h, None, None
+    logits = F.linear(h, router).float()
+    if normalize:  # softmax then renormalising the top k = softmax over the top-k logits
+        top_logits, top_i = torch.topk(logits, top_k, dim=-1)
+        return x, h, top_i, torch.softmax(top_logits, dim=-1)
+    top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    return x, h, top_i, top_w
+
+
+@functools.cache
+def compiled_attention_block():
+    """attention_block compiled by inductor: its ~30 small kernels fused into a few (one compile serves
+    every layer and every decoder of the process; shapes are static in single-token steps)."""
+    return torch.compile(attention_block, fullgraph=True, dynamic=False)
+
+
+class StaticBuffers:
+    """The tensors a captured segment reads and writes; the host fills token, position and offsets
+    through pinned staging copies (ordered on the compute stream, so no host wait)."""
+
+    def __init__(self, dec: GpuDecoder, hidden: int):
+        dev, k = dec.device, dec.top_k
+        self.token = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.x = torch.zeros(1, hidden, dtype=ACT, device=dev)
+        self.h = torch.zeros(1, hidden, dtype=dec.dtype, device=dev)
+        self.top_i = torch.zeros(1, k, dtype=torch.int64, device=dev)
+        self.top_w = torch.zeros(1, k, dtype=ACT, device=dev)
+        self.offsets = torch.zeros(k, dtype=torch.int64, device=dev)
+        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.logits = torch.zeros(1, dec.lm_head.shape[0], dtype=ACT, device=dev)
+        pinned = dev.type == "cuda"
+        self.stage = torch.zeros(3 + k, dtype=torch.int64, pin_memory=pinned)
+
+    def upload(self, dst: torch.Tensor, values: list[int], at: int) -> None:
+        # the host reaches this point only after a sync on the compute stream (reading top-k or the
+        # previous logits), so the previous copy out of the staging area has finished
+        self.stage[at: at + len(values)] = torch.tensor(values, dtype=torch.int64)
+        dst.copy_(self.stage[at: at + len(values)].view(dst.shape), non_blocking=True)
+
+    def set_token(self, token: int, pos: int, step: int) -> None:
+        self.upload(self.token, [token], 0)
+        self.upload(self.pos, [pos], 1)
+        self.upload(self.step, [step], 2)
+
+    def set_offsets(self, offsets: list[int]) -> None:
+        self.upload(self.offsets, offsets, 3)
+
+
+def capture(fn, device):
+    """fn captured as a CUDA graph (capturing runs nothing; fn has run eagerly before)."""
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def layer_layout(vault, layer: int) -> kernels_triton.ExpertLayout:
+    """The blob layout shared by every expert of a layer (the kernels index blobs with one layout)."""
+    layouts = {kernels_triton.ExpertLayout.from_entry(e) for (l, _), e in vault.entries.items() if l == layer}
+    if len(layouts) != 1:
+        raise SmoeError(f"layer {layer}: experts differ in layout (depths or shapes); the GPU kernels need one per layer")
+    return layouts.pop()

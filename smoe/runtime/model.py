@@ -1,0 +1,228 @@
+"""Run a vault: the transformers model holds the resident trunk; routed experts come from the store.
+
+The model is built on the meta device from the vault's config (smoe.hf.model), so expert parameters
+are never allocated. Its experts modules forward, through transformers' experts registry
+(smoe.hf.experts), to `RoutedExperts`, which asks the store for the experts the router picked, all at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from smoe.devices import resolve_device
+from smoe.errors import SmoeError
+from smoe.format.vault import Vault
+from smoe.hf.experts import attach_routed
+from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
+from smoe.runtime.cpu import kernels as kernels_cpu
+from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+@dataclass
+class RoutedExperts:
+    """Computes one MoE layer's routed experts for the tokens of a call."""
+
+    store: ExpertStore
+    roles: tuple[str, ...]
+    largest_expert: int = 0  # prepared bytes of the largest expert; measured on first use (it scans the index)
+
+    def forward(self, module, hidden_states, top_k_index, top_k_weights):
+        layer = module.smoe_layer
+        out = torch.zeros_like(hidden_states)
+        experts = torch.unique(top_k_index).tolist()
+        for batch in self.batches(layer, experts):
+            prepared = self.store.get(layer, batch)
+            for e in batch:
+                token_idx, slot = torch.where(top_k_index == e)
+                weight = top_k_weights[token_idx, slot, None]
+                if getattr(module, "smoe_scale_input", False):
+                    y = self.expert_output(module, prepared[e], hidden_states[token_idx] * weight.to(hidden_states.dtype))
+                else:
+                    y = self.expert_output(module, prepared[e], hidden_states[token_idx])
+                    y = y * weight.to(y.dtype)
+                out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    def batches(self, layer: int, experts: list[int]) -> list[list[int]]:
+        """Experts grouped so that one group's prepared weights fit the cache budget together: a long
+        prompt's layer may route to more experts than fit, and then reads them group by group."""
+        if not self.largest_expert:
+            self.largest_expert = max(self.store.min_budget(1), 1)
+        per_group = max(1, self.store.cache_bytes // self.largest_expert)
+        return [experts[i : i + per_group] for i in range(0, len(experts), per_group)]
+
+    def expert_output(self, module, expert, x):
+        """One expert as transformers computes it: gate/up, the module's own gating, down."""
+        if module.has_gate:
+            gate, up = kernels_cpu.gate_and_up(x, expert)
+            if module.is_concatenated:
+                gate_up = torch.cat([gate, up], dim=-1)
+            else:  # interleaved [g0, u0, g1, u1, ...] (gpt-oss)
+                gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
+            h = module._apply_gate(gate_up)
+        else:
+            h = module.act_fn(kernels_cpu.linear(x, expert, "up"))
+        y = kernels_cpu.linear(h, expert, "down")
+        if getattr(module, "has_post_expert_norm", False):
+            y = module.post_expert_norm(y)
+        return y
+
+
+class StreamingModel:
+    """A vault opened for inference on CPU: trunk resident, experts streamed through the store."""
+
+    def __init__(self, vault_dir, dtype: str | torch.dtype = "bfloat16", cache_bytes: int | None = None,
+                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", device: str = "cpu",
+                 gpu_cache_bytes: int | None = None):
+        self.device = resolve_device(device)
+        self.vault = Vault(vault_dir)
+        self.store = self.gpu = None
+        try:
+            self._open(dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes)
+        except BaseException:  # a failed open holds no file, thread or GPU memory: callers may retry
+            self.close()
+            raise
+
+    def _open(self, dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes) -> None:
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.config = model_config(self.vault)
+        prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path,
+                                                                              fuse=True))
+        self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
+        self.model = build_model(self.config, self.dtype)
+        self.vault.check_trunk()
+        load_trunk(self.model, self.vault, self.dtype)
+        self.model.requires_grad_(False)  # inference only: no autograd graph, also when called directly
+        self.routed = RoutedExperts(self.store, tuple(self.vault.meta["roles"]))
+        self.attach_experts()
+        if self.device.type == "cuda" and device == "auto" and not gpu_supported(self):
+            self.device = torch.device("cpu")  # auto: the families the GPU path lacks run on the CPU
+        if self.device.type == "cuda":
+            self.gpu = GpuRuntime(self, gpu_cache_bytes, host_cache_bytes=cache_bytes or 0, threads=threads,
+                                  direct_io=direct_io)
+        else:
+            if cache_bytes is None:  # the default counts experts in their prepared (compute) size
+                self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())
+            self.check_budget()
+
+    def attach_experts(self) -> None:
+        for layer, module in experts_modules(self.model, self.vault).items():
+            attach_routed(module, layer, self.routed)
+
+    def check_budget(self) -> None:
+        top_k = self.vault.meta.get("top_k") or 1
+        need = self.store.min_budget(top_k)
+        if self.store.cache_bytes < need:
+            raise SmoeError(f"--cache-gb {self.store.cache_bytes / 1e9:.4g} is smaller than one token's {top_k} experts "
+                            f"of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
+
+    def lean_decoder(self, positions: int):
+        """The lean decode path when this family has one (else None), with a KV cache of at least
+        `positions`; kept between calls and regrown (doubling) when a longer sequence comes."""
+        from smoe.runtime.cpu import compiled as fast_decode
+
+        if self.gpu is not None:
+            return self.gpu.decoder(positions)
+        if not fast_decode.supports(self):
+            return None
+        current = getattr(self, "_lean", None)
+        if current is None or current.max_positions < positions:
+            self._lean = fast_decode.LeanDecoder(self, kv_capacity(current, positions, self.max_positions))
+        self._lean.reset()
+        return self._lean
+
+    @property
+    def max_positions(self) -> int | None:
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return getattr(text, "max_position_embeddings", None)
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, T, V] in fp32 (on the CPU)."""
+        if self.gpu is not None:
+            return torch.stack([self.gpu.decoder(row.numel()).forward(row.tolist()).cpu() for row in input_ids])
+        return self.model(input_ids=input_ids, use_cache=False).logits.float()
+
+    def cache_stats(self) -> dict:
+        """hits, misses, bytes_read, wait_seconds of whichever expert cache runs the experts."""
+        return (self.gpu.decoder_stats() if self.gpu is not None else self.store.stats.as_dict())
+
+    def close(self) -> None:
+        if self.gpu is not None:
+            self.gpu.close()
+        if self.store is not None:
+            self.store.close()
+        self.vault.close()
+
+
+class GpuRuntime:
+    """The GPU side of a StreamingModel: one GpuDecoder (trunk on the GPU, GPU expert cache), made on
+    first use and remade with a longer KV cache when a longer sequence comes."""
+
+    def __init__(self, sm: StreamingModel, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
+                 direct_io: bool):
+        if not gpu_supported(sm):
+            raise SmoeError(f"the GPU runtime runs the Qwen3-MoE and Mixtral layouts; {sm.vault.meta['family']} "
+                            "runs on the CPU (--device cpu)")
+        self.sm, self.host_cache_bytes, self.threads, self.direct_io = sm, host_cache_bytes, threads, direct_io
+        self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
+        self._decoder = None
+        self.decoder(1)  # fail early: budget too small, out of memory
+
+    def decoder(self, positions: int):
+        from smoe.runtime.gpu.decode import GpuDecoder
+
+        current = self._decoder
+        if current is None or current.max_positions < positions:
+            capacity = kv_capacity(current, positions, self.sm.max_positions)
+            if capacity < positions:
+                raise SmoeError(f"sequence of {positions} tokens exceeds the model's context of {capacity}")
+            stats = current.cache.stats if current else None
+            if current is not None:
+                current.close()
+                self._decoder = None
+                torch.cuda.empty_cache()
+            self._decoder = GpuDecoder(self.sm, self.sm.device, self.gpu_cache_bytes, capacity, self.host_cache_bytes,
+                                       threads=self.threads, direct_io=self.direct_io)
+            if stats is not None:
+                self._decoder.cache.stats = stats
+        self._decoder.reset()
+        return self._decoder
+
+    def decoder_stats(self) -> dict:
+        return self._decoder.cache.stats.as_dict()
+
+    def close(self) -> None:
+        if self._decoder is not None:
+            self._decoder.close()
+
+
+def kv_capacity(current, positions: int, limit: int | None) -> int:
+    """KV-cache positions for a decoder that must hold `positions`: at least 1024, doubling the
+    current decoder's, never past the model's context `limit`."""
+    capacity = max(positions, 2 * current.max_positions if current else 1024)
+    return min(capacity, limit or capacity)
+
+
+def gpu_supported(sm: StreamingModel) -> bool:
+    from smoe.runtime.cpu import compiled as fast_decode
+
+    return fast_decode.supports(sm)
+
+
+def default_gpu_cache_bytes(sm: StreamingModel) -> int:
+    """Every expert when they fit in 80% of the GPU memory free after the trunk, else that 80%."""
+    from smoe.runtime.gpu.cache import blob_slot_bytes
+
+    everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
+    free, _ = torch.cuda.mem_get_info(sm.device)
+    trunk = sum(p.numel() * p.element_size() for p in sm.model.parameters() if p.device.type != "meta")
+    return int(min(everything, 0.8 * max(free - trunk, 0)))
+
+
+def as_sized(prepared) -> tuple[object, int]:
+    return prepared, prepared.nbytes
+

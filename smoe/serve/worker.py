@@ -1,0 +1,279 @@
+"""The server's engine: one model, one worker thread running requests one at a time in arrival order.
+
+Request handlers run on the event loop; generation runs on the worker thread. A request becomes a
+`Job` on a FIFO queue; the worker posts the job's text and its outcome back to the event loop
+through the job's asyncio queue. Setting `Job.cancelled` (its client went away) stops generation at
+the next token, or skips the job if it has not started yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from smoe.runtime.generate import eos_ids, generate
+from smoe.hf.tokenizer import chat_prompt
+from smoe.runtime.sampling import SamplingParams, TokenLogprob
+
+log = logging.getLogger("smoe.serve.server")
+
+
+class Overloaded(Exception):
+    """More requests are waiting than the server accepts."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None  # report each token's logprob and this many alternatives
+    prompt_logprobs: bool = False  # and those of the prompt's tokens (completions' echo)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+                              self.frequency_penalty, self.presence_penalty, self.seed)
+
+
+@dataclass
+class Outcome:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish: str  # "eos" (end of text), "stop_sequence", "length" (max_tokens) or "cancelled"
+    stop_sequence: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the generated tokens, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., when asked
+
+
+# the jobs of the HTTP request being handled, for its access-log line (set by smoe.serve.server.AccessLog)
+REQUEST_JOBS: contextvars.ContextVar[list | None] = contextvars.ContextVar("smoe_request_jobs", default=None)
+
+
+class Job:
+    def __init__(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop):
+        self.prompt, self.sampling, self.loop = prompt, sampling, loop
+        self.stats = None  # the GenerationStats, once it ran
+        if (request_jobs := REQUEST_JOBS.get()) is not None:
+            request_jobs.append(self)
+        # ("text", str), ("logprobs" or "prompt_logprobs", [TokenLogprob]) ..., then ("done", Outcome) or ("error", str)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def post(self, kind: str, value) -> None:
+        """Called from the worker thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+class TextStream:
+    """Token ids in, text out: holds back text that could be the start of a stop sequence, and ends
+    the text just before the first stop sequence. Decoding the whole sequence each time keeps
+    multi-byte characters and tokenizer spacing intact."""
+
+    def __init__(self, decode, stops: tuple[str, ...]):
+        self.decode, self.stops = decode, [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.text, self.sent, self.stop_sequence = "", 0, None
+
+    def push(self, token: int) -> str:
+        """The new text that is safe to send."""
+        self.tokens.append(token)
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
+            return ""
+        self.text = text
+        hit = min(((text.find(s), s) for s in self.stops if s in text), default=None)
+        if hit:
+            self.text, self.stop_sequence = text[:hit[0]], hit[1]
+            return self._take(len(self.text))
+        return self._take(len(text) - self.hold)
+
+    def finish(self) -> str:
+        """The text held back, once generation has ended."""
+        if self.stop_sequence is None and self.tokens:
+            self.text = self.decode(self.tokens)  # including a last character left incomplete
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+class Metrics:
+    """Counters over the server's life, plus the running and the last finished request."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.completed = self.cancelled = self.failed = 0
+        self.prompt_tokens = self.generated_tokens = 0
+        self.decoded_tokens, self.decode_seconds = 0, 0.0
+        self.last: dict | None = None
+        self.current: dict | None = None  # {"tokens", "since"} of the running request
+
+    def finished(self, stats, outcome: str) -> None:
+        if outcome == "cancelled":
+            self.cancelled += 1
+        else:
+            self.completed += 1
+        if stats is None:
+            return
+        self.prompt_tokens += stats.prompt_tokens
+        self.generated_tokens += stats.generated_tokens
+        if stats.decode_tok_s:
+            self.decoded_tokens += stats.generated_tokens - 1
+            self.decode_seconds += (stats.generated_tokens - 1) / stats.decode_tok_s
+        self.last = stats.as_dict()
+
+    def snapshot(self) -> dict:
+        current = self.current
+        running = None
+        if current:
+            elapsed = time.perf_counter() - current["since"]
+            running = {"generated_tokens": current["tokens"], "tok_s": current["tokens"] / elapsed if elapsed else 0.0}
+        return {
+            "uptime_s": time.time() - self.started,
+            "requests": {"completed": self.completed, "cancelled": self.cancelled, "failed": self.failed},
+            "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens},
+            "decode_tok_s": self.decoded_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+            "running": running,
+            "last_request": self.last,
+        }
+
+
+class Engine:
+    """Owns the model and the tokenizer; `submit` queues a job, the worker thread runs the queue."""
+
+    def __init__(self, sm, tokenizer, model_id: str, max_queue: int = 64):
+        self.sm, self.tokenizer, self.model_id, self.max_queue = sm, tokenizer, model_id, max_queue
+        self.tokenizer_lock = threading.Lock()  # the event loop encodes while the worker decodes
+        self.eos = eos_ids(sm.model)
+        self.jobs: queue.Queue = queue.Queue()
+        self.waiting = 0  # queued or running; changed by both threads, under waiting_lock
+        self.waiting_lock = threading.Lock()
+        self.metrics = Metrics()
+        self.stopping = threading.Event()  # the server is shutting down: cancel everything
+        self.worker = threading.Thread(target=self._work, name="smoe-generate", daemon=True)
+
+    @property
+    def context(self) -> int | None:
+        return self.sm.max_positions
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.jobs.put(None)
+        self.worker.join(timeout=30)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        with self.tokenizer_lock:
+            return list(chat_prompt(self.tokenizer, messages))
+
+    def encode_text(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def decode(self, tokens: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def decode_prefixes(self, tokens: list[int]) -> list[str]:
+        """The text of tokens[:i] for each i in 0..len: exact character offsets of every token."""
+        with self.tokenizer_lock:
+            return self.tokenizer.batch_decode([tokens[:i] for i in range(len(tokens) + 1)], skip_special_tokens=True)
+
+    def token_strings(self, tokens: list[int]) -> list[str]:
+        """Each token's own vocabulary entry, for logprobs (special tokens included)."""
+        with self.tokenizer_lock:
+            return self.tokenizer.convert_ids_to_tokens(tokens)
+
+    def submit(self, prompt: list[int], sampling: Sampling) -> Job:
+        job = Job(prompt, sampling, asyncio.get_running_loop())
+        with self.waiting_lock:
+            if self.waiting >= self.max_queue:
+                raise Overloaded(f"{self.waiting} requests are already waiting (the limit is {self.max_queue})")
+            self.waiting += 1
+        self.jobs.put(job)
+        return job
+
+    def metrics_snapshot(self) -> dict:
+        store = self.sm.store
+        cache = store.stats.as_dict() | {"capacity_bytes": store.cache_bytes}
+        return {"model": self.model_id, **self.metrics.snapshot(), "queued_or_running": self.waiting, "cache": cache}
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                self._run(job)
+            finally:
+                self.metrics.current = None
+                with self.waiting_lock:
+                    self.waiting -= 1
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set() or self.stopping.is_set():  # its client left while it waited
+            self.metrics.finished(None, "cancelled")
+            return
+        s = job.sampling
+        stream = TextStream(self.decode, s.stop)
+        self.metrics.current = {"tokens": 0, "since": time.perf_counter()}
+
+        logprobs, prompt_logprobs = [], []
+
+        def on_logprob(entry: TokenLogprob) -> None:
+            logprobs.append(entry)
+            job.post("logprobs", [entry])
+
+        def on_prompt_logprobs(entries: list[TokenLogprob]) -> None:
+            prompt_logprobs.extend(entries)
+            job.post("prompt_logprobs", entries)
+
+        def on_token(token: int) -> bool:
+            self.metrics.current["tokens"] += 1
+            delta = stream.push(token)
+            if delta:
+                job.post("text", delta)
+            return stream.stop_sequence is None and not job.cancelled.is_set() and not self.stopping.is_set()
+
+        try:
+            tokens, stats = generate(self.sm, job.prompt, s.max_tokens, on_token=on_token, params=s.params(),
+                                     logprobs=s.logprobs, on_logprob=on_logprob,
+                                     on_prompt_logprobs=on_prompt_logprobs if s.prompt_logprobs else None)
+        except Exception as e:  # a server-side failure (e.g. a corrupt vault): the client gets a 500
+            log.exception("generation failed")
+            self.metrics.failed += 1
+            job.post("error", f"generation failed: {e}")
+            return
+        tail = stream.finish()
+        if tail:
+            job.post("text", tail)
+        finish = self._finish_reason(stream, tokens, job)
+        job.stats = stats
+        self.metrics.finished(stats, finish)
+        job.post("done", Outcome(stream.text, len(job.prompt), len(tokens), finish, stream.stop_sequence, logprobs,
+                                 prompt_logprobs))
+
+    def _finish_reason(self, stream: TextStream, tokens: list[int], job: Job) -> str:
+        if stream.stop_sequence is not None:
+            return "stop_sequence"
+        if tokens[-1] in self.eos:
+            return "eos"
+        return "cancelled" if job.cancelled.is_set() else "length"

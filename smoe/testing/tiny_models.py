@@ -1,0 +1,310 @@
+"""Tiny random Hugging Face MoE models, one per family, for tests.
+
+Each model is a few hundred kB: hidden size 64, 2-4 decoder layers (MoE layers and, where the
+family has them, dense layers), 4-6 routed experts of width 24, vocabulary 128.  Families are named
+by their text model's model_type ("gemma4_text"); the family name ("gemma4") is accepted too.
+`save_tiny_model` writes one with `save_pretrained` (safetensors), its routed experts laid out the
+way the family's released checkpoints store them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from smoe.errors import SmoeError
+
+# Shared by every family: small enough to build and save in well under a second.
+_BASE = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+_DEEPSEEK_ATTENTION = {  # MLA with small ranks
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "head_dim": 8,  # MLA ropes only qk_rope_head_dim; a larger head_dim breaks the forward pass
+    "num_key_value_heads": 4,  # MLA: one key/value head per query head
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+# family -> config overrides on top of _BASE.  Layer counts are chosen so that dense layers (where
+# the family has them) sit beside MoE layers, which the matcher must tell apart.
+TINY_CONFIGS: dict[str, dict] = {
+    "qwen2_moe": {
+        "num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 48, "mlp_only_layers": [0],
+    },
+    "qwen3_moe": {
+        "num_hidden_layers": 4, "num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 96,
+        "moe_intermediate_size": 24, "decoder_sparse_step": 2,
+    },
+    "qwen3_next": {
+        # at least one full-attention layer, or the model cannot be built
+        "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    },
+    "qwen3_5_moe_text": {
+        "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    },
+    "olmoe": {"num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24},
+    "deepseek_v2": {
+        "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "topk_method": "greedy", **_DEEPSEEK_ATTENTION,
+    },
+    "deepseek_v3": {
+        "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "intermediate_size": 96, "moe_intermediate_size": 24,
+        **_DEEPSEEK_ATTENTION,
+    },
+    "mistral4": {
+        "num_hidden_layers": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 0, "intermediate_size": 96, "moe_intermediate_size": 24,
+        # its default YaRN rope does not fit heads this small
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                            "original_max_position_embeddings": 128}, **_DEEPSEEK_ATTENTION,
+    },
+    "glm4_moe": {
+        "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "n_group": 1, "topk_group": 1,
+    },
+    "mixtral": {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24},
+    "minimax": {
+        "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"], "block_size": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+    },
+    "minimax_m2": {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24},
+    "phimoe": {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24},
+    "jamba": {
+        # layer 0 mamba + dense MLP, layer 1 attention + MoE (expert layers: i % period == offset)
+        "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+        "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 2, "attn_layer_offset": 1,
+        "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8, "use_mamba_kernels": False,
+    },
+    "gpt_oss": {
+        "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "llama4_text": {
+        # MoE every second layer: layers 1 and 3; layers 0 and 2 have a dense feed_forward
+        "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size": 24,
+        "intermediate_size_mlp": 96, "interleave_moe_layer_step": 2, "attention_chunk_size": 32,
+    },
+    "granitemoe": {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24},
+    "granitemoeshared": {
+        "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24,
+        "shared_intermediate_size": 48,
+    },
+    "granitemoehybrid": {
+        "num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 24, "shared_intermediate_size": 48,
+        "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+    },
+    "gemma4_text": {
+        "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16,
+        "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "intermediate_size": 96,
+        "moe_intermediate_size": 24, "hidden_size_per_layer_input": 0, "num_global_key_value_heads": 2,
+        "global_head_dim": 16,
+    },
+    "nemotron_h": {
+        # mamba, MoE, attention, MoE.  The shared expert defaults to a very large width: set it.
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"],
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "intermediate_size": 96,
+        "moe_intermediate_size": 24, "moe_shared_expert_intermediate_size": 48,
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1, "chunk_size": 16,
+        "use_mamba_kernels": False,
+    },
+    "ernie4_5_moe": {
+        "num_hidden_layers": 3, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1,
+        "intermediate_size": 96, "moe_intermediate_size": 24, "moe_layer_start_index": 1,
+    },
+    "hunyuan_v1_moe": {
+        "num_hidden_layers": 2, "num_experts": 4, "moe_topk": 2, "intermediate_size": 24,
+    },
+    "dots1": {
+        "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "intermediate_size": 96, "moe_intermediate_size": 24,
+    },
+    "lfm2_moe": {
+        "num_hidden_layers": 3, "num_dense_layers": 1, "num_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 96, "moe_intermediate_size": 24,
+        "layer_types": ["conv", "full_attention", "conv"],
+    },
+    "exaone_moe": {
+        "num_hidden_layers": 3, "first_k_dense_replace": 1, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_shared_experts": 1, "intermediate_size": 96, "moe_intermediate_size": 24, "n_group": 1,
+        "topk_group": 1,
+    },
+    "afmoe": {
+        "num_hidden_layers": 3, "num_dense_layers": 1, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_shared_experts": 1, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "global_attn_every_n_layers": 2, "sliding_window": 16,
+    },
+    "dbrx": {
+        # DBRX names its sizes differently; rope_theta and clip_qkv must be given
+        "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 128, "vocab_size": 128,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 24},
+    },
+}
+
+# How the family's released checkpoints store routed experts where transformers saves them otherwise:
+# gemma4 releases per-expert tensors (transformers saves them fused), the official qwen3.5-MoE
+# release is fused (transformers saves it per expert).
+RELEASED_LAYOUT = {"gemma4_text": "per_expert", "qwen3_5_moe_text": "fused"}
+
+# Text-only CausalLM classes that AutoModelForCausalLM does not map.
+_CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+
+
+def tiny_families() -> list[str]:
+    return sorted(TINY_CONFIGS)
+
+
+# family names (smoe.source.families) whose tiny model is their text-only model_type
+_TEXT_MODEL = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def tiny_config(family: str):
+    from transformers import AutoConfig
+
+    family = _TEXT_MODEL.get(family, family)
+    if family not in TINY_CONFIGS:
+        raise SmoeError(f"no tiny model for family {family!r}; have: {', '.join(tiny_families())}")
+    overrides = TINY_CONFIGS[family]
+    kwargs = dict(overrides) if family == "dbrx" else {**_BASE, **overrides}
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A randomly initialised text-only CausalLM of `family`, in float32, in eval mode."""
+    import transformers
+
+    family = _TEXT_MODEL.get(family, family)
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    if family in _CAUSAL_LM:
+        model = getattr(transformers, _CAUSAL_LM[family])(config)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config leaves some parameters (fused experts, norms) constant: give every parameter
+    # distinct random values, so that a wrong slice can never compare equal by accident.
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model.float().eval()
+
+
+def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0, layout: str | None = None):
+    """Save a tiny model of `family` to `out_dir` (config.json + model.safetensors); return the model.
+
+    layout: None stores the routed experts the way the family's released checkpoints do;
+    "per_expert" rewrites fused experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] as
+    experts.E.{gate,up,down}_proj.weight, and "fused" does the reverse.
+    """
+    out_dir = Path(out_dir)
+    family = _TEXT_MODEL.get(family, family)
+    model = tiny_model(family, seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    layout = layout or RELEASED_LAYOUT.get(family)
+    if layout == "per_expert":
+        _rewrite(out_dir / "model.safetensors", _split_experts)
+    elif layout == "fused":
+        _rewrite(out_dir / "model.safetensors", _fuse_experts)
+    elif layout is not None:
+        raise SmoeError(f"unknown expert layout {layout!r} (per_expert, fused)")
+    save_tiny_tokenizer(out_dir, model.config.get_text_config().vocab_size)
+    return model
+
+
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times; "
+    "the sea was calm and the old man rowed out before the sun rose over the water."
+)
+
+
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A character-level BPE small enough for a tiny vocabulary, so tiny models can generate text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(set(TOKENIZER_TEXT))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, special_tokens=["<unk>", "</s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(out_dir)
+
+
+def _rewrite(path: Path, transform) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_file(transform(load_file(path)), path, metadata={"format": "pt"})
+
+
+_FUSED = re.compile(r"^(?P<experts>.*experts)\.(?P<leaf>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<experts>.*experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _split_experts(tensors: dict) -> dict:
+    out = {}
+    for name, tensor in tensors.items():
+        m = _FUSED.match(name)
+        if not m:
+            out[name] = tensor
+            continue
+        for e in range(tensor.shape[0]):
+            if m["leaf"] == "down_proj":
+                out[f"{m['experts']}.{e}.down_proj.weight"] = tensor[e].clone()
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[f"{m['experts']}.{e}.gate_proj.weight"] = gate.clone()
+                out[f"{m['experts']}.{e}.up_proj.weight"] = up.clone()
+    return out
+
+
+def _fuse_experts(tensors: dict) -> dict:
+    out, groups = {}, {}
+    for name, tensor in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            groups.setdefault(m["experts"], {})[(m["proj"], int(m["e"]))] = tensor
+        else:
+            out[name] = tensor
+    for experts, parts in groups.items():
+        count = 1 + max(e for _, e in parts)
+        out[f"{experts}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[("gate_proj", e)], parts[("up_proj", e)]]) for e in range(count)])
+        out[f"{experts}.down_proj"] = torch.stack([parts[("down_proj", e)] for e in range(count)])
+    return out
+
+
+if __name__ == "__main__":  # python -m smoe.testing.tiny_models OUT_DIR: one folder per family
+    import sys
+
+    root = Path(sys.argv[1])
+    for fam in tiny_families():
+        save_tiny_model(fam, root / fam)
+        print(fam, json.loads((root / fam / "config.json").read_text())["model_type"])
