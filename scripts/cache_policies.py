@@ -23,7 +23,7 @@ def record(vault: str, text: str, tokens: int) -> list[tuple[int, int]]:
     ids = token_stream(AutoTokenizer.from_pretrained(vault), text, tokens)
     trace, get = [], sm.store.get
     sm.store.get = lambda layer, experts: (trace.extend((layer, e) for e in dict.fromkeys(experts)), get(layer, experts))[1]
-    dec = sm.lean_decoder(len(ids) + 1)
+    dec = sm.fast_decoder(len(ids) + 1)
     with torch.inference_mode():
         for t in ids:
             dec.forward([t])

@@ -20,7 +20,7 @@ def main() -> int:
     bad = 0
     for name, w in cases():
         for bits in codec.DEPTHS:
-            ref = codec.encode(w, bits, encoder="reference")
+            ref = codec.encode(w, bits, backend="reference")
             gpu = codec.encode(w.cuda(), bits)
             same = torch.equal(ref[0], gpu[0].cpu()) and torch.equal(ref[1], gpu[1].cpu())
             bad += not same

@@ -33,16 +33,16 @@ def mixed_magnitudes(n=64 * 40, seed=1):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_numba_encoder_matches_the_reference_bit_for_bit(shape, bits):
     w = gaussian(shape)
-    ref = codec.encode(w, bits, encoder="reference")
-    fast = codec.encode(w, bits, encoder="numba")
+    ref = codec.encode(w, bits, backend="reference")
+    fast = codec.encode(w, bits, backend="numba")
     assert torch.equal(ref[0], fast[0]) and torch.equal(ref[1], fast[1])
 
 
 @pytest.mark.parametrize("bits", codec.DEPTHS)
 def test_numba_encoder_matches_the_reference_on_denormals_zeros_and_large_values(bits):
     w = mixed_magnitudes()
-    ref = codec.encode(w, bits, encoder="reference")
-    fast = codec.encode(w, bits, encoder="numba")
+    ref = codec.encode(w, bits, backend="reference")
+    fast = codec.encode(w, bits, backend="numba")
     assert torch.equal(ref[0], fast[0]) and torch.equal(ref[1], fast[1])
 
 
@@ -52,7 +52,7 @@ def test_triton_encoder_matches_numba_bit_for_bit_under_the_interpreter(tmp_path
     script = (
         "import sys, torch; from smoe.format import codec\n"
         "cases = torch.load(sys.argv[1])\n"
-        "out = {(k, b): codec.encode(w, b, encoder='triton') for k, w in cases.items() for b in (2, 4)}\n"
+        "out = {(k, b): codec.encode(w, b, backend='triton') for k, w in cases.items() for b in (2, 4)}\n"
         "torch.save(out, sys.argv[2])\n"
     )
     torch.save(cases, tmp_path / "in.pt")
@@ -61,7 +61,7 @@ def test_triton_encoder_matches_numba_bit_for_bit_under_the_interpreter(tmp_path
                    check=True, env=env, timeout=600)
     out = torch.load(tmp_path / "out.pt")
     for (name, bits), (codes, scales) in out.items():
-        expect = codec.encode(cases[name], bits, encoder="numba")
+        expect = codec.encode(cases[name], bits, backend="numba")
         assert torch.equal(codes, expect[0]) and torch.equal(scales, expect[1]), (name, bits)
 
 

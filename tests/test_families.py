@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from smoe.source import families
 from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.source.families import load_bias, load_projection, plan_experts
+from smoe.source.families import load_bias, load_projection, map_experts
 from smoe.testing.tiny_models import save_tiny_model, tiny_families
 
 FIXTURES = Path(__file__).parents[1] / ".." / "shared" / "fixtures" / "real-checkpoints"
@@ -106,7 +106,7 @@ def tiny(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{family}-{layout}")
             model = save_tiny_model(family, out, seed=1, layout=layout)
             ckpt = Checkpoint(out)
-            cache[(family, layout)] = model, ckpt, plan_experts(ckpt.config, ckpt.names())
+            cache[(family, layout)] = model, ckpt, map_experts(ckpt.config, ckpt.names())
         return cache[(family, layout)]
 
     return get
@@ -234,9 +234,9 @@ def test_real_checkpoint_index_yields_exact_expert_count(d):
     if facts["fused"] and not facts["experts_in_config"]:
         # fused experts and a config without MoE numbers: the count must be asked for, not guessed
         with pytest.raises(SmoeError, match="--num-experts"):
-            plan_experts(ckpt.config, ckpt.names())
+            map_experts(ckpt.config, ckpt.names())
         num_experts = facts["experts"]
-    plan = plan_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
+    plan = map_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
     print(f"{d.name}: {plan.family} {len(plan.moe_layers)} layers x {plan.num_experts} experts")
     assert len(plan.moe_layers) == facts["layers"]
     assert (plan.moe_layers[0], plan.moe_layers[-1]) == (facts["first"], facts["last"])
@@ -274,8 +274,8 @@ def test_moondream_fused_fc1_fc2_only_in_blocks_with_a_router(tmp_path):
     tensors["model.vision.blocks.0.mlp.fc1.weight"] = torch.randn(E, 2 * I, H)  # a tower: not the decoder
     ckpt = write_checkpoint(tmp_path, {"model_type": "moondream3"}, tensors)
     with pytest.raises(SmoeError, match="--num-experts"):
-        plan_experts(ckpt.config, ckpt.names())
-    plan = plan_experts(ckpt.config, ckpt.names(), num_experts=E)
+        map_experts(ckpt.config, ckpt.names())
+    plan = map_experts(ckpt.config, ckpt.names(), num_experts=E)
     assert plan.moe_layers == [1, 2] and len(plan.experts) == 2 * E
     fc1, fc2 = tensors["model.text.blocks.2.mlp.fc1.weight"], tensors["model.text.blocks.2.mlp.fc2.weight"]
     got = [load_projection(ckpt, s) for s in plan.experts[(2, 1)]]
@@ -295,7 +295,7 @@ def test_mlx_switch_mlp_is_read_per_expert_without_transpose(tmp_path):
     config = {"model_type": "qwen3_moe", "num_experts": E, "num_hidden_layers": 1, "hidden_size": H,
               "moe_intermediate_size": I}
     ckpt = write_checkpoint(tmp_path, config, tensors)
-    plan = plan_experts(ckpt.config, ckpt.names())
+    plan = map_experts(ckpt.config, ckpt.names())
     for src, p in zip(plan.experts[(0, 2)], ("gate_proj", "up_proj", "down_proj")):
         torch.testing.assert_close(load_projection(ckpt, src), tensors[f"model.layers.0.mlp.switch_mlp.{p}.weight"][2])
 
@@ -321,7 +321,7 @@ def test_gpt_oss_mxfp4_experts_are_stored_out_by_in(tmp_path):
     config = {"model_type": "gpt_oss", "num_local_experts": E, "num_hidden_layers": 1,
               "quantization_config": {"quant_method": "mxfp4"}}
     ckpt = write_checkpoint(tmp_path, config, tensors)
-    plan = plan_experts(ckpt.config, ckpt.names())
+    plan = map_experts(ckpt.config, ckpt.names())
     gate_up = source_quant.dequant_mxfp4(gu_b[1], gu_s[1])
     down = source_quant.dequant_mxfp4(d_b[1], d_s[1])
     got = {s.role: load_projection(ckpt, s) for s in plan.experts[(0, 1)]}
@@ -342,76 +342,76 @@ QWEN = {"model_type": "qwen3_moe", "num_experts": 4, "num_hidden_layers": 2, "nu
 
 
 def test_matcher_counts_layers_times_experts_from_config():
-    plan = plan_experts(QWEN, qwen_names(range(2), range(4)))
+    plan = map_experts(QWEN, qwen_names(range(2), range(4)))
     assert (plan.family, plan.moe_layers, plan.num_experts, plan.top_k) == ("qwen3_moe", [0, 1], 4, 2)
     assert len(plan.experts) == 8
 
 
 def test_unknown_model_type_is_named_with_the_supported_list():
     with pytest.raises(SmoeError, match=r"'frobnitz_moe'.*qwen3_moe.*deepseek_v3"):
-        plan_experts({"model_type": "frobnitz_moe", "num_experts": 4}, qwen_names(range(2), range(4)))
+        map_experts({"model_type": "frobnitz_moe", "num_experts": 4}, qwen_names(range(2), range(4)))
 
 
 def test_matcher_raises_when_an_expert_projection_is_missing():
     names = qwen_names(range(2), range(4))
     names.remove("model.layers.1.mlp.experts.2.up_proj.weight")
     with pytest.raises(SmoeError, match=r"1 expert projections missing \(first: layer 1 expert 2 up\)"):
-        plan_experts(QWEN, names)
+        map_experts(QWEN, names)
 
 
 def test_matcher_raises_when_a_whole_expert_is_missing():
     names = [n for n in qwen_names(range(2), range(4)) if ".experts.3." not in n or "layers.0." in n]
     with pytest.raises(SmoeError, match=r"3 expert projections missing \(first: layer 1 expert 3 gate"):
-        plan_experts(QWEN, names)
+        map_experts(QWEN, names)
 
 
 def test_matcher_raises_when_a_moe_layer_has_no_experts():
     with pytest.raises(SmoeError, match=r"layer 1 expert 0 gate"):
-        plan_experts(QWEN, qwen_names([0], range(4)))
+        map_experts(QWEN, qwen_names([0], range(4)))
 
 
 def test_matcher_raises_when_config_promises_more_experts_than_stored():
     with pytest.raises(SmoeError, match=r"2 MoE layers x 6 experts.*missing"):
-        plan_experts({**QWEN, "num_experts": 6}, qwen_names(range(2), range(4)))
+        map_experts({**QWEN, "num_experts": 6}, qwen_names(range(2), range(4)))
 
 
 def test_matcher_raises_when_checkpoint_has_more_experts_than_config():
     with pytest.raises(SmoeError, match=r"beyond that \(expert ids up to 3\)"):
-        plan_experts({**QWEN, "num_experts": 2}, qwen_names(range(2), range(4)))
+        map_experts({**QWEN, "num_experts": 2}, qwen_names(range(2), range(4)))
 
 
 def test_matcher_raises_when_experts_sit_in_a_layer_the_config_calls_dense():
     with pytest.raises(SmoeError, match=r"layers 0 that should have none|layers 0, .*should have none"):
-        plan_experts({**QWEN, "mlp_only_layers": [0]}, qwen_names(range(2), range(4)))
+        map_experts({**QWEN, "mlp_only_layers": [0]}, qwen_names(range(2), range(4)))
 
 
 def test_zero_experts_in_config_is_not_a_moe_model():
     with pytest.raises(SmoeError, match="not a mixture-of-experts"):
-        plan_experts({**QWEN, "num_experts": 0}, qwen_names(range(2), range(4)))
+        map_experts({**QWEN, "num_experts": 0}, qwen_names(range(2), range(4)))
 
 
 def test_fused_experts_without_numbers_ask_for_num_experts():
     names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
     with pytest.raises(SmoeError, match="--num-experts"):
-        plan_experts({"model_type": "qwen3_5_moe_text"}, names)
-    assert len(plan_experts({"model_type": "qwen3_5_moe_text"}, names, num_experts=5).experts) == 5
+        map_experts({"model_type": "qwen3_5_moe_text"}, names)
+    assert len(map_experts({"model_type": "qwen3_5_moe_text"}, names, num_experts=5).experts) == 5
 
 
 def test_no_config_counts_from_names_and_picks_the_family_by_naming():
-    plan = plan_experts({}, qwen_names(range(3), range(5)))
+    plan = map_experts({}, qwen_names(range(3), range(5)))
     assert (plan.family, plan.moe_layers, plan.num_experts) == ("qwen3_moe", [0, 1, 2], 5)
     mixtral = [f"model.layers.0.block_sparse_moe.experts.{e}.w{i}.weight" for e in range(2) for i in (1, 2, 3)]
-    assert plan_experts({}, mixtral).family == "mixtral"
+    assert map_experts({}, mixtral).family == "mixtral"
     with pytest.raises(SmoeError, match="no routed-expert tensors"):
-        plan_experts({}, ["model.layers.0.mlp.gate_proj.weight"])
+        map_experts({}, ["model.layers.0.mlp.gate_proj.weight"])
     with pytest.raises(SmoeError, match="fit several families"):
-        plan_experts({}, qwen_names(range(1), range(2)) + mixtral)
+        map_experts({}, qwen_names(range(1), range(2)) + mixtral)
 
 
 def test_no_config_reports_a_gap_in_expert_ids():
     names = [n for n in qwen_names(range(2), range(4)) if ".experts.1." not in n or "layers.1." in n]
     with pytest.raises(SmoeError, match="layer 0 expert 1 gate"):
-        plan_experts({}, names)
+        map_experts({}, names)
 
 
 @pytest.mark.parametrize("config,family", [
@@ -425,14 +425,14 @@ def test_no_config_reports_a_gap_in_expert_ids():
                                                    "num_hidden_layers": 2}}, "qwen3_5_moe"),
 ])
 def test_aliases_and_nested_text_configs_resolve_to_a_family(config, family):
-    plan = plan_experts(config, qwen_names(range(2), range(4)))
+    plan = map_experts(config, qwen_names(range(2), range(4)))
     assert plan.family == family and len(plan.experts) == 8
 
 
 def test_minimax_m1_uses_mixtral_naming():
     names = [f"model.layers.{layer}.block_sparse_moe.experts.{e}.w{i}.weight"
              for layer in range(2) for e in range(3) for i in (1, 2, 3)]
-    plan = plan_experts({"model_type": "minimax_m1", "num_local_experts": 3, "num_hidden_layers": 2}, names)
+    plan = map_experts({"model_type": "minimax_m1", "num_local_experts": 3, "num_hidden_layers": 2}, names)
     assert plan.family == "mixtral" and [s.name.rsplit(".", 2)[1] for s in plan.experts[(0, 0)]] == ["w1", "w3", "w2"]
 
 
@@ -454,7 +454,7 @@ def test_minimax_m1_uses_mixtral_naming():
 ])
 def test_config_conventions_for_which_layers_are_moe(extra, layers):
     config = {"model_type": "qwen3_moe", "num_experts": 2, "num_hidden_layers": 6, **extra}
-    assert plan_experts(config, qwen_names(layers, range(2))).moe_layers == layers
+    assert map_experts(config, qwen_names(layers, range(2))).moe_layers == layers
 
 
 def test_top_k_and_expert_count_key_spellings():
@@ -462,11 +462,11 @@ def test_top_k_and_expert_count_key_spellings():
                                                     "top_k_experts": 1, "num_hidden_layers": 1}}
     names = [f"model.language_model.layers.0.experts.{e}.{r}.weight" for e in range(2)
              for r in ("gate_proj", "up_proj", "down_proj")]
-    plan = plan_experts(base, names)
+    plan = map_experts(base, names)
     assert (plan.num_experts, plan.top_k) == (2, 1)
     dbrx = {"model_type": "dbrx", "d_model": 8, "n_layers": 1,
             "ffn_config": {"moe_num_experts": 3, "moe_top_k": 2, "ffn_hidden_size": 4}}
-    plan = plan_experts(dbrx, [f"transformer.blocks.0.ffn.experts.mlp.{w}" for w in ("w1", "v1", "w2")])
+    plan = map_experts(dbrx, [f"transformer.blocks.0.ffn.experts.mlp.{w}" for w in ("w1", "v1", "w2")])
     assert (plan.num_experts, plan.top_k, plan.expert_shapes()["down"]) == (3, 2, (8, 4))
 
 
@@ -474,16 +474,16 @@ def test_multi_token_prediction_layer_numbered_after_the_decoder_counts_where_pr
     # DeepSeek-V3 stores its MTP layer as model.layers.61 (of 61), with routed experts
     config = {"model_type": "deepseek_v3", "n_routed_experts": 2, "num_hidden_layers": 3,
               "first_k_dense_replace": 1, "num_nextn_predict_layers": 1}
-    assert plan_experts(config, qwen_names([1, 2, 3], range(2))).moe_layers == [1, 2, 3]
-    assert plan_experts(config, qwen_names([1, 2], range(2))).moe_layers == [1, 2]
+    assert map_experts(config, qwen_names([1, 2, 3], range(2))).moe_layers == [1, 2, 3]
+    assert map_experts(config, qwen_names([1, 2], range(2))).moe_layers == [1, 2]
     with pytest.raises(SmoeError, match="should have none"):
-        plan_experts({**config, "num_nextn_predict_layers": 0}, qwen_names([1, 2, 3], range(2)))
+        map_experts({**config, "num_nextn_predict_layers": 0}, qwen_names([1, 2, 3], range(2)))
 
 
 def test_experts_of_a_separate_mtp_module_are_neither_counted_nor_trunk():
     config = {"model_type": "qwen3_next", "num_experts": 2, "num_hidden_layers": 2, "mtp_num_hidden_layers": 1}
     mtp = qwen_names([0], range(2), prefix="mtp.layers")
-    plan = plan_experts(config, qwen_names(range(2), range(2)) + mtp)
+    plan = map_experts(config, qwen_names(range(2), range(2)) + mtp)
     assert plan.moe_layers == [0, 1] and len(plan.experts) == 4
     assert {n for n in mtp if ".experts." in n} <= plan.expert_names
     assert "mtp.layers.0.mlp.gate.weight" not in plan.expert_names
@@ -491,14 +491,14 @@ def test_experts_of_a_separate_mtp_module_are_neither_counted_nor_trunk():
 
 def test_experts_of_a_vision_tower_stay_in_the_trunk():
     names = qwen_names(range(2), range(4)) + qwen_names([0], range(2), prefix="model.vision.layers")
-    plan = plan_experts(QWEN, names)
+    plan = map_experts(QWEN, names)
     assert len(plan.experts) == 8
     assert not any("vision" in n for n in plan.expert_names)
 
 
 def test_quantisation_leftovers_of_an_expert_are_not_trunk():
     names = qwen_names(range(2), range(4)) + ["model.layers.0.mlp.experts.1.up_proj.input_scale"]
-    assert "model.layers.0.mlp.experts.1.up_proj.input_scale" in plan_experts(QWEN, names).expert_names
+    assert "model.layers.0.mlp.experts.1.up_proj.input_scale" in map_experts(QWEN, names).expert_names
 
 
 def test_supported_families_cover_the_required_set():

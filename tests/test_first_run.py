@@ -14,7 +14,7 @@ from smoe.format import codec
 from smoe.cli import demo
 from smoe.errors import SmoeError
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import plan_experts
+from smoe.source.families import map_experts
 from smoe.source.inspect import format_report, inspect_path
 from smoe.convert.sculpt import SculptReport, sculpt
 from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
@@ -92,7 +92,7 @@ def test_quantize_summary_calls_a_mixed_vault_mixed(capsys):
 
 def test_sculpt_and_inspect_name_a_mixed_vault_by_the_shares_it_holds(tiny, tmp_path):
     ckpt = Checkpoint(tiny / "model")
-    moe = plan_experts(ckpt.config, ckpt.names())
+    moe = map_experts(ckpt.config, ckpt.names())
     depths = {(layer, role): 4 if role == "down" else 2 for layer in moe.moe_layers for role in moe.roles}
     report = sculpt(tiny / "model", tmp_path / "mixed", plan=depths, progress=False)
     assert report.depth == "mixed (33% Q4, 67% Q2)"  # down is a third of each expert's weights

@@ -37,7 +37,7 @@ CASES = [(c, i, r) for c, inputs in READS.items() for i in inputs for r in RELAT
 def sources(tmp_path_factory) -> dict[str, Path]:
     """A tiny model, its vault, a calibration text and a plan for the model."""
     from smoe.source.checkpoint import Checkpoint
-    from smoe.source.families import plan_experts
+    from smoe.source.families import map_experts
     from smoe.convert.sculpt import sculpt
     from smoe.quality.sensitivity import UNITS
     from smoe.testing.tiny_models import save_tiny_model
@@ -46,7 +46,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     save_tiny_model("qwen3_moe", root / "model")
     sculpt(root / "model", root / "vault", progress=False)
     (root / "calib.txt").write_text(TOKENIZER_TEXT * 4)
-    moe = plan_experts(Checkpoint(root / "model").config, Checkpoint(root / "model").names())
+    moe = map_experts(Checkpoint(root / "model").config, Checkpoint(root / "model").names())
     plan = {"format": "smoe-plan", "version": 1, "model_type": moe.model_type, "moe_layers": moe.moe_layers,
             "num_experts": moe.num_experts, "encoder": "grid",
             "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()},

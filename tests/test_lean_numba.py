@@ -44,10 +44,10 @@ def check_steps(sm: StreamingModel, steps: int = 10) -> None:
     """Prefill 30 tokens, then one-token steps: compiled logits within fp32 tolerance of the eager lean
     path and of the transformers path, and the same greedy token wherever the margin allows."""
     ids = torch.randint(0, 100, (30 + steps,), generator=torch.Generator().manual_seed(1)).tolist()
-    lean = next_logits_function(sm, 64, "lean")
-    compiled = sm.lean_decoder(64).compiled
+    lean = next_logits_function(sm, 64, "fast")
+    compiled = sm.fast_decoder(64).compiled
     assert compiled.enabled
-    slow = next_logits_function(sm, 64, "transformers")
+    slow = next_logits_function(sm, 64, "generic")
     fast_logits, slow_logits = lean(ids[:30]), slow(ids[:30])
     assert relative_error(slow_logits, fast_logits) < TOLERANCE
     # the eager path keeps its own cache position: run it on a second decoder over the same store

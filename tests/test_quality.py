@@ -15,7 +15,7 @@ from smoe.convert import calibrate, encoders
 from smoe.format import codec
 from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.source.families import plan_experts
+from smoe.source.families import map_experts
 from smoe.quality.plan import (bits_cost, blob_nbytes, experts_file_bytes, make_plan, role_bits, solve, table_for_model,
                        write_heatmap)
 from smoe.convert.sculpt import sculpt
@@ -238,7 +238,7 @@ def test_budget_outside_the_depths_range_is_an_error(kwargs):
 
 def test_plan_that_does_not_match_the_model_is_an_error(tiny):
     ckpt = Checkpoint(tiny / "model")
-    moe = plan_experts(ckpt.config, ckpt.names())
+    moe = map_experts(ckpt.config, ckpt.names())
     with pytest.raises(SmoeError, match="does not match the model"):
         role_bits(make_plan(random_table(), budget_bits=3.0), moe)
     doc = {"moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
@@ -345,7 +345,7 @@ def test_gptq_beats_grid_on_a_trained_expert():
     if not model.exists():
         pytest.skip(f"{model} is absent: the trained-model check needs the shared models")
     ckpt = Checkpoint(model)
-    moe = plan_experts(ckpt.config, ckpt.names())
+    moe = map_experts(ckpt.config, ckpt.names())
     from smoe.source.families import load_projection
 
     src = moe.experts[(0, 0)][0]

@@ -171,10 +171,10 @@ def check_lean_against_transformers(vault: Path) -> None:
     from smoe.runtime.generate import next_logits_function
 
     sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
-    assert sm.lean_decoder(64) is not None
+    assert sm.fast_decoder(64) is not None
     ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    lean = next_logits_function(sm, 64, "lean")
-    slow = next_logits_function(sm, 64, "transformers")
+    lean = next_logits_function(sm, 64, "fast")
+    slow = next_logits_function(sm, 64, "generic")
     for chunk in (ids[:30], ids[30:31], ids[31:32], ids[32:40]):  # prefill, decode steps, a second prefill
         a, b = slow(chunk), lean(chunk)
         assert relative_error(a, b) < TOLERANCE

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from smoe.format import codec
 from smoe.source.checkpoint import Checkpoint
 from smoe.errors import SmoeError
-from smoe.source.families import load_projection, plan_experts
+from smoe.source.families import load_projection, map_experts
 from smoe.convert.sculpt import sculpt
 from smoe.testing.tiny_models import save_tiny_model, tiny_families
 from smoe.format.vault import TRUNK_FILE, Vault, verify
@@ -35,7 +35,7 @@ def tiny_qwen(tmp_path_factory):
 
 def assert_vault_holds_the_encoded_experts(model_dir: Path, vault_dir: Path, bits: int, sample: int = 4):
     ckpt = Checkpoint(model_dir)
-    plan = plan_experts(ckpt.config, ckpt.names())
+    plan = map_experts(ckpt.config, ckpt.names())
     assert verify(vault_dir) == []
     with Vault(vault_dir) as v:
         assert len(v.entries) == len(plan.experts)

@@ -21,7 +21,7 @@ import pytest
 from smoe.runtime.generate import generate
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
 from smoe.runtime.model import StreamingModel
-from smoe.serve.worker import Engine, Overloaded, Sampling, TextStream
+from smoe.serve.worker import Worker, Overloaded, Sampling, TextStream
 
 MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
 PROMPT = "The sea was"
@@ -110,17 +110,17 @@ def test_text_stream_sends_exactly_the_text_before_the_first_stop_sequence(local
 
 def test_engine_refuses_requests_beyond_its_queue_limit(local):
     sm, tok = local
-    engine = Engine(sm, tok, "m", max_queue=2)  # worker not started: submitted jobs stay queued
+    worker = Worker(sm, tok, "m", max_queue=2)  # worker not started: submitted jobs stay queued
 
     async def submit_three():
         sampling = Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=0)
-        engine.submit([1, 2], sampling)
-        engine.submit([1, 2], sampling)
+        worker.submit([1, 2], sampling)
+        worker.submit([1, 2], sampling)
         with pytest.raises(Overloaded, match="limit is 2"):
-            engine.submit([1, 2], sampling)
+            worker.submit([1, 2], sampling)
 
     asyncio.run(submit_three())
-    assert engine.waiting == 2
+    assert worker.waiting == 2
 
 
 # --- the OpenAI API -------------------------------------------------------------------------------

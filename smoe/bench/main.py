@@ -46,7 +46,7 @@ def bench_runtime_main(args) -> int:
     budgets = parse_budgets(args.budgets)
     if args.bench == "runtime":
         result = bench_runtime.bench_model(args.vault, args.ref, args.gguf, budgets, args.tokens, args.dtype,
-                                           args.threads, args.engine, args.memory_limit_gb)
+                                           args.threads, args.decoder, args.memory_limit_gb)
     else:
         result = bench_runtime.bench_synthetic(args.workdir, args.layers, args.tokens, budgets)
     result["machine"] = machine_description("cpu")
@@ -113,7 +113,7 @@ def timed(fn, dev: torch.device, repeats: int = 3) -> float:
 
 
 def bench_quantize(mb: float, device: str) -> dict:
-    """MB/s of bf16 input through the full 64-candidate search, against the plain-torch reference encoder."""
+    """MB/s of bf16 input through the full 64-candidate search, against the plain-torch reference search."""
     dev = resolve_device(device)
     rows = max(1, int(mb * 1e6 / 2 / ROW))
     w = torch.randn(rows, ROW, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(dev)
@@ -121,10 +121,10 @@ def bench_quantize(mb: float, device: str) -> dict:
     result = {"benchmark": "quantize", "device": str(dev), "input_mb": w.numel() * 2 / 1e6, "depths": []}
     for bits in (4, 2):
         fast = timed(lambda: codec.encode(w, bits), dev)
-        ref = timed(lambda: codec.encode(small, bits, encoder="reference"), dev, repeats=1)
+        ref = timed(lambda: codec.encode(small, bits, backend="reference"), dev, repeats=1)
         fast_mbs = w.numel() * 2 / fast / 1e6
         ref_mbs = small.numel() * 2 / ref / 1e6
-        result["depths"].append({"bits": bits, "encoder": "triton" if dev.type == "cuda" else "numba",
+        result["depths"].append({"bits": bits, "backend": "triton" if dev.type == "cuda" else "numba",
                                  "mb_per_s": fast_mbs, "reference_mb_per_s": ref_mbs, "speedup": fast_mbs / ref_mbs})
     return result
 
@@ -217,7 +217,7 @@ def format_result(r: dict) -> str:
     if r["benchmark"] == "quantize":
         lines.append(f"input: {r['input_mb']:.1f} MB of bf16 weights on {r['device']}")
         for d in r["depths"]:
-            lines.append(f"SMOE-Q{d['bits']} {d['encoder']:>6}: {d['mb_per_s']:8.1f} MB/s   reference encoder "
+            lines.append(f"SMOE-Q{d['bits']} {d['backend']:>6}: {d['mb_per_s']:8.1f} MB/s   reference search "
                          f"{d['reference_mb_per_s']:6.2f} MB/s   ratio {d['speedup']:.0f}x")
     else:
         lines.append(f"checkpoint {r['checkpoint_gb']:.2f} GB sculpted in {r['seconds']:.1f} s ({r['mb_per_s']:.0f} MB/s)")

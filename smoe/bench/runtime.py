@@ -70,11 +70,11 @@ torch.set_num_threads(int(sys.argv[5]))
 from smoe.runtime.model import StreamingModel
 from smoe.runtime.generate import generate
 from transformers import AutoTokenizer
-vault, cache, tokens, dtype, _, engine, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
+vault, cache, tokens, dtype, _, decoder, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
 kernel_path = sys.argv[8] if len(sys.argv) > 8 else "auto"
 sm = StreamingModel(vault, dtype=dtype, cache_bytes=cache, kernel_path=kernel_path)
 ids = AutoTokenizer.from_pretrained(vault)(prompt)["input_ids"]
-out, stats = generate(sm, ids, max_tokens=tokens, engine=engine)
+out, stats = generate(sm, ids, max_tokens=tokens, decoder=decoder)
 print(json.dumps(stats.as_dict() | {"expert_bytes_cached_max": sm.store.cache_bytes}))
 """
 
@@ -128,8 +128,8 @@ def prepared_expert_bytes(vault_dir: Path, dtype: str) -> int:
 
 
 def bench_model(vault: str, ref: str | None, gguf: str | None, budgets: list[float], tokens: int, dtype: str,
-                threads: int, engine: str, memory_limit_gb: float | None = None) -> dict:
-    """Each budget cold, in its own process; with a memory limit every engine runs in the same cgroup
+                threads: int, decoder: str, memory_limit_gb: float | None = None) -> dict:
+    """Each budget cold, in its own process; with a memory limit every decoder runs in the same cgroup
     cap, so llama.cpp's mmap cannot lean on the page cache beyond it."""
     vault_dir = Path(vault)
     total = prepared_expert_bytes(vault_dir, dtype)
@@ -137,17 +137,17 @@ def bench_model(vault: str, ref: str | None, gguf: str | None, budgets: list[flo
     rows = []
     for fraction in budgets:
         drop_page_cache(vault_dir / DATA_FILE)
-        r = child(STREAMING_RUN, vault_dir, int(total * fraction), tokens, dtype, threads, engine, PROMPT, memory_limit=limit)
+        r = child(STREAMING_RUN, vault_dir, int(total * fraction), tokens, dtype, threads, decoder, PROMPT, memory_limit=limit)
         rows.append(r | {"budget_fraction": fraction, "read_gbps": r["bytes_read"] / max(r["read_wait_s"], 1e-9) / 1e9})
-    result = {"benchmark": "runtime", "vault": vault, "dtype": dtype, "engine": engine, "threads": threads,
+    result = {"benchmark": "runtime", "vault": vault, "dtype": dtype, "decoder": decoder, "threads": threads,
               "tokens": tokens, "prepared_expert_bytes": total, "rows": rows, "baselines": {},
               "memory_limit_gb": memory_limit_gb}
-    if engine in ("auto", "lean") and not limit:
+    if decoder in ("auto", "fast") and not limit:
         # the lean path before the compiled step: eager torch ops, experts in torch's int4 form
         # (bf16; the dequant form otherwise), every expert cached
         old_path = "int4" if dtype == "bfloat16" else "dequant"
-        result["baselines"]["lean_eager"] = child(STREAMING_RUN, vault_dir, total * 4, tokens, dtype, threads, engine,
-                                                  PROMPT, old_path, env={"SMOE_COMPILED": "0"})
+        result["baselines"]["lean_eager"] = child(STREAMING_RUN, vault_dir, total * 4, tokens, dtype, threads, decoder,
+                                                  PROMPT, old_path, env={CPU_COMPILED.name: "0"})
     if ref and not limit:
         result["baselines"]["transformers_bf16_resident"] = child(TRANSFORMERS_RUN, ref, tokens, threads, PROMPT)
     if gguf:
@@ -208,6 +208,7 @@ import torch.nn.functional as F
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu.store import ExpertStore
 from smoe.format.vault import Vault
+from smoe.switches import CPU_COMPILED
 vault, cache, routing, prefetch = Vault(sys.argv[1]), int(sys.argv[2]), np.load(sys.argv[3]), sys.argv[4] == "1"
 prepare = lambda t, b: (lambda p: (p, p.nbytes))(kernels_cpu.prepare_expert(t, b, torch.bfloat16, fuse=True))
 store = ExpertStore(vault, cache, prepare)
@@ -270,7 +271,7 @@ def bench_synthetic(workdir: str, layers: int, tokens: int, budgets: list[float]
 def format_result(r: dict) -> str:
     lines = []
     if r["benchmark"] == "runtime":
-        lines.append(f"{r['vault']}: {r['tokens']} tokens greedy, {r['dtype']}, engine {r['engine']}, "
+        lines.append(f"{r['vault']}: {r['tokens']} tokens greedy, {r['dtype']}, decoder {r['decoder']}, "
                      f"{r['threads']} thread(s); all experts prepared = {r['prepared_expert_bytes'] / 1e6:.1f} MB"
                      + (f"; memory limit {r['memory_limit_gb']} GB (cgroup)" if r.get("memory_limit_gb") else ""))
         for row in r["rows"]:

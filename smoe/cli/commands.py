@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(args.vault)
     prompt = tok(check_text(args.prompt, "the prompt"), add_special_tokens=True)["input_ids"]
     streamer = None if args.json else TextStreamer(tok, sys.stdout)
-    tokens, stats = generate(sm, prompt, args.max_tokens, on_token=streamer, engine=args.engine,
+    tokens, stats = generate(sm, prompt, args.max_tokens, on_token=streamer, decoder=args.decoder,
                              params=sampling_params(args))
     if args.json:
         print(json.dumps({"text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens, "stats": stats.as_dict()}))
@@ -224,8 +224,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=numeric.PENALTY.parse, default=0.0,
                    help="subtract it from every token already in the output (-2..2, default 0)")
     p.add_argument("--seed", type=numeric.SEED.parse, default=0)
-    p.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"),
-                   help="lean: the fast decode path (Qwen3-MoE, Mixtral); transformers: the model's own modules")
+    p.add_argument("--decoder", default="auto", choices=("auto", "fast", "generic"),
+                   help="fast: the compiled decode step (Qwen3-MoE, Mixtral); generic: the model's own modules")
 
 
 def sampling_params(args):
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--tokens", type=numeric.COUNT.parse, default=128)
     br.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     br.add_argument("--threads", type=numeric.THREADS.parse, default=1)
-    br.add_argument("--engine", default="auto", choices=("auto", "lean", "transformers"))
+    br.add_argument("--decoder", default="auto", choices=("auto", "fast", "generic"))
     br.add_argument("--memory-limit-gb", type=numeric.POSITIVE_REAL.parse, help="run smoe and llama.cpp inside a memory cgroup of this size")
     br.add_argument("--json", action="store_true")
     bsy = bsub.add_parser("runtime-synthetic", help="the expert store on a synthetic several-GB vault, skewed routing")

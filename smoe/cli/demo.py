@@ -11,6 +11,7 @@ from smoe.hf.tokenizer import load_tokenizer
 from smoe.source.inspect import format_report, inspect_path
 from smoe.convert.sculpt import sculpt
 from smoe.format.vault import Vault, verify
+from smoe.switches import DEMO_MODEL
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m"
@@ -24,7 +25,7 @@ RANDOM_CAVEAT = ("note: this is a tiny model with random weights, so every figur
 def default_model(workdir: Path) -> tuple[Path, str, bool]:
     """(model, description, whether it is random): the shared trained model when present, else a
     tiny random Qwen3-MoE built here."""
-    chosen = os.environ.get("SMOE_DEMO_MODEL")
+    chosen = DEMO_MODEL.value()
     if chosen:
         return Path(chosen), f"{chosen} (from SMOE_DEMO_MODEL)", False
     if (SHARED_MODEL / "model.safetensors").exists():

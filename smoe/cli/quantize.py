@@ -73,7 +73,7 @@ def quantize_inputs(args, progress: bool):
     from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
     from smoe.source.checkpoint import Checkpoint
     from smoe.convert.encoders import default_encoder
-    from smoe.source.families import plan_experts
+    from smoe.source.families import map_experts
 
     if args.plan and args.budget is not None:
         raise SmoeError("give --plan or --budget, not both")
@@ -95,7 +95,7 @@ def quantize_inputs(args, progress: bool):
         encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))
         plan_calibration(args, doc, encoder)
         ckpt = Checkpoint(args.model)
-        return role_bits(doc, plan_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
+        return role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
     return None, encoder, None, None
 
 

@@ -25,7 +25,7 @@ from smoe.format import codec
 from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
-from smoe.source.families import MoEPlan, load_bias, load_projection, plan_experts
+from smoe.source.families import ExpertMap, load_bias, load_projection, map_experts
 from smoe.format.paths import publish, check_outputs, output_lock
 from smoe.progress import bar as progress_bar
 from smoe.format.vault import (
@@ -120,7 +120,7 @@ def write_vault(
         raise SmoeError(f"{ckpt.dir}: no safetensors weights found (only an index or a config)")
     if not (ckpt.dir / "config.json").exists():
         raise SmoeError(f"{ckpt.dir}: no config.json")
-    plan = plan_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
+    plan = map_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
     check_sources(ckpt, plan)
     out = Path(out_dir)
     if out.exists() and not force:
@@ -157,7 +157,7 @@ def write_vault(
     )
 
 
-def weights_by_bits(plan: MoEPlan, depths: dict | None, bits: int) -> dict[int, int]:
+def weights_by_bits(plan: ExpertMap, depths: dict | None, bits: int) -> dict[int, int]:
     """Expert weights per depth; every (layer, role) tensor has the same shape in each of its experts."""
     shapes = plan.expert_shapes()
     counts: dict[int, int] = {}
@@ -176,7 +176,7 @@ def prepare_partial(out: Path, partial: Path, force: bool) -> None:
     partial.mkdir(parents=True, exist_ok=True)
 
 
-def check_disk_space(ckpt: Checkpoint, plan: MoEPlan, bits: int, partial: Path) -> None:
+def check_disk_space(ckpt: Checkpoint, plan: ExpertMap, bits: int, partial: Path) -> None:
     """Refuse before writing anything; blobs already in a resumable partial count as written."""
     need = expected_vault_bytes(ckpt, plan, bits)
     parent = partial.parent
@@ -187,7 +187,7 @@ def check_disk_space(ckpt: Checkpoint, plan: MoEPlan, bits: int, partial: Path) 
         raise SmoeError(f"not enough disk space at {partial.parent}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 
 
-def expected_vault_bytes(ckpt: Checkpoint, plan: MoEPlan, bits: int) -> int:
+def expected_vault_bytes(ckpt: Checkpoint, plan: ExpertMap, bits: int) -> int:
     trunk = sum(nbytes_of(ckpt, n) for n in trunk_names(ckpt, plan))
     per_expert = sum(sum(codec.encoded_nbytes(o * i, bits)) + 128 for o, i in plan.expert_shapes().values())
     return trunk + len(plan.experts) * align(per_expert, 4096) + (1 << 20)
@@ -200,11 +200,11 @@ def nbytes_of(ckpt: Checkpoint, name: str) -> int:
     return n
 
 
-def trunk_names(ckpt: Checkpoint, plan: MoEPlan) -> list[str]:
+def trunk_names(ckpt: Checkpoint, plan: ExpertMap) -> list[str]:
     return [n for n in ckpt.names() if n not in plan.expert_names]
 
 
-def expert_source_bytes(ckpt: Checkpoint, plan: MoEPlan) -> int:
+def expert_source_bytes(ckpt: Checkpoint, plan: ExpertMap) -> int:
     return sum(ckpt.stored_nbytes(n) or 0 for n in plan.expert_names)
 
 
@@ -241,7 +241,7 @@ def check_plan_bits(depths: dict | None) -> None:
             raise SmoeError(f"the plan gives layer {layer} gate and up different depths; one fused kernel serves both")
 
 
-def check_plan_matches(depths: dict | None, plan: MoEPlan) -> None:
+def check_plan_matches(depths: dict | None, plan: ExpertMap) -> None:
     known = {(layer, role) for layer in plan.moe_layers for role in plan.roles}
     if depths and set(depths) != known:
         odd = sorted(set(depths) ^ known)[:4]
@@ -254,7 +254,7 @@ def majority_depth(depths: dict[tuple[int, str], int]) -> int:
     return max(set(values), key=lambda b: (values.count(b), b))
 
 
-def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
+def write_experts(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
     """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
     done = writer.done()
     todo = [key for key in sorted(plan.experts) if key not in done]
@@ -281,18 +281,18 @@ def write_experts(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, dev: t
     return snr, sum(e.size for e in writer.entries)
 
 
-def expert_inputs(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int], digest):
+def expert_inputs(ckpt, plan: ExpertMap, coder: Coder, key: tuple[int, int], digest):
     """Yield (source, [out, in] weights, second moment or None) per projection of one expert, one at a
     time, feeding `digest` everything its blob is encoded from."""
     for src in plan.experts[key]:
         yield src, load_projection(ckpt, src, digest), coder.moment(*key, src.role, digest)
 
 
-def expert_biases(ckpt, plan: MoEPlan, key: tuple[int, int], digest) -> dict[str, torch.Tensor]:
+def expert_biases(ckpt, plan: ExpertMap, key: tuple[int, int], digest) -> dict[str, torch.Tensor]:
     return {b.role: load_bias(ckpt, b, digest) for b in plan.biases.get(key, [])}
 
 
-def source_digest(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int]) -> str | None:
+def source_digest(ckpt, plan: ExpertMap, coder: Coder, key: tuple[int, int]) -> str | None:
     """The digest `write_experts` journals for `key`'s blob, from the source as it is now."""
     if key not in plan.experts:
         return None
@@ -303,7 +303,7 @@ def source_digest(ckpt, plan: MoEPlan, coder: Coder, key: tuple[int, int]) -> st
     return digest.hexdigest()
 
 
-def keep_unchanged_blobs(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder, progress: bool) -> int:
+def keep_unchanged_blobs(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Coder, progress: bool) -> int:
     """Keep the resumed blobs whose sources (stored bytes, calibration moments) read as when they were
     encoded; from the first that differs on, the data file is cut and re-encoded. Returns the count kept.
 
@@ -324,7 +324,7 @@ def keep_unchanged_blobs(ckpt, plan: MoEPlan, writer: VaultWriter, coder: Coder,
     return len(entries)
 
 
-def check_sources(ckpt: Checkpoint, plan: MoEPlan) -> None:
+def check_sources(ckpt: Checkpoint, plan: ExpertMap) -> None:
     """Refuse, before anything is written, a tensor that cannot be read (or kept) as its real values,
     and a file to copy that lies outside the model directory."""
     for name in sorted(plan.expert_names):
@@ -365,7 +365,7 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def write_trunk_file(ckpt: Checkpoint, plan: MoEPlan, path: Path, progress: bool) -> int:
+def write_trunk_file(ckpt: Checkpoint, plan: ExpertMap, path: Path, progress: bool) -> int:
     names = trunk_names(ckpt, plan)
     specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in names]
     bar = (lambda xs: progress_bar(xs, unit="tensor", desc="trunk")) if progress else None
@@ -373,7 +373,7 @@ def write_trunk_file(ckpt: Checkpoint, plan: MoEPlan, path: Path, progress: bool
     return sum(nbytes_of(ckpt, n) for n in names)
 
 
-def vault_meta(ckpt: Checkpoint, plan: MoEPlan, partial: Path) -> dict:
+def vault_meta(ckpt: Checkpoint, plan: ExpertMap, partial: Path) -> dict:
     return {
         "smoe_version": __version__,
         "family": plan.family,

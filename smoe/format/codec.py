@@ -13,7 +13,7 @@ error over the group's real (unpadded) weights. The error of a candidate is eval
     err = d * (d * sum(q * q) - 2 * sum(x * q)),    q = code - h,
 
 which is the squared error minus the constant sum(x * x); the sums run over the group in order, in fp32.
-Pinning this arithmetic lets the numba (CPU), Triton (CUDA) and reference (torch) encoders agree bit
+Pinning this arithmetic lets the numba (CPU), Triton (CUDA) and reference (torch) search backends agree bit
 for bit. A scale of 0 (an all-zero group, or denormals below fp16's range) stores all-zero codes.
 """
 
@@ -79,14 +79,14 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 CHUNK_WEIGHTS = {"cpu": 1 << 21, "cuda": 1 << 25}
 
 
-def encode(w: torch.Tensor, bits: int = 4, name: str = "tensor", encoder: str | None = None):
+def encode(w: torch.Tensor, bits: int = 4, name: str = "tensor", backend: str | None = None):
     """Quantise any-shaped `w` -> (packed codes uint8 [G, 64*bits/8], scales fp16 [G]).
 
-    `encoder` picks the scale-search implementation: "numba" (CPU), "triton" (CUDA) or "reference"
+    `backend` picks the scale-search implementation: "numba" (CPU), "triton" (CUDA) or "reference"
     (plain torch, slow); by default the one for w's device. `name` is used in error messages.
     """
     check_bits(bits)
-    search = search_function(encoder or ("triton" if w.is_cuda else "numba"))
+    search = search_function(backend or ("triton" if w.is_cuda else "numba"))
     flat = w.detach().reshape(-1)
     chunk = CHUNK_WEIGHTS.get(flat.device.type, CHUNK_WEIGHTS["cpu"])
     codes, scales = [], []
@@ -99,18 +99,18 @@ def encode(w: torch.Tensor, bits: int = 4, name: str = "tensor", encoder: str | 
     return torch.cat(codes), torch.cat(scales).to(torch.float16)
 
 
-def search_function(encoder: str):
-    if encoder == "reference":
+def search_function(backend: str):
+    if backend == "reference":
         return search_reference
-    if encoder == "numba":
+    if backend == "numba":
         from smoe.format.search_numba import search_numba
 
         return search_numba
-    if encoder == "triton":
+    if backend == "triton":
         from smoe.format.search_triton import search_triton
 
         return search_triton
-    raise SmoeError(f"unknown scale-search encoder {encoder!r} (numba, triton, reference)")
+    raise SmoeError(f"unknown scale-search backend {backend!r} (numba, triton, reference)")
 
 
 def to_groups(flat: torch.Tensor) -> tuple[torch.Tensor, int]:

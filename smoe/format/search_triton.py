@@ -1,6 +1,6 @@
 """The CUDA scale search: the arithmetic of `smoe.format.codec` as one Triton kernel.
 
-As in the numba encoder, candidates are the vector axis and the weights of a group are walked in
+As in the numba search, candidates are the vector axis and the weights of a group are walked in
 order, so each per-candidate sum has the reference's left-to-right order. FMA contraction is turned
 off and the division is the correctly rounded one, so codes and scales match the CPU bit for bit.
 Runs on CPU tensors too under TRITON_INTERPRET=1 (how the tests check it without a GPU).

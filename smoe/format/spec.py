@@ -11,7 +11,7 @@ from smoe.errors import SmoeError
 GROUP_SIZE = 64
 DEPTHS = (2, 4)
 FP16_MAX = 65504.0
-# float64 linspace rounded once to fp32, so every encoder uses the very same 64 factors.
+# float64 linspace rounded once to fp32, so every search backend uses the very same 64 factors.
 CANDIDATE_FACTORS = torch.linspace(0.1, 1.0, 64, dtype=torch.float64).to(torch.float32)
 
 

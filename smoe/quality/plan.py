@@ -278,7 +278,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     was complete already and `need_meter` is false."""
     from smoe.convert import calibrate, encoders
     from smoe.source.checkpoint import Checkpoint
-    from smoe.source.families import plan_experts
+    from smoe.source.families import map_experts
     from smoe.quality.sensitivity import SENSITIVITY_WINDOWS, KLMeter, QuantisedModel, fingerprint, load_table, measure, unit_sizes
 
     if (budget_bits is None) == (size_gb is None):
@@ -290,7 +290,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     if not out.parent.is_dir():
         raise SmoeError(f"{out.parent}: no such directory for the plan")
     ckpt = Checkpoint(model_dir)
-    moe = plan_experts(ckpt.config, ckpt.names())
+    moe = map_experts(ckpt.config, ckpt.names())
     skeleton = {"depths": list(codec.DEPTHS), "moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
                 "numel": unit_sizes(moe), "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()}}
     check_budget(skeleton, budget_bits, size_gb, alignment)  # before any work

@@ -26,7 +26,7 @@ from smoe.convert.calibrate import CalibrationStats, load_source_model
 from smoe.source.checkpoint import Checkpoint
 from smoe.convert.dequantize import expert_parameters
 from smoe.errors import SmoeError
-from smoe.source.families import load_bias, load_projection, plan_experts
+from smoe.source.families import load_bias, load_projection, map_experts
 from smoe.progress import bar as progress_bar
 
 SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
@@ -53,7 +53,7 @@ class QuantisedModel:
             raise SmoeError(f"the {encoder} encoder needs calibration statistics (--calib FILE)")
         self.encoder, self.stats = encoder, stats
         self.ckpt = Checkpoint(model_dir)
-        self.plan = plan_experts(self.ckpt.config, self.ckpt.names())
+        self.plan = map_experts(self.ckpt.config, self.ckpt.names())
         self.model, self.modules = load_source_model(model_dir)
         missing = set(self.plan.moe_layers) - set(self.modules)
         if missing:

@@ -49,27 +49,27 @@ def eos_ids(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
-ENGINES = ("auto", "lean", "transformers")
+DECODERS = ("auto", "fast", "generic")
 
 
-def next_logits_function(sm, positions: int, engine: str = "auto"):
+def next_logits_function(sm, positions: int, decoder: str = "auto"):
     """step(new_token_ids) -> logits of the last position, continuing the same sequence."""
-    step = logits_function(sm, positions, engine)
+    step = logits_function(sm, positions, decoder)
     return lambda ids: step(ids)[-1]
 
 
-def logits_function(sm, positions: int, engine: str = "auto"):
+def logits_function(sm, positions: int, decoder: str = "auto"):
     """step(new_token_ids) -> logits [T, V] of the new positions, continuing the same sequence.
 
-    "lean" is the fast path for the families that have one; "transformers" runs the model's own
-    modules with a DynamicCache (every family); "auto" picks lean where it exists."""
-    if engine not in ENGINES:
-        raise SmoeError(f"unknown engine {engine!r} ({', '.join(ENGINES)})")
-    lean = sm.lean_decoder(positions) if engine != "transformers" else None
-    if engine == "lean" and lean is None:
-        raise SmoeError(f"no lean decode path for the {sm.vault.meta['family']} family (use --engine transformers)")
-    if lean is not None:
-        return lean.forward
+    "fast" is the compiled decode step of the families that have one; "generic" runs the model's own
+    modules with a KV cache (every family); "auto" picks the fast one where it exists."""
+    if decoder not in DECODERS:
+        raise SmoeError(f"unknown decoder {decoder!r} ({', '.join(DECODERS)})")
+    fast = sm.fast_decoder(positions) if decoder != "generic" else None
+    if decoder == "fast" and fast is None:
+        raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
+    if fast is not None:
+        return fast.forward
     kv = kv_cache_arguments(sm.model)
 
     def step(ids):
@@ -80,7 +80,7 @@ def logits_function(sm, positions: int, engine: str = "auto"):
 
 @torch.inference_mode()
 def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, on_token=None, engine: str = "auto", params: SamplingParams | None = None,
+             seed: int = 0, on_token=None, decoder: str = "auto", params: SamplingParams | None = None,
              logprobs: int | None = None, on_logprob=None,
              on_prompt_logprobs=None) -> tuple[list[int], GenerationStats]:
     """Prefill the prompt in one forward (each layer reads its experts once), then decode token by token.
@@ -98,7 +98,7 @@ def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: floa
     stats0 = sm.cache_stats()
     seq = Sequence(params or SamplingParams(temperature=temperature, top_p=top_p, seed=seed), list(prompt_ids))
     stop = eos_ids(sm.model)
-    step = logits_function(sm, len(prompt_ids) + max_tokens, engine)
+    step = logits_function(sm, len(prompt_ids) + max_tokens, decoder)
 
     def next_token(logits: torch.Tensor) -> int:  # logits [T, V]; the last row predicts the next token
         token = sample_batch(logits[-1:], [seq])[0]

@@ -119,7 +119,7 @@ class StreamingModel:
             raise SmoeError(f"--cache-gb {self.store.cache_bytes / 1e9:.4g} is smaller than one token's {top_k} experts "
                             f"of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
 
-    def lean_decoder(self, positions: int):
+    def fast_decoder(self, positions: int):
         """The lean decode path when this family has one (else None), with a KV cache of at least
         `positions`; kept between calls and regrown (doubling) when a longer sequence comes."""
         from smoe.runtime.cpu import compiled as fast_decode

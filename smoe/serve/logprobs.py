@@ -37,14 +37,14 @@ def token_bytes(piece: str) -> bytes:
 
 
 class Pieces:
-    """Text and bytes of token ids, through the engine's tokenizer."""
+    """Text and bytes of token ids, through the worker's tokenizer."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, worker):
+        self.worker = worker
 
     def __call__(self, tokens: list[int]) -> list[tuple[str, bytes]]:
         out = []
-        for piece in self.engine.token_strings(tokens):
+        for piece in self.worker.token_strings(tokens):
             raw = token_bytes(piece or "")
             out.append((raw.decode("utf-8", errors="replace"), raw))
         return out

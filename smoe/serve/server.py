@@ -1,7 +1,7 @@
 """`smoe serve`: an OpenAI- and Anthropic-compatible HTTP API and a web chat page for one vault.
 
 FastAPI routes on uvicorn. Handlers validate and tokenize on the event loop, then hand the request
-to the engine (smoe/serve/worker.py), which generates one request at a time in arrival order.
+to the worker (smoe/serve/worker.py), which generates one request at a time in arrival order.
 Every error the server answers with, the client's mistakes and its own (overload, timeouts, the
 connection limit), is JSON in the shape of the API called: `{"error": {"message", "type", "param",
 "code"}}` for OpenAI routes, `{"type": "error", "error": {"type", "message"}}` for /v1/messages.
@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smoe.errors import SmoeError
-from smoe.serve.worker import REQUEST_JOBS, Engine, Outcome, Overloaded, Sampling
+from smoe.serve.worker import REQUEST_JOBS, Worker, Outcome, Overloaded, Sampling
 from smoe.serve.logprobs import Pieces, chat_content, chat_logprobs, completion_logprobs
 from smoe.serve.schemas import AnthropicPrompt, ChatCompletionRequest, CompletionRequest, MessagesRequest, image_at
 
@@ -185,23 +185,23 @@ def parse(body: bytes, schema):
 
 # --- prompts and limits ---------------------------------------------------------------------------
 
-async def encode_chat(engine: Engine, turns: list[dict]) -> list[int]:
+async def encode_chat(worker: Worker, turns: list[dict]) -> list[int]:
     try:
-        return await run_in_threadpool(engine.encode_chat, turns)
+        return await run_in_threadpool(worker.encode_chat, turns)
     except Exception as e:  # the chat template rejects the conversation (e.g. roles out of order)
         raise ApiError(400, f"messages do not fit the model's chat template: {e}", "messages") from None
 
 
-def check_token_ids(engine: Engine, ids: list[int]) -> list[int]:
-    vocab = engine.sm.config.get_text_config().vocab_size
+def check_token_ids(worker: Worker, ids: list[int]) -> list[int]:
+    vocab = worker.sm.config.get_text_config().vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids
 
 
-def budget(engine: Engine, limits: Limits, prompt: list[int], requested: int | None, default: int | None) -> int:
+def budget(worker: Worker, limits: Limits, prompt: list[int], requested: int | None, default: int | None) -> int:
     """max_tokens for this request: as asked (or the default), within the server's limit and the context."""
-    context = engine.context
+    context = worker.context
     if not prompt:
         raise ApiError(400, "the prompt is empty", "prompt")
     if context and len(prompt) >= context:
@@ -221,9 +221,9 @@ def seed_of(seed: int | None) -> int:
     return secrets.randbits(63) if seed is None else seed % 2**64  # torch takes seeds in [0, 2**64)
 
 
-def submit(engine: Engine, prompt: list[int], sampling: Sampling):
+def submit(worker: Worker, prompt: list[int], sampling: Sampling):
     try:
-        return engine.submit(prompt, sampling)
+        return worker.submit(prompt, sampling)
     except Overloaded as e:
         raise ApiError(503, f"server busy: {e}") from None
 
@@ -287,9 +287,9 @@ class OpenAIStream:
     previous chunk; streamed completions' text_offset counts each token's own text (exact unless a
     token splits a character)."""
 
-    def __init__(self, engine: Engine, chat: bool, include_usage: bool, logprobs: bool = False):
-        self.chat, self.include_usage, self.model, self.logprobs = chat, include_usage, engine.model_id, logprobs
-        self.engine, self.pieces = engine, Pieces(engine)
+    def __init__(self, worker: Worker, chat: bool, include_usage: bool, logprobs: bool = False):
+        self.chat, self.include_usage, self.model, self.logprobs = chat, include_usage, worker.model_id, logprobs
+        self.worker, self.pieces = worker, Pieces(worker)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.offset = 0  # characters of the current choice sent so far
@@ -388,41 +388,41 @@ def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-async def chat_completions(request: Request, engine: Engine, limits: Limits) -> Response:
+async def chat_completions(request: Request, worker: Worker, limits: Limits) -> Response:
     req = parse(await read_body(request, limits), ChatCompletionRequest)
     check_openai(req)
     refuse_images(req.messages)
     n_logprobs = chat_top_logprobs(req)
-    prompt = await encode_chat(engine, [m.as_turn() for m in req.messages])
-    max_tokens = budget(engine, limits, prompt, req.requested_max_tokens(), None)
-    job = submit(engine, prompt, openai_sampling(req, max_tokens, n_logprobs))
+    prompt = await encode_chat(worker, [m.as_turn() for m in req.messages])
+    max_tokens = budget(worker, limits, prompt, req.requested_max_tokens(), None)
+    job = submit(worker, prompt, openai_sampling(req, max_tokens, n_logprobs))
     if req.stream:
-        stream = OpenAIStream(engine, True, req.include_usage(), n_logprobs is not None)
+        stream = OpenAIStream(worker, True, req.include_usage(), n_logprobs is not None)
         return event_stream(stream.events([job], request))
     o = await outcome_of(job, request)
     if o is None:
         return Response(status_code=499)  # nobody is there to read it
-    logprobs = chat_logprobs(Pieces(engine), o.logprobs) if n_logprobs is not None else None
+    logprobs = chat_logprobs(Pieces(worker), o.logprobs) if n_logprobs is not None else None
     return JSONResponse({
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": engine.model_id, "usage": openai_usage(o),
+        "model": worker.model_id, "usage": openai_usage(o),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text, "refusal": None},
                      "logprobs": logprobs, "finish_reason": OPENAI_FINISH[o.finish]}],
     })
 
 
-async def completion_prompt(engine: Engine, source: str | list[int]) -> list[int]:
+async def completion_prompt(worker: Worker, source: str | list[int]) -> list[int]:
     if isinstance(source, str):
-        return await run_in_threadpool(engine.encode_text, source)
-    return check_token_ids(engine, source)
+        return await run_in_threadpool(worker.encode_text, source)
+    return check_token_ids(worker, source)
 
 
-def submit_all(engine: Engine, prompts: list[list[int]], samplings: list[Sampling]) -> list:
+def submit_all(worker: Worker, prompts: list[list[int]], samplings: list[Sampling]) -> list:
     """One job per prompt, or none: a refusal midway cancels those already queued."""
     jobs = []
     try:
         for prompt, sampling in zip(prompts, samplings):
-            jobs.append(submit(engine, prompt, sampling))
+            jobs.append(submit(worker, prompt, sampling))
     except ApiError:
         for job in jobs:
             job.cancelled.set()
@@ -430,28 +430,28 @@ def submit_all(engine: Engine, prompts: list[list[int]], samplings: list[Samplin
     return jobs
 
 
-def completion_choice(engine: Engine, index: int, prompt: list[int], o: Outcome, req: CompletionRequest) -> dict:
-    echo = engine.decode(prompt) if req.echo else ""
+def completion_choice(worker: Worker, index: int, prompt: list[int], o: Outcome, req: CompletionRequest) -> dict:
+    echo = worker.decode(prompt) if req.echo else ""
     logprobs = None
     if req.logprobs is not None:
         shown = (prompt if req.echo else []) + [e.token for e in o.logprobs]
-        offsets = [len(text) for text in engine.decode_prefixes(shown)[:-1]]
+        offsets = [len(text) for text in worker.decode_prefixes(shown)[:-1]]
         entries = (o.prompt_logprobs if req.echo else []) + o.logprobs
-        logprobs = completion_logprobs(Pieces(engine), entries, offsets, prompt[0] if req.echo else None)
+        logprobs = completion_logprobs(Pieces(worker), entries, offsets, prompt[0] if req.echo else None)
     return {"index": index, "text": echo + o.text, "logprobs": logprobs, "finish_reason": OPENAI_FINISH[o.finish]}
 
 
-async def completions(request: Request, engine: Engine, limits: Limits) -> Response:
+async def completions(request: Request, worker: Worker, limits: Limits) -> Response:
     req = parse(await read_body(request, limits), CompletionRequest)
     check_openai(req)
-    prompts = [await completion_prompt(engine, source) for source in req.prompts()]
+    prompts = [await completion_prompt(worker, source) for source in req.prompts()]
     requested = req.requested_max_tokens()
-    samplings = [openai_sampling(req, budget(engine, limits, p, requested, DEFAULT_COMPLETION_TOKENS), req.logprobs,
+    samplings = [openai_sampling(req, budget(worker, limits, p, requested, DEFAULT_COMPLETION_TOKENS), req.logprobs,
                                  req.echo) for p in prompts]
-    jobs = submit_all(engine, prompts, samplings)
+    jobs = submit_all(worker, prompts, samplings)
     if req.stream:
-        echoes = [engine.decode(p) for p in prompts] if req.echo else None
-        stream = OpenAIStream(engine, False, req.include_usage(), req.logprobs is not None)
+        echoes = [worker.decode(p) for p in prompts] if req.echo else None
+        stream = OpenAIStream(worker, False, req.include_usage(), req.logprobs is not None)
         return event_stream(stream.events(jobs, request, echoes))
     outcomes = []
     try:
@@ -464,23 +464,23 @@ async def completions(request: Request, engine: Engine, limits: Limits) -> Respo
             job.cancelled.set()
     return JSONResponse({
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-        "model": engine.model_id, "usage": summed_usage(outcomes),
-        "choices": [completion_choice(engine, i, p, o, req) for i, (p, o) in enumerate(zip(prompts, outcomes))],
+        "model": worker.model_id, "usage": summed_usage(outcomes),
+        "choices": [completion_choice(worker, i, p, o, req) for i, (p, o) in enumerate(zip(prompts, outcomes))],
     })
 
 
 # --- the Anthropic API ----------------------------------------------------------------------------
 
-def anthropic_message(engine: Engine, msg_id: str, o: Outcome | None, prompt_tokens: int) -> dict:
+def anthropic_message(worker: Worker, msg_id: str, o: Outcome | None, prompt_tokens: int) -> dict:
     """The message object; without an outcome, the empty one that opens a stream."""
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": engine.model_id,
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": worker.model_id,
             "content": [{"type": "text", "text": o.text}] if o else [],
             "stop_reason": ANTHROPIC_STOP[o.finish] if o else None, "stop_sequence": o.stop_sequence if o else None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": o.completion_tokens if o else 0}}
 
 
-async def anthropic_events(engine: Engine, job, request: Request, msg_id: str, prompt_tokens: int):
-    start = {"type": "message_start", "message": anthropic_message(engine, msg_id, None, prompt_tokens)}
+async def anthropic_events(worker: Worker, job, request: Request, msg_id: str, prompt_tokens: int):
+    start = {"type": "message_start", "message": anthropic_message(worker, msg_id, None, prompt_tokens)}
     yield sse(start, "message_start")
     yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
               "content_block_start")
@@ -500,26 +500,26 @@ async def anthropic_events(engine: Engine, job, request: Request, msg_id: str, p
             yield sse({"type": "message_stop"}, "message_stop")
 
 
-async def messages(request: Request, engine: Engine, limits: Limits) -> Response:
+async def messages(request: Request, worker: Worker, limits: Limits) -> Response:
     req = parse(await read_body(request, limits), MessagesRequest)
     refuse_images(req.messages)
-    prompt = await encode_chat(engine, req.turns())
-    max_tokens = budget(engine, limits, prompt, req.max_tokens, None)
-    job = submit(engine, prompt, Sampling(max_tokens, req.temperature, req.top_p, seed_of(None),
+    prompt = await encode_chat(worker, req.turns())
+    max_tokens = budget(worker, limits, prompt, req.max_tokens, None)
+    job = submit(worker, prompt, Sampling(max_tokens, req.temperature, req.top_p, seed_of(None),
                                           tuple(req.stop_sequences or ()), top_k=req.top_k or 0))
     msg_id = f"msg_{uuid.uuid4().hex}"
     if req.stream:
-        return event_stream(anthropic_events(engine, job, request, msg_id, len(prompt)))
+        return event_stream(anthropic_events(worker, job, request, msg_id, len(prompt)))
     o = await outcome_of(job, request)
     if o is None:
         return Response(status_code=499)
-    return JSONResponse(anthropic_message(engine, msg_id, o, len(prompt)))
+    return JSONResponse(anthropic_message(worker, msg_id, o, len(prompt)))
 
 
-async def count_tokens(request: Request, engine: Engine, limits: Limits) -> dict:
+async def count_tokens(request: Request, worker: Worker, limits: Limits) -> dict:
     req = parse(await read_body(request, limits), AnthropicPrompt)
     refuse_images(req.messages)
-    return {"input_tokens": len(await encode_chat(engine, req.turns()))}
+    return {"input_tokens": len(await encode_chat(worker, req.turns()))}
 
 
 # --- the application ------------------------------------------------------------------------------
@@ -528,16 +528,16 @@ def chat_page() -> str:
     return (resources.files("smoe.serve") / "web" / "chat.html").read_text(encoding="utf-8")
 
 
-def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
+def create_app(worker: Worker, limits: Limits = Limits()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        worker.start()
         yield
-        engine.stop()
+        worker.stop()
 
     app = FastAPI(title="smoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     page = chat_page()
-    model_card = {"id": engine.model_id, "object": "model", "created": int(engine.metrics.started), "owned_by": "smoe"}
+    model_card = {"id": worker.model_id, "object": "model", "created": int(worker.metrics.started), "owned_by": "smoe"}
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -565,11 +565,11 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_id, "context": engine.context, "max_tokens": limits.max_tokens}
+        return {"status": "ok", "model": worker.model_id, "context": worker.context, "max_tokens": limits.max_tokens}
 
     @app.get("/metrics")
     async def metrics():
-        return engine.metrics_snapshot()
+        return worker.metrics_snapshot()
 
     @app.get("/v1/models")
     async def models():
@@ -577,26 +577,26 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != engine.model_id:
-            raise ApiError(404, f"model {model_id!r} is not served here (this server serves {engine.model_id!r})",
+        if model_id != worker.model_id:
+            raise ApiError(404, f"model {model_id!r} is not served here (this server serves {worker.model_id!r})",
                            "model")
         return model_card
 
     @app.post("/v1/chat/completions")
     async def chat_route(request: Request):
-        return await chat_completions(request, engine, limits)
+        return await chat_completions(request, worker, limits)
 
     @app.post("/v1/completions")
     async def completions_route(request: Request):
-        return await completions(request, engine, limits)
+        return await completions(request, worker, limits)
 
     @app.post("/v1/messages")
     async def messages_route(request: Request):
-        return await messages(request, engine, limits)
+        return await messages(request, worker, limits)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens_route(request: Request):
-        return await count_tokens(request, engine, limits)
+        return await count_tokens(request, worker, limits)
 
     return app
 
@@ -783,20 +783,20 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
                         "--request-timeout must be positive")
     limits = fit_connections(limits)
     sock = listen(host, port)
-    engine = Engine(open_model(), load_tokenizer(vault), Path(vault).resolve().name, limits.max_queue)
+    worker = Worker(open_model(), load_tokenizer(vault), Path(vault).resolve().name, limits.max_queue)
     # no limit_concurrency: uvicorn's counts idle connections and answers in plain text; GuardedH11 caps them
     protocol = functools.partial(GuardedH11, Connections(limits))
     logging.basicConfig(level=limits.log_level.upper(), format="smoe: %(message)s", stream=sys.stderr)
     # uvicorn's own access log is off: AccessLog's line also says what the request generated
-    config = uvicorn.Config(AccessLog(create_app(engine, limits)), http=protocol, ws="none",
+    config = uvicorn.Config(AccessLog(create_app(worker, limits)), http=protocol, ws="none",
                             log_level=max(limits.log_level, "warning", key=LOG_LEVELS.index),
                             access_log=False, timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5,
                             server_header=False, backlog=ACCEPT_BURST)
     warn_if_exposed(sock)
-    print(f"smoe: serving {engine.model_id} at {url_of(sock)} (web chat at /, OpenAI API at /v1, "
+    print(f"smoe: serving {worker.model_id} at {url_of(sock)} (web chat at /, OpenAI API at /v1, "
           f"Anthropic API at /v1/messages)", flush=True)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        engine.sm.close()
+        worker.sm.close()
     return 0

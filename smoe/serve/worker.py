@@ -1,4 +1,4 @@
-"""The server's engine: one model, one worker thread running requests one at a time in arrival order.
+"""The server's worker: one model, one thread running requests one at a time in arrival order.
 
 Request handlers run on the event loop; generation runs on the worker thread. A request becomes a
 `Job` on a FIFO queue; the worker posts the job's text and its outcome back to the event loop
@@ -157,7 +157,7 @@ class Metrics:
         }
 
 
-class Engine:
+class Worker:
     """Owns the model and the tokenizer; `submit` queues a job, the worker thread runs the queue."""
 
     def __init__(self, sm, tokenizer, model_id: str, max_queue: int = 64):
@@ -169,19 +169,19 @@ class Engine:
         self.waiting_lock = threading.Lock()
         self.metrics = Metrics()
         self.stopping = threading.Event()  # the server is shutting down: cancel everything
-        self.worker = threading.Thread(target=self._work, name="smoe-generate", daemon=True)
+        self.thread = threading.Thread(target=self._work, name="smoe-generate", daemon=True)
 
     @property
     def context(self) -> int | None:
         return self.sm.max_positions
 
     def start(self) -> None:
-        self.worker.start()
+        self.thread.start()
 
     def stop(self) -> None:
         self.stopping.set()
         self.jobs.put(None)
-        self.worker.join(timeout=30)
+        self.thread.join(timeout=30)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         with self.tokenizer_lock:

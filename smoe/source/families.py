@@ -9,7 +9,7 @@ config keys hold the expert intermediate size.  Everything else is shared:
   experts, dense MLPs, routers and vision towers simply never match;
 * the config says how many experts, how many layers and which layers are MoE (CONFIG_KEYS and
   _config_moe_layers); where it does not, the names say it;
-* plan_experts then counts: every MoE layer x every expert x every role, or a SmoeError;
+* map_experts then counts: every MoE layer x every expert x every role, or a SmoeError;
 * check_model_config holds every routing and shape value the runtime reads to its kind and range
   (CONFIG_VALUES, and the relations between them), when quantising and when a vault is opened.
 """
@@ -61,7 +61,7 @@ class BiasSource:
 
 
 @dataclass
-class MoEPlan:
+class ExpertMap:
     family: str  # canonical family name, e.g. "qwen3_moe"
     model_type: str  # as in config, e.g. "kimi_k2" for the deepseek_v3 family
     moe_layers: list[int]
@@ -688,7 +688,7 @@ def _infer_family(names: list[str], parsed: list[_Name]) -> Family:
 # ----- planning ----------------------------------------------------------------------------------
 
 
-def plan_experts(config: dict, names: list[str], num_experts: int | None = None) -> MoEPlan:
+def map_experts(config: dict, names: list[str], num_experts: int | None = None) -> ExpertMap:
     """Find every routed expert's projections; count them against the config (see module docstring).
 
     num_experts: the number of routed experts, overriding the config (needed where experts are
@@ -721,7 +721,7 @@ def plan_experts(config: dict, names: list[str], num_experts: int | None = None)
 
     hidden = _int(_lookup(configs, CONFIG_KEYS["hidden_size"]))
     top_k = _int(_lookup(configs, CONFIG_KEYS["top_k"]))
-    return MoEPlan(
+    return ExpertMap(
         family=family.name,
         model_type=str(model_type),
         moe_layers=moe_layers,
@@ -737,7 +737,7 @@ def plan_experts(config: dict, names: list[str], num_experts: int | None = None)
     )
 
 
-def describe_config(config: dict, num_experts: int | None = None) -> MoEPlan:
+def describe_config(config: dict, num_experts: int | None = None) -> ExpertMap:
     """The MoE geometry a config promises, without tensor names (`smoe inspect` of a bare config):
     a plan with no expert sources."""
     family, model_type, configs = _resolve(config or {})
@@ -749,7 +749,7 @@ def describe_config(config: dict, num_experts: int | None = None) -> MoEPlan:
         raise SmoeError(f"{model_type}: the config does not give the number of experts and layers "
                         f"(pass --num-experts, or inspect a directory with the weight index)")
     hidden = _int(_lookup(configs, CONFIG_KEYS["hidden_size"]))
-    return MoEPlan(
+    return ExpertMap(
         family=family.name, model_type=str(model_type), moe_layers=_config_moe_layers(configs, n_layers),
         num_experts=count, top_k=_int(_lookup(configs, CONFIG_KEYS["top_k"])), roles=family.roles,
         experts={}, biases={}, expert_names=set(), hidden_size=hidden,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from smoe.format import codec
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import MoEPlan, describe_config, plan_experts
+from smoe.source.families import ExpertMap, describe_config, map_experts
 from smoe.format.vault import DATA_FILE, INDEX_FILE, Vault
 
 DEPTHS = {"bf16": None, "q4": 4, "q2": 2}
@@ -34,7 +34,7 @@ def streaming_costs(sizes: dict[str, int], moe_layers: int, top_k: int | None, d
     }
 
 
-def plan_report(plan: MoEPlan, disk_gbps: float) -> dict:
+def plan_report(plan: ExpertMap, disk_gbps: float) -> dict:
     shapes = plan.expert_shapes()
     return {
         "family": plan.family,
@@ -55,14 +55,14 @@ def inspect_checkpoint(path: Path, disk_gbps: float, num_experts: int | None) ->
     if not names:  # a bare config: everything comes from its numbers
         report = plan_report(describe_config(ckpt.config, num_experts), disk_gbps)
         return report | {"source": "config", "routed_experts_found": None, "expert_share": None, "expert_share_from": None}
-    plan = plan_experts(ckpt.config, names, num_experts=num_experts)
+    plan = map_experts(ckpt.config, names, num_experts=num_experts)
     report = plan_report(plan, disk_gbps)
     report |= {"source": "weights" if ckpt.has_weights else "index", "routed_experts_found": len(plan.experts)}
     report["expert_share"], report["expert_share_from"] = expert_share(ckpt, plan)
     return report
 
 
-def expert_share(ckpt: Checkpoint, plan: MoEPlan) -> tuple[float | None, str | None]:
+def expert_share(ckpt: Checkpoint, plan: ExpertMap) -> tuple[float | None, str | None]:
     """Share of the checkpoint's bytes held by routed experts: from the safetensors headers, or
     (index only, unquantised source) estimated from the config's shapes and the index's total size."""
     total = ckpt.total_nbytes()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from smoe.runtime.cpu import kernels as kernels_cpu, kernels_numba as kn
 from smoe.errors import SmoeError
+from smoe.switches import CPU_COMPILED, PREFETCH
 
 SUPPORTED = {"qwen3_moe": True, "mixtral": False}  # family -> has per-head q/k RMSNorm
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
@@ -75,7 +76,7 @@ class LeanDecoder:
         self.max_positions = max_positions
         self.pos = 0
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
-        self.prefetch = os.environ.get("SMOE_PREFETCH") == "1"
+        self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
 
     @staticmethod
@@ -275,9 +276,9 @@ class CompiledStep:
         self.embed, self.final_norm, self.lm_head = as_numpy(dec.embed), as_numpy(dec.final_norm), as_numpy(dec.lm_head)
         self.cos, self.sin = dec.cos.contiguous().numpy(), dec.sin.contiguous().numpy()
         # Matrices other than fp32 / bf16 (fp16 models) are held as fp32 copies; the eager path stays
-        # the default there rather than doubling their memory. SMOE_COMPILED=0 turns the step off
+        # the default there rather than doubling their memory. SMOE_CPU_COMPILED=0 turns the step off
         # (the eager path, for comparison).
-        self.enabled = dec.dtype in (torch.float32, torch.bfloat16) and os.environ.get("SMOE_COMPILED") != "0"
+        self.enabled = dec.dtype in (torch.float32, torch.bfloat16) and CPU_COMPILED.on()
         widest = max([hidden, *(m.shape[1] for layer in self.layers for m in (layer.qkv, layer.o, *(layer.dense or ())))])
         self.wide = np.zeros(widest, dtype=np.uint32)
         self.x = np.zeros(hidden, dtype=np.float32)

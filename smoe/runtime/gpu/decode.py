@@ -33,6 +33,7 @@ from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.errors import SmoeError
 from smoe.runtime.cpu.compiled import SUPPORTED, check_room, dense_mlp, fuse_qkv, rope_tables, rotate
 from smoe.runtime.gpu.cache import GpuExpertCache
+from smoe.switches import GPU_INDUCTOR
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
 
@@ -85,8 +86,8 @@ class GpuDecoder:
         # graphs need every layer on the Triton kernels: the decode-then-matmul fallback syncs
         self.graphs = graphs and self.device.type == "cuda" and kernel_path != "reference" and all(
             layout.unsupported() is None for layout in self.layouts.values())
-        # inductor fuses a single-token step's small kernels (SMOE_COMPILE=0: eager, as on the CPU)
-        compile_ok = self.graphs and os.environ.get("SMOE_COMPILE", "1") != "0"
+        # inductor fuses a single-token step's small kernels (SMOE_GPU_INDUCTOR=0: eager, as on the CPU)
+        compile_ok = self.graphs and GPU_INDUCTOR.on()
         self.block = compiled_attention_block() if compile_ok else attention_block
         self.segments: list | None = None  # captured CUDA graphs, one per segment
         self.whole_token = None  # one graph for the whole token when every expert is resident

@@ -1,0 +1,35 @@
+"""Environment switches: every SMOE_* variable smoe reads, with its default, in one table.
+
+The README's table of switches lists exactly these (a test compares the two). Switches are for
+measuring one path against another and for choosing the demo's model; options a user sets for a
+run are command-line flags instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str
+    effect: str
+
+    def value(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def on(self) -> bool:
+        return self.value() == "1"
+
+
+CPU_COMPILED = Switch("SMOE_CPU_COMPILED", "1",
+                      "0 runs the CPU fast decoder's eager torch ops instead of its compiled (numba) step")
+GPU_INDUCTOR = Switch("SMOE_GPU_INDUCTOR", "1",
+                      "0 runs the GPU decoder's attention block eagerly instead of compiled by torch inductor")
+PREFETCH = Switch("SMOE_PREFETCH", "0",
+                  "1 guesses the next layer's experts from the current hidden state and reads them early")
+DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",
+                    "a model directory `smoe demo` runs on instead of the shared trained model")
+SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, PREFETCH, DEMO_MODEL)
