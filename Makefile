@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(SMOE) demo
 
+# The import contracts and the linter (both configured in pyproject.toml), then the tests.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check smoe tests scripts
 	$(PY) -m pytest -q --ignore=tests/integration
 
 # Slow tests against real outside programs (a browser, llama.cpp, mlx): everything under tests/integration.

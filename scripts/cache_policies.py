@@ -12,10 +12,10 @@ import argparse
 from collections import Counter, OrderedDict
 
 import torch
-
-from smoe.source.text import token_stream
-from smoe.runtime.model import StreamingModel
 from transformers import AutoTokenizer
+
+from smoe.runtime.model import StreamingModel
+from smoe.source.text import token_stream
 
 
 def record(vault: str, text: str, tokens: int) -> list[tuple[int, int]]:

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from smoe.bench.main import write_synthetic_checkpoint
-from smoe.export.writer import export
 from smoe.convert.sculpt import sculpt
+from smoe.export.writer import export
 
 SHARED_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "qwen3-moe-28m"
 

@@ -20,6 +20,7 @@ from smoe.runtime.gpu.cache import blob_slot_bytes
 from smoe.runtime.gpu.decode import GpuDecoder
 from smoe.runtime.model import StreamingModel
 
+
 def decode_in_pieces(dec, ids):
     pieces = [ids[:24], *[[t] for t in ids[24:40]], ids[40:]]
     return torch.cat([dec.forward(p).reshape(len(p), -1).float().cpu() for p in pieces])

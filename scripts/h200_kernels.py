@@ -81,7 +81,8 @@ def main() -> int:
                 if "error" in row:
                     print(f"sweep {name} Q{s['bits']} {row['kernel']:<8} tiles {row['tiles']}: {row['error']}")
                     continue
-                print(f"sweep {name} Q{s['bits']} {row['kernel']:<8} tiles {row['tiles']}: {row['us']:7.1f} us {row['gbps']:6.0f} GB/s err {row['rel_err']:.1e}")
+                print(f"sweep {name} Q{s['bits']} {row['kernel']:<8} tiles {row['tiles']}: {row['us']:7.1f} us "
+                      f"{row['gbps']:6.0f} GB/s err {row['rel_err']:.1e}")
     if result["shapes"]:
         print(bk.format_result(result))
     for g in result["grouped"]:

@@ -8,7 +8,6 @@ import torch
 
 from smoe.errors import SmoeError
 
-
 MIN_CAPABILITY = (8, 0)  # the Triton expert kernels use bf16 and Ampere-or-later instructions
 
 

@@ -11,27 +11,29 @@ from pathlib import Path
 
 import pytest
 
-SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "qwen3-moe-28m"
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vault(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3-MoE (seed 0) and its Q4 vault, built once for the tests that only read or copy them."""
+    from smoe.testing.vaults import tiny_vault  # imported here: collecting tests needs no torch
+
+    vault = tiny_vault(tmp_path_factory.mktemp("tiny-qwen"), "qwen3_moe")
+    return {"model": vault.parent / "model", "vault": vault}
 
 
 @pytest.fixture(scope="session")
 def serve_vault(tmp_path_factory) -> Path:
     """The shared trained model's vault at Q4, or a tiny random Qwen3-MoE's when ../shared is absent."""
-    from smoe.convert.sculpt import sculpt
-    from smoe.testing.tiny_models import save_tiny_model
+    from smoe.testing.vaults import SHARED_MODELS, tiny_model_dir, vault_of
 
     out = tmp_path_factory.mktemp("serve")
-    model = SHARED_MODEL
+    model = SHARED_MODELS["qwen3_moe"]
     if not model.exists():
-        print(f"{SHARED_MODEL} not present (the shared models live beside the repository): "
+        print(f"{model} not present (the shared models live beside the repository): "
               "serving a tiny random Qwen3-MoE instead")
-        model = out / "model"
-        save_tiny_model("qwen3_moe", model, seed=2)
         # the tiny config's 128 positions end a reply before a test can stop it mid-stream
-        config = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
-    sculpt(model, out / "vault", bits=4, progress=False)
-    return out / "vault"
+        model = tiny_model_dir(out, "qwen3_moe", seed=2, max_position_embeddings=4096)
+    return vault_of(model, out / "vault")
 
 
 class Server:

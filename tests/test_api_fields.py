@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from smoe.runtime.generate import generate
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
+from smoe.runtime.generate import generate
 from smoe.runtime.model import StreamingModel
 from smoe.runtime.sampling import SamplingParams
 

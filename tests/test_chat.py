@@ -2,7 +2,6 @@
 
 import fcntl
 import io
-import json
 import os
 import re
 import select
@@ -24,15 +23,9 @@ STATS = re.compile(rb"\[(\d+) prompt tokens.*?\((\d+) tokens\)")
 @pytest.fixture(scope="module")
 def vault(tmp_path_factory) -> Path:
     """A tiny random Qwen3-MoE at Q4, its context widened so that a reply can outlast a keypress."""
-    from smoe.convert.sculpt import sculpt
-    from smoe.testing.tiny_models import save_tiny_model
+    from smoe.testing.vaults import tiny_model_dir, vault_of
 
-    out = tmp_path_factory.mktemp("chat")
-    save_tiny_model("qwen3_moe", out / "model", seed=1)
-    config = json.loads((out / "model" / "config.json").read_text())
-    (out / "model" / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 32768}))
-    sculpt(out / "model", out / "vault", progress=False)
-    return out / "vault"
+    return vault_of(tiny_model_dir(tmp_path_factory.mktemp("chat"), "qwen3_moe", seed=1, max_position_embeddings=32768))
 
 
 def take_terminal():

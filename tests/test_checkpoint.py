@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from smoe.errors import SmoeError
 from smoe.source import quantised as sq
 from smoe.source.checkpoint import Checkpoint
-from smoe.errors import SmoeError
 
 FIXTURES = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "real-checkpoints"
 CONFIG = {"model_type": "toy", "torch_dtype": "bfloat16"}

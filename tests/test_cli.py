@@ -51,3 +51,11 @@ def test_bench_options_out_of_range_are_one_line_errors(args, message, capsys):
     assert main(["bench", *args]) != 0
     err = capsys.readouterr().err
     assert err.startswith("smoe: error:") and message in err and "Traceback" not in err
+
+
+def test_the_demo_looks_for_the_shared_models_beside_the_checkout():
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]
+    assert demo.SHARED == checkout.parent / "shared"
+    assert demo.SHARED_MODEL == checkout.parent / "shared" / "models" / "qwen3-moe-28m"

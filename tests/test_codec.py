@@ -6,10 +6,9 @@ import sys
 import pytest
 import torch
 
-from smoe.format import codec
-
-from smoe.quality import codec_report as quant_report
 from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.quality import codec_report as quant_report
 
 CPU_ENCODERS = ["reference", "numba"]
 SHAPES = [(128, 64), (37, 50), (3,), (2, 3, 65), (0,)]

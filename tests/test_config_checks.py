@@ -118,15 +118,9 @@ def edited(config: dict, overrides: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict[str, Path]:
-    """The tiny Qwen3-MoE and its vault."""
-    from smoe.convert.sculpt import sculpt
-    from smoe.testing.tiny_models import save_tiny_model
-
-    root = tmp_path_factory.mktemp("built")
-    save_tiny_model("qwen3_moe", root / "model")
-    sculpt(root / "model", root / "vault", progress=False)
-    return {"model": root / "model", "vault": root / "vault"}
+def built(tiny_qwen_vault) -> dict[str, Path]:
+    """The tiny Qwen3-MoE and its vault (only copied here, never changed)."""
+    return tiny_qwen_vault
 
 
 def model_with(built, tmp: Path, overrides: dict) -> Path:

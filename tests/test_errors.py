@@ -8,17 +8,13 @@ import sys
 
 import pytest
 
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model
 from smoe.format.vault import verify
+from smoe.testing.vaults import tiny_vault
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("errors")
-    save_tiny_model("mixtral", root / "model", seed=4)
-    sculpt(root / "model", root / "vault", bits=4, progress=False)
-    return root
+    return tiny_vault(tmp_path_factory.mktemp("errors"), "mixtral", seed=4).parent
 
 
 def smoe(*args, stdin=None, limit_bytes=None):

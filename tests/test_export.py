@@ -16,9 +16,8 @@ from safetensors.torch import load_file
 from smoe.export.mlx import shards
 from smoe.export.source import Planned
 from smoe.export.writer import export
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model
 from smoe.format.vault import TRUNK_FILE, Vault
+from smoe.testing.vaults import tiny_model_dir, tiny_vault, vault_of
 
 ROLES = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
 MLX_ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -266,8 +265,7 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
 
 @pytest.mark.parametrize("to", ["gguf", "mlx"])
 def test_unsupported_family_is_refused_by_name(tmp_path, to):
-    save_tiny_model("olmoe", tmp_path / "model")
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
+    tiny_vault(tmp_path, "olmoe")
     r = smoe_cli("export", tmp_path / "vault", "--to", to, "-o", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "olmoe" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -275,12 +273,11 @@ def test_unsupported_family_is_refused_by_name(tmp_path, to):
 
 
 def test_gguf_refuses_dense_layers_and_non_byte_level_tokenizers(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path / "model")  # decoder_sparse_step 2: dense layers between MoE ones
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
+    tiny_vault(tmp_path, "qwen3_moe")  # decoder_sparse_step 2: dense layers between MoE ones
     r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
     assert r.returncode == 2 and "every layer to be MoE" in r.stderr
-    save_tiny_model("mixtral", tmp_path / "model2")  # its tokenizer splits on whitespace, not byte-level
-    sculpt(tmp_path / "model2", tmp_path / "vault2", bits=4, progress=False)
+    # mixtral's tokenizer splits on whitespace, not byte-level
+    vault_of(tiny_model_dir(tmp_path, "mixtral", name="model2"), tmp_path / "vault2")
     r = smoe_cli("export", tmp_path / "vault2", "--to", "gguf", "-o", tmp_path / "m.gguf")
     assert r.returncode == 2 and "byte-level BPE" in r.stderr
     assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob("m.gguf.partial-*"))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from smoe.errors import SmoeError
 from smoe.source import families
 from smoe.source.checkpoint import Checkpoint
-from smoe.errors import SmoeError
 from smoe.source.families import load_bias, load_projection, map_experts
 from smoe.testing.tiny_models import save_tiny_model, tiny_families
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from smoe.format import codec
-
 from smoe.cli import demo
+from smoe.convert.sculpt import SculptReport, sculpt
 from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.format.vault import Vault
 from smoe.source.checkpoint import Checkpoint
 from smoe.source.families import map_experts
 from smoe.source.inspect import format_report, inspect_path
-from smoe.convert.sculpt import SculptReport, sculpt
-from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
-from smoe.format.vault import Vault
+from smoe.testing.tiny_models import TOKENIZER_TEXT
+from smoe.testing.vaults import tiny_model_dir
 
 
 def smoe_cli(*args, env=None, stderr=subprocess.PIPE):
@@ -28,9 +28,7 @@ def smoe_cli(*args, env=None, stderr=subprocess.PIPE):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("first-run")
-    save_tiny_model("qwen3_moe", root / "model", seed=0)
-    return root
+    return tiny_model_dir(tmp_path_factory.mktemp("first-run"), "qwen3_moe").parent
 
 
 # --- the demo ------------------------------------------------------------------------------------
@@ -107,8 +105,8 @@ def test_sculpt_and_inspect_name_a_mixed_vault_by_the_shares_it_holds(tiny, tmp_
 
 @pytest.mark.parametrize("command", ["quantize", "plan"])
 def test_calib_tokens_help_names_the_default_the_calibration_uses(command):
-    from smoe.convert import calibrate
     from smoe.cli.commands import build_parser
+    from smoe.convert import calibrate
 
     sub = build_parser()._subparsers._group_actions[0].choices[command]
     action = next(a for a in sub._actions if "--calib-tokens" in a.option_strings)

@@ -9,30 +9,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from smoe.convert.dequantize import dequantize
 from smoe.errors import SmoeError
+from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.gpu.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
 from smoe.runtime.gpu.decode import GpuDecoder
 from smoe.runtime.model import StreamingModel
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model, save_tiny_tokenizer, tiny_config
-from smoe.format.vault import DATA_FILE, Vault
+from smoe.testing.vaults import kernel_sized_vault, tiny_vault_and_reference
 
 TOLERANCE = 1e-4  # fp32: the same weights, another summation order
 CUDA = torch.cuda.is_available()
-
-
-def build(tmp_path: Path, family: str, bits: int = 4) -> tuple[Path, Path]:
-    save_tiny_model(family, tmp_path / "model", seed=2)
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=bits, progress=False)
-    dequantize(tmp_path / "vault", tmp_path / "reference", dtype=torch.float32)
-    return tmp_path / "vault", tmp_path / "reference"
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -51,7 +41,7 @@ def decode_in_pieces(dec: GpuDecoder, ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def tiny_vault(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu")
-    return build(tmp, "qwen3_moe")
+    return tiny_vault_and_reference(tmp, "qwen3_moe", seed=2)
 
 
 def blob_in_slot(cache: GpuExpertCache, offset: int, layer: int, expert: int) -> bool:
@@ -140,7 +130,7 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
-    vault, reference = build(tmp_path, family, bits)
+    vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
     sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
     top_k = sm.vault.meta["top_k"]
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k), max_positions=64)  # one token's experts: evictions
@@ -196,28 +186,8 @@ torch.save(logits, sys.argv[2])
 """
 
 
-def build_kernel_sized(tmp_path: Path, family: str, bits: int = 4) -> tuple[Path, Path]:
-    """A tiny model whose expert widths are multiples of 64, so the Triton kernels (not the
-    decode-then-matmul fallback) run, and with them the CUDA graphs."""
-    import transformers
-
-    config = tiny_config(family)
-    setattr(config, "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size", 64)
-    config.num_hidden_layers = 2
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape) * 0.05)
-    model.save_pretrained(tmp_path / "model")
-    save_tiny_tokenizer(tmp_path / "model", config.vocab_size)
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=bits, progress=False)
-    dequantize(tmp_path / "vault", tmp_path / "reference", dtype=torch.float32)
-    return tmp_path / "vault", tmp_path / "reference"
-
-
 def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(tmp_path):
-    build_kernel_sized(tmp_path, "qwen3_moe")
+    kernel_sized_vault(tmp_path, "qwen3_moe")
     env = dict(os.environ, TRITON_INTERPRET="1")
     subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt")],
                    check=True, env=env, timeout=600)
@@ -259,7 +229,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):
-    vault, reference = build_kernel_sized(tmp_path, family, bits)
+    vault, reference = kernel_sized_vault(tmp_path, family, bits)
     sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
     with Vault(vault) as v:
         budget = blob_slot_bytes(v) * len(v.entries) if resident else min_gpu_budget(v, v.meta["top_k"])
@@ -281,7 +251,7 @@ def test_cuda_out_of_memory_is_a_one_line_error_naming_the_option():
 
 @needs_cuda
 def test_cuda_generate_cli_streams_text_and_reports_gpu_cache_stats(tmp_path):
-    vault, _ = build_kernel_sized(tmp_path, "qwen3_moe")
+    vault, _ = kernel_sized_vault(tmp_path, "qwen3_moe")
     r = smoe_cli("generate", vault, "-p", "the sea", "--max-tokens", "8", "--device", "cuda", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -299,6 +269,7 @@ def test_benchmark_vault_has_the_config_shapes_and_replayed_routing_picks_the_ex
     import numpy as np
 
     from smoe.bench.decode import QWEN3_30B, gpu_bytes_per_token, write_model_vault
+    from smoe.bench.replay import ReplayDecoder
 
     cfg = dict(QWEN3_30B) | SMALL_30B_LIKE
     vault = write_model_vault(tmp_path / "v", cfg, progress=False)
@@ -307,7 +278,7 @@ def test_benchmark_vault_has_the_config_shapes_and_replayed_routing_picks_the_ex
     sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
     replay = np.array([[[3, 5], [7, 0]], [[1, 2], [4, 6]]])  # [steps, layers, k]
     # four slots: one token's experts of both layers stay resident
-    dec = GpuDecoder(sm, "cpu", 4 * blob_slot_bytes(sm.vault), max_positions=8, route_replay=torch.from_numpy(replay))
+    dec = ReplayDecoder(sm, "cpu", 4 * blob_slot_bytes(sm.vault), max_positions=8, route_replay=torch.from_numpy(replay))
     for step in range(2):
         dec.replay_step = step
         dec.forward([step + 2])

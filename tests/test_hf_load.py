@@ -10,8 +10,7 @@ import smoe
 from smoe.errors import SmoeError
 from smoe.runtime.generate import generate
 from smoe.runtime.model import StreamingModel
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model
+from smoe.testing.vaults import tiny_vault
 
 PROMPT = "the old man rowed out before the sun"
 NEW_TOKENS = 12
@@ -19,10 +18,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def vault(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    save_tiny_model(request.param, tmp / "model", seed=3)
-    sculpt(tmp / "model", tmp / "vault", bits=4, progress=False)
-    return tmp / "vault"
+    return tiny_vault(tmp_path_factory.mktemp(request.param), request.param, seed=3)
 
 
 def runtime_greedy(vault, prompt_ids: list[int]) -> list[int]:

@@ -34,25 +34,22 @@ CASES = [(c, i, r) for c, inputs in READS.items() for i in inputs for r in RELAT
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, Path]:
-    """A tiny model, its vault, a calibration text and a plan for the model."""
+def sources(tmp_path_factory, tiny_qwen_vault) -> dict[str, Path]:
+    """A tiny model, its vault, a calibration text and a plan for the model (the tests copy them all)."""
+    from smoe.quality.sensitivity import UNITS
     from smoe.source.checkpoint import Checkpoint
     from smoe.source.families import map_experts
-    from smoe.convert.sculpt import sculpt
-    from smoe.quality.sensitivity import UNITS
-    from smoe.testing.tiny_models import save_tiny_model
 
     root = tmp_path_factory.mktemp("sources")
-    save_tiny_model("qwen3_moe", root / "model")
-    sculpt(root / "model", root / "vault", progress=False)
     (root / "calib.txt").write_text(TOKENIZER_TEXT * 4)
-    moe = map_experts(Checkpoint(root / "model").config, Checkpoint(root / "model").names())
+    ckpt = Checkpoint(tiny_qwen_vault["model"])
+    moe = map_experts(ckpt.config, ckpt.names())
     plan = {"format": "smoe-plan", "version": 1, "model_type": moe.model_type, "moe_layers": moe.moe_layers,
             "num_experts": moe.num_experts, "encoder": "grid",
             "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()},
             "tensors": {f"{layer}.{u}": 4 for layer in moe.moe_layers for u in UNITS}}
     (root / "plan.json").write_text(json.dumps(plan))
-    return {"model": root / "model", "vault": root / "vault", "calib": root / "calib.txt", "plan": root / "plan.json"}
+    return tiny_qwen_vault | {"calib": root / "calib.txt", "plan": root / "plan.json"}
 
 
 def place(sources: dict[str, Path], endangered: str, relation: str, tmp: Path) -> tuple[dict[str, str], Path]:

@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from smoe.format import codec, vault
-
-from smoe.runtime.cpu import kernels as kc
 from smoe.errors import SmoeError
+from smoe.format import codec, vault
+from smoe.runtime.cpu import kernels as kc
 
 # [out, in]: whole 64-row blocks; a partial block (112 = 64 + 48); the small model's gate/up and its
 # 96-wide down (groups span rows: no int4); out not a multiple of 16 (no int4); in = 200 (rows start

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from smoe.format import codec
-
-from smoe.runtime.cpu import kernels as kc, kernels_numba as kn
+from smoe.runtime.buckets import bucket
+from smoe.runtime.cpu import kernels as kc
+from smoe.runtime.cpu import kernels_numba as kn
 
 # [out, in]: the small model's gate/up and down (in = 96: every other row starts mid-group); whole
 # groups; out not a multiple of 16; in = 200 and 36 (rows start at many offsets inside a group).
@@ -121,8 +122,8 @@ def test_padding_experts_never_change_the_output():
     weights = np.array([0.5, 0.3, 0.2], dtype=np.float32)
     exact = run_experts(real, weights, 3, hidden, inter, h)
     padded = run_experts(real + [junk], np.append(weights, 0).astype(np.float32), 3, hidden, inter, h)
-    assert kn.bucket(3) == 4 and torch.equal(exact, padded)
+    assert bucket(3) == 4 and torch.equal(exact, padded)
 
 
 def test_buckets_are_powers_of_two_at_least_the_count():
-    assert [kn.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]

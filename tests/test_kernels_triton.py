@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from smoe.cli import commands as cli
-
-from smoe.format import codec
-from smoe.runtime.gpu import kernels as kt
 from smoe.errors import SmoeError
+from smoe.format import codec
 from smoe.format.vault import ExpertEntry, QuantisedTensor, build_blob
+from smoe.runtime.gpu import kernels as kt
+from smoe.testing.random import layout_for_shape, random_blob
 
 pytest.importorskip("triton", reason="triton not installed: the Triton kernels cannot be checked")
 
@@ -25,7 +25,7 @@ NO_CUDA = "no CUDA device: the kernels run on the GPU only here; the interpreter
 
 def build_pool(hidden, inter, bits_gu, bits_d, n, device="cpu", spacing=64 * 3):
     """n random experts' blobs, in reverse order with gaps between them (arbitrary cache slots)."""
-    blobs = [kt.random_blob((hidden, inter), bits_gu, bits_d, seed=i) for i in range(n)]
+    blobs = [random_blob((hidden, inter), bits_gu, bits_d, seed=i) for i in range(n)]
     layout = blobs[0][1]
     slot = -(-len(blobs[0][0]) // 64) * 64 + spacing
     pool = torch.zeros(n * slot + 64, dtype=torch.uint8)
@@ -55,7 +55,8 @@ cases = torch.load(sys.argv[1])
 out = []
 for c in cases:
     cfg = kt.DecodeConfig(**c["tiles"]) if c["tiles"] else None
-    out.append(kt.experts_forward(c["pool"], kt.ExpertLayout(**c["layout"]), c["x"], c["offsets"], c["weights"], path="triton", config=cfg))
+    layout = kt.ExpertLayout(**c["layout"])
+    out.append(kt.experts_forward(c["pool"], layout, c["x"], c["offsets"], c["weights"], path="triton", config=cfg))
 torch.save(out, sys.argv[2])
 """
 
@@ -143,8 +144,8 @@ def test_misaligned_blob_offsets_are_refused(pools):
 
 @pytest.mark.parametrize("bits", DEPTHS)
 def test_layout_is_the_vault_blob_layout(bits):
-    raw, layout = kt.random_blob((HIDDEN, INTER), *bits, seed=0)
-    assert kt.layout_for_shape(HIDDEN, INTER, *bits) == (layout, len(raw))
+    raw, layout = random_blob((HIDDEN, INTER), *bits, seed=0)
+    assert layout_for_shape(HIDDEN, INTER, *bits) == (layout, len(raw))
     tensors = [QuantisedTensor(r, s, b, *codec.encode(torch.randn(s), b)) for r, s, b in
                (("gate", (INTER, HIDDEN), bits[0]), ("up", (INTER, HIDDEN), bits[0]), ("down", (HIDDEN, INTER), bits[1]))]
     blob, entries, _ = build_blob(tensors)
@@ -173,7 +174,7 @@ REAL = [(4096, 1536), (2048, 768)]
 
 
 def gpu_pool(hidden, inter, bits, n=12):
-    from smoe.bench.kernels_gpu import random_pool
+    from smoe.testing.random import random_pool
 
     pool, offsets, layout, _ = random_pool(hidden, inter, bits, bits, "cuda", n_experts=n)
     return pool, offsets, layout

@@ -4,30 +4,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_runtime import SHARED_MODEL, TOLERANCE, relative_error, small_budget
 
+from smoe.format.vault import Vault
 from smoe.runtime.cpu import compiled as fast_decode
 from smoe.runtime.generate import next_logits_function
 from smoe.runtime.model import StreamingModel
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model
-from smoe.format.vault import Vault
-from test_runtime import SHARED_MODEL, TOLERANCE, relative_error, small_budget
+from smoe.testing import vaults
 
 
 def tiny_vault(tmp_path: Path, family: str, depth) -> Path:
     """depth 4 or 2, or "mixed": per MoE layer, gate/up and down at different depths, alternating."""
-    save_tiny_model(family, tmp_path / "model", seed=2)
     if depth != "mixed":
-        sculpt(tmp_path / "model", tmp_path / "vault", bits=depth, progress=False)
-        return tmp_path / "vault"
-    sculpt(tmp_path / "model", tmp_path / "probe", bits=4, progress=False)
-    with Vault(tmp_path / "probe") as v:
+        return vaults.tiny_vault(tmp_path, family, depth, seed=2)
+    model = vaults.tiny_model_dir(tmp_path, family, seed=2)
+    with Vault(vaults.vault_of(model, tmp_path / "probe")) as v:
         layers = v.meta["moe_layers"]
     plan = {}
     for n, layer in enumerate(layers):
         plan |= {(layer, "gate"): 4 - 2 * (n % 2), (layer, "up"): 4 - 2 * (n % 2), (layer, "down"): 2 + 2 * (n % 2)}
-    sculpt(tmp_path / "model", tmp_path / "vault", plan=plan, progress=False)
-    with Vault(tmp_path / "vault") as v:
+    with Vault(vaults.vault_of(model, tmp_path / "vault", plan=plan)) as v:
         assert set(v.tensor_bits()["down"]) == {2, 4}
     return tmp_path / "vault"
 
@@ -72,7 +68,7 @@ def test_compiled_step_matches_the_eager_and_transformers_paths_on_tiny_models(f
 def test_compiled_step_matches_the_eager_and_transformers_paths_on_the_shared_model(bits, tmp_path):
     if not SHARED_MODEL.exists():
         pytest.skip(f"{SHARED_MODEL} not present: the compiled step is checked on tiny models above")
-    sculpt(SHARED_MODEL, tmp_path / "vault", bits=bits, progress=False)
+    vaults.vault_of(SHARED_MODEL, tmp_path / "vault", bits)
     check_steps(open_codes(tmp_path / "vault"))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from smoe import numeric
 from smoe.cli.commands import build_parser, main
-from smoe.runtime.generate import sample
+from smoe.runtime.sampling import sample
 from smoe.serve.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 
 PLACEHOLDERS = {"-o": "out", "-p": "hi", "--ref": "ref", "--data": "data", "--to": "gguf", "--budget": "3"}

@@ -5,25 +5,31 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from smoe.convert import calibrate, encoders
-
-from smoe.format import codec
-from smoe.source.checkpoint import Checkpoint
-from smoe.errors import SmoeError
-from smoe.source.families import map_experts
-from smoe.quality.plan import (bits_cost, blob_nbytes, experts_file_bytes, make_plan, role_bits, solve, table_for_model,
-                       write_heatmap)
 from smoe.convert.sculpt import sculpt
-from smoe.quality.sensitivity import UNITS, KLMeter, QuantisedModel, key, measure
-from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
+from smoe.errors import SmoeError
+from smoe.format import codec
 from smoe.format.vault import Vault
+from smoe.quality.plan import (
+    bits_cost,
+    blob_nbytes,
+    experts_file_bytes,
+    make_plan,
+    role_bits,
+    solve,
+    table_for_model,
+    write_heatmap,
+)
+from smoe.quality.sensitivity import UNITS, KLMeter, QuantisedModel, key, measure
+from smoe.source.checkpoint import Checkpoint
+from smoe.source.families import map_experts
+from smoe.testing.tiny_models import TOKENIZER_TEXT
+from smoe.testing.vaults import SHARED, SHARED_MODELS, tiny_model_dir
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CALIB_TEXT = (TOKENIZER_TEXT + "\n") * 40
 
 
@@ -33,8 +39,7 @@ def smoe_cli(*args):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quality")
-    save_tiny_model("qwen3_moe", root / "model", seed=0)
+    root = tiny_model_dir(tmp_path_factory.mktemp("quality"), "qwen3_moe").parent
     (root / "calib.txt").write_text(CALIB_TEXT)
     return root
 
@@ -64,7 +69,7 @@ def test_calibration_stats_equal_a_direct_computation(tiny, tiny_stats):
     assert sorted(seen) == tiny_stats.layers
     for layer, calls in seen.items():
         m = modules[layer]
-        gate_up, down = m.gate_up_proj.double(), m.down_proj.double()
+        gate_up = m.gate_up_proj.double()
         for e in range(m.num_experts):
             x = torch.cat([h[(idx == e).any(dim=-1)] for h, idx in calls])
             gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
@@ -341,7 +346,7 @@ def test_quantize_with_a_budget_writes_a_mixed_vault_and_reports_kl(tiny, tmp_pa
 
 
 def test_gptq_beats_grid_on_a_trained_expert():
-    model = SHARED / "models" / "qwen3-moe-28m"
+    model = SHARED_MODELS["qwen3_moe"]
     if not model.exists():
         pytest.skip(f"{model} is absent: the trained-model check needs the shared models")
     ckpt = Checkpoint(model)

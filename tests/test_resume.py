@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe.errors import SmoeError
 from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import TOKENIZER_TEXT, save_tiny_model
+from smoe.errors import SmoeError
 from smoe.format.vault import TRUNK_FILE, Vault
+from smoe.testing.tiny_models import TOKENIZER_TEXT
+from smoe.testing.vaults import tiny_model_dir
 
 STOP_AT = (3, 2)  # qwen3_moe tiny: MoE layers 1 and 3, six experts each; the run stops before (3, 2)
 WRITTEN = 6 + STOP_AT[1]
@@ -23,9 +24,8 @@ GPTQ = {"encoder": "gptq", "calib_tokens": 256}
 
 @pytest.fixture
 def model(tmp_path) -> Path:
-    save_tiny_model("qwen3_moe", tmp_path / "model", seed=4)
     (tmp_path / "calib.txt").write_text((TOKENIZER_TEXT + "\n") * 40)
-    return tmp_path / "model"
+    return tiny_model_dir(tmp_path, "qwen3_moe", seed=4)
 
 
 def expert(layer: int, index: int, role: str = "down") -> str:

@@ -6,29 +6,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe.convert.dequantize import dequantize
 from smoe.errors import SmoeError
+from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.generate import generate
 from smoe.runtime.model import StreamingModel
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model, tiny_families
-from smoe.format.vault import DATA_FILE, Vault
+from smoe.testing.tiny_models import tiny_families
+from smoe.testing.vaults import (
+    SHARED,
+    SHARED_MODELS,
+    dequantised_reference,
+    tiny_vault,
+    tiny_vault_and_reference,
+    vault_of,
+)
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m"
+SHARED_MODEL = SHARED_MODELS["qwen3_moe"]
 TOLERANCE = 1e-4  # fp32: the same weights in a different summation order
 
 
 def smoe_cli(*args):
     return subprocess.run([sys.executable, "-m", "smoe.cli", *map(str, args)], capture_output=True, text=True)
-
-
-def build(tmp_path: Path, family: str, bits: int = 4) -> tuple[Path, Path]:
-    save_tiny_model(family, tmp_path / "model", seed=2)
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=bits, progress=False)
-    dequantize(tmp_path / "vault", tmp_path / "reference", dtype=torch.float32)
-    return tmp_path / "vault", tmp_path / "reference"
 
 
 def small_budget(vault: Path) -> int:
@@ -46,7 +44,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("family", tiny_families())
 def test_streaming_logits_match_the_dequantised_transformers_model(family, tmp_path):
-    vault, reference = build(tmp_path, family)
+    vault, reference = tiny_vault_and_reference(tmp_path, family, seed=2)
     sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(0))
     assert relative_error(load_reference(reference)(ids), sm.logits(ids)) < TOLERANCE
@@ -68,8 +66,7 @@ def greedy_reference(reference_logits, prompt: list[int], steps: int) -> tuple[l
 def test_shared_model_greedy_output_matches_the_reference_with_a_cache_below_the_experts(bits, tmp_path):
     if not SHARED_MODEL.exists():
         pytest.skip(f"{SHARED_MODEL} not present (the shared models live beside the repository)")
-    sculpt(SHARED_MODEL, tmp_path / "vault", bits=bits, progress=False)
-    dequantize(tmp_path / "vault", tmp_path / "reference", dtype=torch.float32)
+    dequantised_reference(vault_of(SHARED_MODEL, tmp_path / "vault", bits), tmp_path)
     budget = small_budget(tmp_path / "vault")
     sm = StreamingModel(tmp_path / "vault", dtype="float32", cache_bytes=budget, kernel_path="dequant")
     from transformers import AutoTokenizer
@@ -87,20 +84,20 @@ def test_shared_model_greedy_output_matches_the_reference_with_a_cache_below_the
 
 
 def test_cache_smaller_than_one_tokens_experts_is_an_error_saying_the_minimum(tmp_path):
-    vault, _ = build(tmp_path, "qwen3_moe")
+    vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
     with pytest.raises(SmoeError, match=r"at least .* GB \([\d,]+ bytes\) is needed"):
         StreamingModel(vault, dtype="float32", cache_bytes=1000)
 
 
 def test_prompt_longer_than_the_context_is_an_error(tmp_path):
-    vault, _ = build(tmp_path, "qwen3_moe")
+    vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
     sm = StreamingModel(vault, dtype="float32")
     with pytest.raises(SmoeError, match="exceeds the model's context"):
         generate(sm, list(range(100)), max_tokens=100)
 
 
 def test_corrupt_blob_stops_generation_naming_layer_and_expert(tmp_path):
-    vault, _ = build(tmp_path, "qwen3_moe")
+    vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
     with Vault(vault) as v:
         entries = list(v.entries.values())
     with open(vault / DATA_FILE, "r+b") as f:
@@ -112,20 +109,36 @@ def test_corrupt_blob_stops_generation_naming_layer_and_expert(tmp_path):
 
 
 def test_generate_cli_prints_text_tokens_and_stats_as_json(tmp_path):
-    vault, _ = build(tmp_path, "qwen3_moe")
+    vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
     (tmp_path / "model").rename(tmp_path / "model-used")  # the vault alone must be enough
     proc = smoe_cli("generate", vault, "-p", "the old man", "--max-tokens", "5", "--json", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) == {"text", "tokens", "stats"} and len(out["tokens"]) <= 5
+    assert set(out) == {"text", "tokens", "stats", "decoder", "device"} and len(out["tokens"]) <= 5
     assert {"prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "hits", "misses", "hit_rate", "bytes_read",
             "peak_rss_bytes"} <= set(out["stats"])
+    assert (out["decoder"], out["device"]) == ("fast", "cpu")
+
+
+def test_generate_json_names_the_decoder_that_ran_so_a_fallback_cannot_pass_for_the_fast_one(tmp_path):
+    vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
+    runs = {}
+    for decoder in ("fast", "generic"):
+        proc = smoe_cli("generate", vault, "-p", "the old man", "--max-tokens", "4", "--json", "--dtype", "float32",
+                        "--decoder", decoder, "--device", "cpu")
+        assert proc.returncode == 0, proc.stderr
+        runs[decoder] = json.loads(proc.stdout)
+        assert runs[decoder]["decoder"] == decoder
+        assert runs[decoder]["stats"]["misses"] > 0  # the experts came through the cache the stats describe
+    proc = smoe_cli("generate", tiny_vault(tmp_path / "g", "gpt_oss"), "-p", "x", "--max-tokens", "2", "--json",
+                    "--decoder", "fast", "--device", "cpu")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("(use --decoder generic)")
 
 
 def test_generate_cli_streams_shared_model_text_and_a_stats_line(tmp_path):
     if not SHARED_MODEL.exists():
         pytest.skip(f"{SHARED_MODEL} not present (the shared models live beside the repository)")
-    sculpt(SHARED_MODEL, tmp_path / "vault", bits=4, progress=False)
+    vault_of(SHARED_MODEL, tmp_path / "vault")
     proc = smoe_cli("generate", tmp_path / "vault", "-p", "The sea was", "--max-tokens", "16", "--cache-gb", "0.01")
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 10
@@ -138,7 +151,7 @@ def test_eval_reproduces_the_reference_perplexity_of_the_shared_model(tmp_path):
     valid = SHARED / "corpus" / "valid.txt.gz"
     if not SHARED_MODEL.exists() or not valid.exists():
         pytest.skip("../shared model or corpus not present")
-    sculpt(SHARED_MODEL, tmp_path / "vault", bits=4, progress=False)
+    vault_of(SHARED_MODEL, tmp_path / "vault")
     proc = smoe_cli("eval", tmp_path / "vault", "--ref", SHARED_MODEL, "--data", valid, "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
@@ -147,7 +160,7 @@ def test_eval_reproduces_the_reference_perplexity_of_the_shared_model(tmp_path):
 
 
 def test_chat_answers_each_line_until_the_input_ends(tmp_path):
-    vault, _ = build(tmp_path, "qwen3_moe")
+    vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
     proc = subprocess.run([sys.executable, "-m", "smoe.cli", "chat", str(vault), "--max-tokens", "4", "--dtype", "float32"],
                           input="the old man\n\nthe sea\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -157,13 +170,13 @@ def test_chat_answers_each_line_until_the_input_ends(tmp_path):
 def test_lean_decode_path_matches_the_transformers_path(tmp_path):
     if not SHARED_MODEL.exists():
         pytest.skip(f"{SHARED_MODEL} not present: the lean path is checked on tiny models below")
-    sculpt(SHARED_MODEL, tmp_path / "vault", bits=4, progress=False)
+    vault_of(SHARED_MODEL, tmp_path / "vault")
     check_lean_against_transformers(tmp_path / "vault")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_lean_decode_path_matches_the_transformers_path_on_tiny_models(family, tmp_path):
-    vault, _ = build(tmp_path, family)
+    vault = tiny_vault(tmp_path, family, seed=2)
     check_lean_against_transformers(vault)
 
 

@@ -10,16 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from smoe.format import codec
-from smoe.source.checkpoint import Checkpoint
-from smoe.errors import SmoeError
-from smoe.source.families import load_projection, map_experts
 from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model, tiny_families
+from smoe.errors import SmoeError
+from smoe.format import codec
 from smoe.format.vault import TRUNK_FILE, Vault, verify
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SHARED_MODELS = [SHARED / "models" / "qwen3-moe-28m", SHARED / "models" / "mixtral-28m-b"]
+from smoe.source.checkpoint import Checkpoint
+from smoe.source.families import load_projection, map_experts
+from smoe.testing.tiny_models import tiny_families
+from smoe.testing.vaults import SHARED_MODELS, tiny_model_dir, tiny_vault
 
 
 def smoe_cli(*args, **kw):
@@ -28,9 +26,7 @@ def smoe_cli(*args, **kw):
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    path = tmp_path_factory.mktemp("models") / "qwen3_moe"
-    save_tiny_model("qwen3_moe", path, seed=0)
-    return path
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_moe", name="qwen3_moe")
 
 
 def assert_vault_holds_the_encoded_experts(model_dir: Path, vault_dir: Path, bits: int, sample: int = 4):
@@ -54,13 +50,12 @@ def assert_vault_holds_the_encoded_experts(model_dir: Path, vault_dir: Path, bit
 
 @pytest.mark.parametrize("family", tiny_families())
 def test_every_family_sculpts_to_a_vault_that_verifies(family, tmp_path):
-    save_tiny_model(family, tmp_path / "model", seed=1)
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
+    tiny_vault(tmp_path, family, seed=1)
     assert_vault_holds_the_encoded_experts(tmp_path / "model", tmp_path / "vault", 4, sample=2)
     assert (tmp_path / "vault" / "config.json").exists()
 
 
-@pytest.mark.parametrize("model", SHARED_MODELS, ids=lambda p: p.name)
+@pytest.mark.parametrize("model", SHARED_MODELS.values(), ids=lambda p: p.name)
 @pytest.mark.parametrize("bits", [4, 2])
 def test_shared_trained_models_sculpt_and_verify(model, bits, tmp_path):
     if not model.exists():
@@ -157,8 +152,9 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(tiny_qwen, tmp_path):
 
 def big_tiny_model(path: Path) -> Path:
     """A tiny family with enough expert bytes that a sculpt takes a few seconds."""
-    from smoe.testing.tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from smoe.testing.tiny_models import tiny_config
 
     config = tiny_config("qwen3_moe")
     config.hidden_size, config.moe_intermediate_size, config.num_hidden_layers = 512, 512, 4

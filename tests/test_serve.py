@@ -18,10 +18,10 @@ import anthropic
 import openai
 import pytest
 
-from smoe.runtime.generate import generate
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
+from smoe.runtime.generate import generate
 from smoe.runtime.model import StreamingModel
-from smoe.serve.worker import Worker, Overloaded, Sampling, TextStream
+from smoe.serve.worker import Overloaded, Sampling, TextStream, Worker
 
 MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
 PROMPT = "The sea was"

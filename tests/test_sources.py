@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from smoe.convert.sculpt import sculpt
+from smoe.errors import SmoeError
+from smoe.format.vault import TRUNK_FILE
 from smoe.source import quantised as sq
 from smoe.source.checkpoint import Checkpoint
-from smoe.errors import SmoeError
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model
-from smoe.format.vault import TRUNK_FILE
+from smoe.testing.vaults import tiny_model_dir
 
 EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"  # qwen3_moe tiny
 BIAS = "model.layers.0.mlp.experts.down_proj_bias"  # gpt_oss tiny, [E, out]
@@ -23,16 +23,12 @@ STORED = {torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.bool: "
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "qwen3_moe"
-    save_tiny_model("qwen3_moe", path, seed=5)
-    return path
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "qwen3_moe", seed=5, name="qwen3_moe")
 
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "gpt_oss"
-    save_tiny_model("gpt_oss", path, seed=5)
-    return path
+    return tiny_model_dir(tmp_path_factory.mktemp("models"), "gpt_oss", seed=5, name="gpt_oss")
 
 
 def variant(src: Path, dst: Path, changes: dict) -> Path:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes, mem_available
+from smoe.format import codec
 from smoe.format.vault import DATA_FILE, QuantisedTensor, Vault, VaultWriter
+from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes, mem_available
 
 SHAPES = {"gate": (32, 64), "up": (32, 64), "down": (64, 32)}
 

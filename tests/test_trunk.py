@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from smoe.convert.dequantize import dequantize, is_dequantizable
-from smoe.errors import SmoeError
-from smoe.quality.evaluate import load_reference
-from smoe.hf.model import causal_lm_class, is_experts_param
-from smoe.runtime.model import StreamingModel
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model, tiny_families, tiny_model
-from smoe.format.vault import Vault
 from test_runtime import TOLERANCE, relative_error
+
+from smoe.convert.dequantize import is_dequantizable
+from smoe.errors import SmoeError
+from smoe.format.vault import Vault
+from smoe.hf.model import causal_lm_class, is_experts_param
+from smoe.quality.evaluate import load_reference
+from smoe.runtime.model import StreamingModel
+from smoe.testing.tiny_models import save_tiny_model, tiny_families, tiny_model
+from smoe.testing.vaults import dequantised_reference, tiny_model_dir, vault_of
 
 DEQUANTIZE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -54,10 +54,9 @@ def save_source(family: str, out: Path) -> Path:
 def built(request, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp(request.param)
     source = save_source(request.param, tmp / "source")
-    sculpt(source, tmp / "vault", bits=4, progress=False)
-    out = {"family": request.param, "source": source, "vault": tmp / "vault"}
+    out = {"family": request.param, "source": source, "vault": vault_of(source, tmp / "vault")}
     for name, dtype in DEQUANTIZE_DTYPES.items():
-        out[name] = dequantize(tmp / "vault", tmp / f"dequantized-{name}", dtype=dtype)
+        out[name] = dequantised_reference(out["vault"], tmp, dtype, name=f"dequantized-{name}")
     return out
 
 
@@ -110,11 +109,9 @@ def test_dequantize_round_trips_every_trunk_tensor_bit_for_bit(built, dtype):
 
 def rewrite_source(tmp_path: Path, change) -> Path:
     """A tiny deepseek_v3 checkpoint with `change` applied to its tensors, sculpted."""
-    save_tiny_model("deepseek_v3", tmp_path / "model", seed=2)
-    path = tmp_path / "model" / "model.safetensors"
+    path = tiny_model_dir(tmp_path, "deepseek_v3", seed=2) / "model.safetensors"
     save_file(change(load_file(path)), path, metadata={"format": "pt"})
-    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
-    return tmp_path / "vault"
+    return vault_of(path.parent, tmp_path / "vault")
 
 
 def test_trunk_tensor_of_another_shape_than_the_config_is_an_error_naming_it_and_both_shapes(tmp_path):

@@ -6,11 +6,10 @@ import sys
 import pytest
 import torch
 
-from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.format.vault import (
-    DATA_FILE, INDEX_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, verify, write_safetensors,
-)
+from smoe.format import codec
+from smoe.format.safetensors_io import write_safetensors
+from smoe.format.vault import DATA_FILE, INDEX_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, verify
 
 SHAPES = {"gate": (32, 64), "up": (32, 64), "down": (64, 32)}
 
@@ -201,7 +200,8 @@ def test_verify_cli_exit_code_is_zero_only_for_a_sound_vault(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "smoe.cli", "verify", str(tmp_path / "v")], capture_output=True, text=True)
     assert ok.returncode == 0 and "vault OK" in ok.stdout
     flip_byte(tmp_path / "v" / DATA_FILE, 4096 + 1)
-    bad = subprocess.run([sys.executable, "-m", "smoe.cli", "verify", str(tmp_path / "v"), "--json"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "smoe.cli", "verify", str(tmp_path / "v"), "--json"],
+                         capture_output=True, text=True)
     assert bad.returncode == 1
     report = json.loads(bad.stdout)
     assert not report["ok"] and any("checksum mismatch" in p for p in report["problems"])

@@ -9,18 +9,14 @@ import pytest
 import torch
 
 from smoe.errors import SmoeError
-from smoe.runtime.model import StreamingModel
-from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import save_tiny_model
 from smoe.format.vault import CONFIG_FILE, INDEX_FILE, TRUNK_FILE, Vault, verify
+from smoe.runtime.model import StreamingModel
+from smoe.testing import vaults
 
 
 @pytest.fixture(scope="module")
 def tiny_vault(tmp_path_factory):
-    root = tmp_path_factory.mktemp("files")
-    save_tiny_model("qwen3_moe", root / "model", seed=3)
-    sculpt(root / "model", root / "vault", bits=4, progress=False)
-    return root / "vault"
+    return vaults.tiny_vault(tmp_path_factory.mktemp("files"), "qwen3_moe", seed=3)
 
 
 def copy_vault(src, dst):

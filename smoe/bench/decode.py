@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from smoe.format import codec
 from smoe.bench.runtime import drop_page_cache, skewed_routing
 from smoe.errors import SmoeError
-from smoe.format.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, write_safetensors
+from smoe.format import codec
+from smoe.format.safetensors_io import write_safetensors
+from smoe.format.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter
 
 QWEN3_30B = {  # Qwen3-30B-A3B's config.json, text part
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -139,9 +140,9 @@ def hbm_gbps(device, nbytes: int = 2 << 30) -> float:
 
 def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
     """O_DIRECT reads of whole blobs by a thread pool, as the cache reads them."""
-    from smoe.runtime.gpu.cache import allocate
-    from smoe.runtime.cpu.store import open_direct
     from smoe.format.vault import align
+    from smoe.runtime.blobs import open_direct
+    from smoe.runtime.gpu.cache import allocate
 
     with Vault(vault_dir) as v:
         entries = list(v.entries.values())[:: max(1, len(v.entries) // n_blobs)][:n_blobs]
@@ -168,17 +169,17 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
                threads: int) -> dict:
     """Decode with the GPU cache at `budget_fraction` of the experts; misses from the pinned host tier
     (source "host", filled before timing) or from the disk (source "disk": O_DIRECT, page cache dropped)."""
+    from smoe.bench.replay import ReplayDecoder, fill_host_tier
     from smoe.runtime.gpu.cache import blob_slot_bytes
-    from smoe.runtime.gpu.decode import GpuDecoder
 
     vault, device = sm.vault, torch.device("cuda")
     everything = blob_slot_bytes(vault) * len(vault.entries)
     host = everything if source == "host" and budget_fraction < 1 else 0
-    dec = GpuDecoder(sm, device, int(everything * budget_fraction), warmup + tokens + 8, host_cache_bytes=host,
-                     threads=threads, direct_io=source == "disk", route_replay=torch.from_numpy(routing))
+    dec = ReplayDecoder(sm, device, int(everything * budget_fraction), warmup + tokens + 8, host_cache_bytes=host,
+                        threads=threads, direct_io=source == "disk", route_replay=torch.from_numpy(routing))
     try:
         if host:
-            dec.cache.fill_host_tier()
+            fill_host_tier(dec.cache)
         token = 0
         for t in range(warmup):
             dec.replay_step = t
@@ -237,7 +238,7 @@ def transformers_run(cfg: dict, tokens: int) -> dict:
             model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        return {"tok_s": tokens / seconds, "experts_implementation": str(getattr(config, "_experts_implementation", None))}
+        return {"tok_s": tokens / seconds, "experts_implementation": str(getattr(model.config, "_experts_implementation", None))}
     finally:
         del model
         torch.cuda.empty_cache()

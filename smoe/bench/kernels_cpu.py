@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from smoe.format import codec
+from smoe.format.vault import QuantisedTensor
 from smoe.runtime.cpu.kernels import (
     KERNEL_GROUP,
     choose_path,
@@ -24,7 +25,6 @@ from smoe.runtime.cpu.kernels import (
     random_quantised,
     to_int4,
 )
-from smoe.format.vault import QuantisedTensor
 
 # (label, out, in): expert projections as stored, weight [out, in]
 SHAPES = (

@@ -18,15 +18,14 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from smoe.format import codec
-
-from smoe.runtime.gpu import kernels as kt
 from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.runtime.gpu import kernels as kt
+from smoe.testing.random import random_pool
 
 SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768)}  # (hidden, expert inter)
 TOP_K = 8
 POOL_GB = 1.2
-SLOT = 256  # experts sit in pool slots aligned to this many bytes
 
 
 def synchronize():
@@ -80,29 +79,6 @@ def steps_for(step_bytes: float, pool_bytes: float) -> int:
     return max(24, int(3 * pool_bytes / step_bytes) + 1)
 
 
-# --- the SMOE pool -------------------------------------------------------------------------------
-
-
-def random_pool(hidden: int, inter: int, bits_gu: int, bits_d: int, device, pool_gb: float | None = None,
-                n_experts: int | None = None, seed: int = 0):
-    """A pool of random experts in the vault's blob layout (pool_gb of them, or n_experts): (pool, byte
-    offsets [n], layout, blob bytes). Codes are random bytes (every bit pattern is a valid code);
-    scales are drawn in [1e-3, 0.05)."""
-    layout, size = kt.layout_for_shape(hidden, inter, bits_gu, bits_d)
-    slot = -(-size // SLOT) * SLOT
-    n = n_experts or max(TOP_K, int(pool_gb * 1e9 // slot))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    pool = torch.randint(0, 256, (n * slot,), dtype=torch.uint8, device=device, generator=gen)
-    halves = pool.view(n, slot).view(torch.float16)  # [n, slot / 2]
-    for rows, cols, bits, s_off in ((inter, hidden, bits_gu, layout.gate_scales), (inter, hidden, bits_gu, layout.up_scales),
-                                    (hidden, inter, bits_d, layout.down_scales)):
-        count = rows * cols // kt.GROUP
-        scales = torch.rand(n, count, device=device, generator=gen) * 0.049 + 1e-3
-        halves[:, s_off // 2: s_off // 2 + count] = scales.to(torch.float16)
-    offsets = torch.arange(n, device=device, dtype=torch.int64) * slot
-    return pool, offsets, layout, size
-
-
 # --- measurements --------------------------------------------------------------------------------
 
 
@@ -110,7 +86,7 @@ def bench_decode(hidden: int, inter: int, bits: int, device, pool_gb: float = PO
     """Per-kernel and whole-decode timings of the SMOE kernels for one shape and depth.
     configs: optional lists of tiles (smoe.runtime.gpu.kernels.DecodeConfig) for gate_up and down to try;
     the fastest that matches the reference is kept."""
-    pool, offsets, layout, size = random_pool(hidden, inter, bits, bits, device, pool_gb)
+    pool, offsets, layout, size = random_pool(hidden, inter, bits, bits, device, pool_gb, least=TOP_K)
     n = offsets.numel()
     act = 2 * hidden * 2  # bf16 input and output vector
     code_gu = sum(codec.encoded_nbytes(inter * hidden, bits)) * 2
@@ -160,7 +136,7 @@ def bench_decode(hidden: int, inter: int, bits: int, device, pool_gb: float = PO
                    "decode_us": seconds * 1e6, "decode_us_runs": [r * 1e6 for r in runs],
                    "bytes": total, "decode_gbps": total / seconds / 1e9,
                    "gate_up_us": best["gate_up"][1] * 1e6, "down_us": best["down"][1] * 1e6})
-    del pool
+    pool = None  # frees the pool before the next shape allocates (closures above hold the name)
     return result
 
 
@@ -193,7 +169,7 @@ def bench_bf16(hidden: int, inter: int, device, pool_gb: float = POOL_GB) -> dic
     nbytes = TOP_K * per_expert + 2 * hidden * 2
     a = graph_seconds(per_expert_step, steps)
     b = graph_seconds(stacked_step, steps)
-    del gu, dn
+    gu = dn = None  # frees them before the next shape allocates
     return {"per_expert_us": a * 1e6, "per_expert_gbps": nbytes / a / 1e9,
             "stacked_us": b * 1e6, "stacked_gbps": nbytes / b / 1e9, "bytes": nbytes, "pool_gb": n * per_expert / 1e9}
 
@@ -255,7 +231,7 @@ def copy_gbps(device, gb: float = 2.0) -> float:
 
 def bench_grouped(hidden: int, inter: int, bits: int, tokens: int, device, pool_gb: float = POOL_GB) -> dict:
     """Several tokens through the grouped kernels (eager: the pair sort synchronises once per call)."""
-    pool, offsets, layout, size = random_pool(hidden, inter, bits, bits, device, pool_gb, seed=3)
+    pool, offsets, layout, size = random_pool(hidden, inter, bits, bits, device, pool_gb, seed=3, least=TOP_K)
     n = offsets.numel()
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16)
@@ -273,7 +249,7 @@ def bench_grouped(hidden: int, inter: int, bits: int, tokens: int, device, pool_
             distinct.append(int(torch.unique(sel).numel()))
     seconds = statistics.median(times)
     nbytes = statistics.median(distinct) * size
-    del pool
+    pool = None  # frees the pool before the next shape allocates (closures above hold the name)
     return {"bits": bits, "tokens": tokens, "us": seconds * 1e6, "distinct_experts": statistics.median(distinct),
             "gbps": nbytes / seconds / 1e9}
 
@@ -302,10 +278,12 @@ def format_result(r: dict) -> str:
              f"{'shape':<16} {'variant':<34} {'us/token-layer':>14} {'GB/s':>7}"]
     for name, e in r["shapes"].items():
         for s in e["smoe"]:
-            lines.append(f"{name:<16} {'SMOE-Q%d Triton (3 launches)' % s['bits']:<34} {s['decode_us']:>14.1f} {s['decode_gbps']:>7.0f}")
+            label = f"SMOE-Q{s['bits']} Triton (3 launches)"
+            lines.append(f"{name:<16} {label:<34} {s['decode_us']:>14.1f} {s['decode_gbps']:>7.0f}")
             lines.append(f"{'':<16} {'  gate+up kernel / down kernel':<34} {s['gate_up_us']:>7.1f} /{s['down_us']:>5.1f}")
         b = e["bf16"]
-        lines.append(f"{name:<16} {'bf16 cuBLAS, 2 matvecs per expert':<34} {b['per_expert_us']:>14.1f} {b['per_expert_gbps']:>7.0f}")
+        lines.append(f"{name:<16} {'bf16 cuBLAS, 2 matvecs per expert':<34} {b['per_expert_us']:>14.1f} "
+                     f"{b['per_expert_gbps']:>7.0f}")
         lines.append(f"{name:<16} {'bf16 cuBLAS, k experts stacked':<34} {b['stacked_us']:>14.1f} {b['stacked_gbps']:>7.0f}")
         i = e["int4"]
         if "error" in i:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from smoe.format import codec
-from smoe.errors import SmoeError
 from smoe.devices import resolve_device
-from smoe.format.vault import write_safetensors
+from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.format.safetensors_io import write_safetensors
 
 ROW = 1536  # Qwen3-235B expert width: rows of 1536 weights
 
@@ -205,7 +205,8 @@ def bench_sculpt(gb: float, workdir: str | None, device: str = "cpu") -> dict:
         # the baseline runs first: RUSAGE_CHILDREN reports the largest child so far
         backend = "search_triton" if device == "cuda" else "search_numba"
         _, base_rss = peak_rss_of([sys.executable, "-c", f"import smoe.convert.sculpt, smoe.format.{backend}"])
-        seconds, rss = peak_rss_of([sys.executable, "-m", "smoe.cli", "quantize", str(src), "-o", str(out), "-q", "--device", device])
+        seconds, rss = peak_rss_of([sys.executable, "-m", "smoe.cli", "quantize", str(src), "-o", str(out), "-q",
+                                    "--device", device])
         largest = 8192 * SYNTH_HIDDEN * 2
         return {"benchmark": "sculpt", "device": device, "checkpoint_gb": size / 1e9, "seconds": seconds,
                 "mb_per_s": size / seconds / 1e6, "peak_rss_gb": rss / 1e9, "import_only_rss_gb": base_rss / 1e9,

@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.format.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter, write_safetensors
+from smoe.format import codec
+from smoe.format.safetensors_io import write_safetensors
+from smoe.format.vault import DATA_FILE, TRUNK_FILE, QuantisedTensor, Vault, VaultWriter
+from smoe.switches import CPU_COMPILED
 
 PROMPT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
           "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light,")
@@ -70,7 +72,7 @@ torch.set_num_threads(int(sys.argv[5]))
 from smoe.runtime.model import StreamingModel
 from smoe.runtime.generate import generate
 from transformers import AutoTokenizer
-vault, cache, tokens, dtype, _, decoder, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
+vault, cache, tokens, dtype, _, decoder, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8]
 kernel_path = sys.argv[8] if len(sys.argv) > 8 else "auto"
 sm = StreamingModel(vault, dtype=dtype, cache_bytes=cache, kernel_path=kernel_path)
 ids = AutoTokenizer.from_pretrained(vault)(prompt)["input_ids"]
@@ -111,12 +113,12 @@ print(json.dumps({"decode_tok_s": (n - 1) / dt}))
 
 def prepared_expert_bytes(vault_dir: Path, dtype: str) -> int:
     """What all experts take in the cache once prepared for compute."""
+    from smoe.format.dtypes import TORCH_NAMES
     from smoe.runtime.cpu import kernels as kernels_cpu
-    from smoe.runtime.model import DTYPES
     from smoe.runtime.cpu.store import ExpertStore
 
     def prepare(tensors, biases):
-        prepared = kernels_cpu.prepare_expert(tensors, biases, DTYPES[dtype], fuse=True)
+        prepared = kernels_cpu.prepare_expert(tensors, biases, TORCH_NAMES[dtype], fuse=True)
         return prepared, prepared.nbytes
 
     with Vault(vault_dir) as vault:
@@ -152,7 +154,8 @@ def bench_model(vault: str, ref: str | None, gguf: str | None, budgets: list[flo
         result["baselines"]["transformers_bf16_resident"] = child(TRANSFORMERS_RUN, ref, tokens, threads, PROMPT)
     if gguf:
         drop_page_cache(Path(gguf))
-        result["baselines"]["llama_cpp"] = child(LLAMA_CPP_RUN, gguf, tokens, threads, PROMPT, memory_limit=limit) | {"gguf": gguf}
+        run = child(LLAMA_CPP_RUN, gguf, tokens, threads, PROMPT, memory_limit=limit)
+        result["baselines"]["llama_cpp"] = run | {"gguf": gguf}
     return result
 
 
@@ -168,7 +171,8 @@ def write_synthetic_vault(path: Path, layers: int, bits: int = 4) -> None:
     h, i = SYNTH["hidden"], SYNTH["inter"]
     for layer in range(layers):
         for e in range(SYNTH["experts"]):
-            tensors = [random_tensor(rng, role, shape, bits) for role, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))]
+            shapes = (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))
+            tensors = [random_tensor(rng, role, shape, bits) for role, shape in shapes]
             if (layer, e) not in writer.done():
                 writer.add(layer, e, tensors)
     write_safetensors(path / TRUNK_FILE, [], lambda n: None)
@@ -208,7 +212,6 @@ import torch.nn.functional as F
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu.store import ExpertStore
 from smoe.format.vault import Vault
-from smoe.switches import CPU_COMPILED
 vault, cache, routing, prefetch = Vault(sys.argv[1]), int(sys.argv[2]), np.load(sys.argv[3]), sys.argv[4] == "1"
 prepare = lambda t, b: (lambda p: (p, p.nbytes))(kernels_cpu.prepare_expert(t, b, torch.bfloat16, fuse=True))
 store = ExpertStore(vault, cache, prepare)
@@ -280,7 +283,8 @@ def format_result(r: dict) -> str:
                          f"read {row['bytes_read'] / 1e6:8.1f} MB  peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB")
         for name, b in r["baselines"].items():
             best = max(row["decode_tok_s"] for row in r["rows"])
-            lines.append(f"  baseline {name}: {b['decode_tok_s']:.1f} tok/s  (smoe best / baseline = {best / b['decode_tok_s']:.2f})")
+            lines.append(f"  baseline {name}: {b['decode_tok_s']:.1f} tok/s  "
+                         f"(smoe best / baseline = {best / b['decode_tok_s']:.2f})")
     else:
         lines.append(f"synthetic vault {r['vault_gb']:.2f} GB ({r['layers']} layers of Qwen3-30B-A3B experts, Q4), "
                      f"{r['tokens']} tokens, cold sequential disk read {r['disk_gbps_cold_sequential']:.2f} GB/s")

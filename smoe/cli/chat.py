@@ -103,7 +103,7 @@ def reply(chat: Chat, conv: Conversation) -> None:
     streamer, stats = TextStreamer(tok, sys.stdout), None
     with StopOnInterrupt() as stop:
         try:
-            _, stats = generate(chat.sm, prompt, budget, args.temperature, args.top_p, args.seed, decoder=args.decoder,
+            _, stats = generate(chat.sm, prompt, budget, args.temperature, args.top_p, args.seed,
                                 params=chat.params, on_token=lambda token: show(streamer, token, stop))
         except KeyboardInterrupt:  # a second Ctrl-C, in a long prefill or step: keep what was shown
             pass

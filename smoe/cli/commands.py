@@ -8,18 +8,17 @@ import os
 import sys
 
 from smoe import numeric
-from smoe.version import __version__
 from smoe.errors import SmoeError
-from smoe.source.hub import resolve_model
 from smoe.format.paths import check_outputs
 from smoe.hf.bars import quiet_library_bars
 from smoe.hf.tokenizer import check_text, load_tokenizer
+from smoe.source.hub import resolve_model
+from smoe.version import __version__
 
 
 def cmd_quantize(args) -> int:
-    from smoe.convert.sculpt import sculpt
-
     from smoe.cli import quantize as planning
+    from smoe.convert.sculpt import sculpt
 
     args.model = resolve_model(args.model)
     check_outputs([args.output], [args.model, args.calib, args.plan])
@@ -56,8 +55,8 @@ def print_sculpt_summary(r, out) -> None:
 
 
 def cmd_verify(args) -> int:
-    from smoe.progress import bar as progress_bar
     from smoe.format.vault import verify
+    from smoe.progress import bar as progress_bar
 
     bar = None if args.json else (lambda xs: progress_bar(xs, unit="blob", desc="verify"))
     problems = verify(args.vault, progress=bar)
@@ -94,15 +93,16 @@ def cmd_test_quant(args) -> int:
 
 
 def open_model(args):
-    from smoe.runtime.model import StreamingModel
-
     import torch
+
+    from smoe.runtime.model import StreamingModel
 
     torch.set_num_threads(args.torch_threads)
     cache = None if args.cache_gb is None else int(args.cache_gb * 1e9)
     gpu_cache = None if args.gpu_cache_gb is None else int(args.gpu_cache_gb * 1e9)
     return StreamingModel(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
-                          direct_io=args.direct_io, device=args.device, gpu_cache_bytes=gpu_cache)
+                          direct_io=args.direct_io, device=args.device, gpu_cache_bytes=gpu_cache,
+                          decoder=args.decoder)
 
 
 def cmd_generate(args) -> int:
@@ -112,10 +112,11 @@ def cmd_generate(args) -> int:
     tok = load_tokenizer(args.vault)
     prompt = tok(check_text(args.prompt, "the prompt"), add_special_tokens=True)["input_ids"]
     streamer = None if args.json else TextStreamer(tok, sys.stdout)
-    tokens, stats = generate(sm, prompt, args.max_tokens, on_token=streamer, decoder=args.decoder,
+    tokens, stats = generate(sm, prompt, args.max_tokens, on_token=streamer,
                              params=sampling_params(args))
     if args.json:
-        print(json.dumps({"text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens, "stats": stats.as_dict()}))
+        print(json.dumps({"text": tok.decode(tokens, skip_special_tokens=True), "tokens": tokens,
+                          "stats": stats.as_dict(), **sm.describe()}))
     else:
         print("\n" + stats.line(), file=sys.stderr)
     return 0
@@ -135,7 +136,7 @@ def cmd_eval(args) -> int:
     sm = open_model(args)
     tok = load_tokenizer(args.vault)
     ids = token_stream(tok, args.data, args.tokens)
-    result = compare(sm.logits, load_reference(ref), ids, progress=not args.json)
+    result = compare(sm.logits, load_reference(ref), ids, progress=not args.json) | sm.describe()
     if args.json:
         print(json.dumps(result))
     else:
@@ -146,9 +147,9 @@ def cmd_eval(args) -> int:
 
 def cmd_dequantize(args) -> int:
     from smoe.convert.dequantize import dequantize
-    from smoe.runtime.model import DTYPES
+    from smoe.format.dtypes import TORCH_NAMES
 
-    out = dequantize(args.vault, args.output, dtype=DTYPES[args.dtype], force=args.force)
+    out = dequantize(args.vault, args.output, dtype=TORCH_NAMES[args.dtype], force=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -194,8 +195,11 @@ def add_quality_options(p: argparse.ArgumentParser) -> None:
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("vault", metavar="VAULT_DIR")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="cuda: trunk and expert cache on the GPU (Qwen3-MoE, Mixtral); auto (default): cuda when "
-                   "there is a GPU and the family runs there, else cpu")
+                   help="cuda: trunk and expert cache on the GPU; auto (default): cuda when there is a GPU and its "
+                   "fast decoder runs every layer of this vault on its kernels, else cpu (BENCHMARKS.md)")
+    p.add_argument("--decoder", default="auto", choices=("auto", "fast", "generic"),
+                   help="fast: the compiled decode step (Qwen3-MoE, Mixtral); generic: the model's own transformers "
+                   "modules (every family); auto (default): fast where the family has it")
     p.add_argument("--cache-gb", type=numeric.NON_NEGATIVE_REAL.parse, default=None,
                    help="expert cache budget in host RAM, GB (CPU default: half of the available RAM, at most all "
                    "experts; on a GPU it is a pinned host tier between disk and GPU, default none)")
@@ -224,8 +228,6 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=numeric.PENALTY.parse, default=0.0,
                    help="subtract it from every token already in the output (-2..2, default 0)")
     p.add_argument("--seed", type=numeric.SEED.parse, default=0)
-    p.add_argument("--decoder", default="auto", choices=("auto", "fast", "generic"),
-                   help="fast: the compiled decode step (Qwen3-MoE, Mixtral); generic: the model's own modules")
 
 
 def sampling_params(args):

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from smoe.convert.sculpt import sculpt
 from smoe.errors import SmoeError
+from smoe.format.vault import Vault, verify
 from smoe.hf.tokenizer import load_tokenizer
 from smoe.source.inspect import format_report, inspect_path
-from smoe.convert.sculpt import sculpt
-from smoe.format.vault import Vault, verify
 from smoe.switches import DEMO_MODEL
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m"
+CHECKOUT = Path(__file__).resolve().parents[2]
+# ../shared beside a source checkout; an installed smoe has none (site-packages/../shared is not it)
+SHARED = CHECKOUT.parent / "shared" if (CHECKOUT / "pyproject.toml").exists() else None
+SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m" if SHARED else None
 PROMPT = "The old man looked out over the sea and"
 WARMUP_TOKENS = 4  # enough to compile every decode kernel once (prompt and one-token steps)
 RANDOM_CAVEAT = ("note: this is a tiny model with random weights, so every figure below (SNR, KL, perplexity, "
                  "top-1, tok/s) shows only that the pipeline runs and says nothing about quality or speed on a "
-                 "real model; put the trained model at {shared} or set SMOE_DEMO_MODEL=MODEL_DIR")
+                 "real model; {where}set SMOE_DEMO_MODEL=MODEL_DIR")
 
 
 def default_model(workdir: Path) -> tuple[Path, str, bool]:
@@ -28,14 +29,14 @@ def default_model(workdir: Path) -> tuple[Path, str, bool]:
     chosen = DEMO_MODEL.value()
     if chosen:
         return Path(chosen), f"{chosen} (from SMOE_DEMO_MODEL)", False
-    if (SHARED_MODEL / "model.safetensors").exists():
+    if SHARED_MODEL and (SHARED_MODEL / "model.safetensors").exists():
         return SHARED_MODEL, f"{SHARED_MODEL} (trained qwen3-moe-28m)", False
     from smoe.testing.tiny_models import save_tiny_model
 
     path = workdir / "tiny-qwen3-moe"
     if not (path / "config.json").exists():
         save_tiny_model("qwen3_moe", path, seed=0)
-    return path, f"{path} (tiny random Qwen3-MoE built by smoe: ../shared/models is not present)", True
+    return path, f"{path} (tiny random Qwen3-MoE built by smoe: no trained model given)", True
 
 
 def banner(text: str) -> None:
@@ -76,7 +77,7 @@ def main(args) -> int:
 
 def caveat(random_model: bool) -> None:
     if random_model:
-        print(RANDOM_CAVEAT.format(shared=SHARED_MODEL))
+        print(RANDOM_CAVEAT.format(where=f"put the trained model at {SHARED_MODEL} or " if SHARED_MODEL else ""))
 
 
 def show_generation(vault: Path) -> None:
@@ -98,8 +99,8 @@ def show_generation(vault: Path) -> None:
 
 def eval_text(workdir: Path) -> Path:
     """The shared validation text when present, else a built-in passage written to the workdir."""
-    valid = SHARED / "corpus" / "valid.txt.gz"
-    if valid.exists():
+    valid = SHARED / "corpus" / "valid.txt.gz" if SHARED else None
+    if valid and valid.exists():
         return valid
     path = workdir / "eval.txt"
     path.write_text(FALLBACK_TEXT * 20)
@@ -108,8 +109,8 @@ def eval_text(workdir: Path) -> Path:
 
 def show_quality(vault: Path, model: Path, data: Path) -> None:
     from smoe.quality.evaluate import compare, load_reference
-    from smoe.source.text import token_stream
     from smoe.runtime.model import StreamingModel
+    from smoe.source.text import token_stream
 
     sm = StreamingModel(vault, dtype="float32")
     ids = token_stream(load_tokenizer(vault), data, 16384)

@@ -71,8 +71,8 @@ def cmd_plan(args) -> int:
 def quantize_inputs(args, progress: bool):
     """For `smoe quantize`: (depth per (layer, role) or None, encoder, calibration stats or None, planned)
     from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
-    from smoe.source.checkpoint import Checkpoint
     from smoe.convert.encoders import default_encoder
+    from smoe.source.checkpoint import Checkpoint
     from smoe.source.families import map_experts
 
     if args.plan and args.budget is not None:

@@ -16,7 +16,6 @@ mean activation energy.
 from __future__ import annotations
 
 import hashlib
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,8 @@ from smoe.errors import SmoeError
 from smoe.hf.experts import is_experts_module, layer_of, register
 from smoe.hf.model import load_pretrained
 from smoe.hf.tokenizer import load_tokenizer
-from smoe.source.text import WINDOW, read_text, token_stream, windows
 from smoe.progress import bar
+from smoe.source.text import WINDOW, read_text, token_stream, windows
 
 IMPLEMENTATION = "smoe_calibrate"
 INPUTS = ("gate_up", "down")  # the two inputs a routed expert's projections see
@@ -87,7 +86,7 @@ class CalibrationStats:
         torch.save(self.__dict__, path)
 
     @classmethod
-    def load(cls, path: Path) -> "CalibrationStats":
+    def load(cls, path: Path) -> CalibrationStats:
         return cls(**torch.load(path, weights_only=True))
 
 

@@ -10,12 +10,10 @@ import torch
 from safetensors import SafetensorError
 
 from smoe.errors import SmoeError
-from smoe.format.paths import check_outputs, output_lock
+from smoe.format.paths import check_outputs, output_lock, publish
+from smoe.format.vault import COPIED_FILES, Vault
 from smoe.hf.experts import is_experts_module
 from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
-from smoe.format.paths import publish
-from smoe.format.vault import COPIED_FILES
-from smoe.format.vault import Vault
 
 
 def expert_parameters(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:
@@ -100,7 +98,8 @@ def dequantized_model(vault: Vault, dtype: torch.dtype):
         biases = [{r: b.to(dtype) for r, b in b_.items()} for _, b_ in experts]
         write = PARAMETER_WRITERS.get(type(module).__name__, expert_parameters)
         for name, value in write(module, decoded, biases).items():
-            owner, leaf = (module.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (module, name)
+            path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(path) if path else module
             if tuple(getattr(owner, leaf).shape) != tuple(value.shape):
                 raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(owner, leaf).shape)} in the model, "
                                 f"the vault gives {tuple(value.shape)}")

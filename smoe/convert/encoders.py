@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.codec import GROUP_SIZE, half_range
-from smoe.errors import SmoeError
 
 ENCODERS = ("grid", "weighted", "gptq")
 DEFAULT = "gptq"  # used when calibration text is given and no encoder is named: the best measured (QUALITY.md)

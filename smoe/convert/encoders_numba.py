@@ -8,8 +8,8 @@ import numba
 import numpy as np
 import torch
 
-from smoe.format.spec import CANDIDATE_FACTORS, GROUP_SIZE
 from smoe.format.search_numba import _round_to_fp16
+from smoe.format.spec import CANDIDATE_FACTORS, GROUP_SIZE
 
 
 @numba.njit(inline="always")

@@ -17,21 +17,17 @@ from pathlib import Path
 import torch
 import xxhash
 
-from smoe.version import __version__
-
 from smoe.convert import calibrate, encoders
-
-from smoe.format import codec
-from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
-from smoe.source.families import ExpertMap, load_bias, load_projection, map_experts
-from smoe.format.paths import publish, check_outputs, output_lock
+from smoe.format import codec
+from smoe.format.paths import check_outputs, output_lock, publish
+from smoe.format.safetensors_io import WRITABLE, read_header, write_safetensors
+from smoe.format.vault import COPIED_FILES, DEFAULT_ALIGNMENT, TRUNK_FILE, QuantisedTensor, VaultWriter, align
 from smoe.progress import bar as progress_bar
-from smoe.format.vault import (
-    COPIED_FILES, DEFAULT_ALIGNMENT, SAFETENSORS_DTYPES, TRUNK_FILE, QuantisedTensor, VaultWriter, align,
-    write_safetensors,
-)
+from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
+from smoe.source.families import ExpertMap, load_bias, load_projection, map_experts
+from smoe.version import __version__
 
 ENCODER = "grid"  # the 64-candidate fp16 scale search of smoe.format.codec
 
@@ -69,14 +65,8 @@ def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int
         if (ckpt.dir / name).is_file():
             h.update(name.encode() + ckpt.inside(name).read_bytes())
     for path in ckpt.weight_files():
-        h.update(str(path.relative_to(ckpt.dir)).encode() + safetensors_header(path))
+        h.update(str(path.relative_to(ckpt.dir)).encode() + read_header(path)[0])
     return h.hexdigest()[:16]
-
-
-def safetensors_header(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return f.read(min(n, 1 << 30))
 
 
 def sculpt(model_dir: str | Path, out_dir: str | Path, **options) -> SculptReport:
@@ -342,9 +332,9 @@ def check_trunk_source(ckpt: Checkpoint, name: str) -> None:
     if name.endswith(".weight"):
         ckpt.check_real_valued(name, "trunk tensor")
     dtype = ckpt.dtype(name)
-    if dtype not in SAFETENSORS_DTYPES:
+    if dtype not in WRITABLE:
         raise SmoeError(f"trunk tensor {name} is stored as {ckpt.source_format(name)}, which the vault's trunk file "
-                        f"does not hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES.values()))})")
+                        f"does not hold (supported: {', '.join(sorted(WRITABLE.values()))})")
 
 
 def check_shape(name: str, role: str, shape: tuple[int, int], expected: dict[str, tuple[int, int]]) -> None:

@@ -18,12 +18,12 @@ import gguf
 import numpy as np
 import torch
 
-from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.export.source import ExportSource, ExpertTensor, Planned, produce, require, scales_over
+from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
+from smoe.format import codec
+from smoe.format.dtypes import FLOAT_NAMES
 
 TRUNK_TYPES = ("bf16", "f16", "f32", "q8_0")
-GGML_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 Q4_1_BLOCK = 32
 
 
@@ -235,7 +235,7 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
         elif trunk_type == "q8_0" and shape[-1] % 32:
             qtype = ggml_type("f16")  # as llama.cpp's converter does for rows Q8_0 cannot hold
         else:
-            qtype = ggml_type(trunk_type or GGML_NAMES.get(source.trunk_dtype(key), "f32"))
+            qtype = ggml_type(trunk_type or FLOAT_NAMES.get(source.trunk_dtype(key), "f32"))
         plan.append(planned(name, shape, qtype, lambda key=key, qtype=qtype: trunk_bytes(source, key, config, arch, qtype)))
     return plan
 

@@ -14,20 +14,21 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.export.source import ExportSource, ExpertTensor, Planned, produce, require, scales_over
+from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
+from smoe.format import codec
+from smoe.format.dtypes import FLOATS, SAFETENSORS_NAMES
+from smoe.format.safetensors_io import write_stream
 from smoe.format.vault import COPIED_FILES
 
 SHARD_BYTES = 5 * 2**30
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {t: SAFETENSORS_NAMES[t] for t in FLOATS.values()}
 
 
 @dataclass(frozen=True)
@@ -176,14 +177,9 @@ def write_shards(out: Path, plan: list[Planned], progress: bool, limit: int) -> 
 
 def write_safetensors(path: Path, run: list[Planned], data) -> None:
     """Header from the plan, then each tensor's bytes as `data` yields them (one tensor in memory)."""
-    header, offset = {"__metadata__": {"format": "mlx"}}, 0
-    for p in run:
-        header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [offset, offset + p.nbytes]}
-        offset += p.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write_data(f) -> None:
         for _ in run:
-            _, array = next(data)
-            array.tofile(f)
+            next(data)[1].tofile(f)
+
+    write_stream(path, [(p.name, p.dtype, p.shape, p.nbytes) for p in run], {"format": "mlx"}, write_data)

@@ -10,8 +10,6 @@ codes unpacked, and the atomic write of the output.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +18,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from smoe.format import codec
 from smoe.errors import SmoeError
-from smoe.source.families import check_model_config
-from smoe.format.paths import check_outputs, output_lock
+from smoe.format import codec
+from smoe.format.dtypes import FLOATS, SAFETENSORS_NAMES
 from smoe.format.vault import Vault
+from smoe.source.families import check_model_config
 
-TRUNK_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+TRUNK_DTYPES = {SAFETENSORS_NAMES[t]: t for t in FLOATS.values()}
 
 
 @dataclass

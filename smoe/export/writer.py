@@ -7,10 +7,9 @@ import os
 import shutil
 from pathlib import Path
 
-from smoe.format.paths import publish
 from smoe.errors import SmoeError
 from smoe.export.source import ExportSource
-from smoe.format.paths import check_outputs, output_lock
+from smoe.format.paths import check_outputs, output_lock, publish
 
 FORMATS = ("gguf", "mlx")
 

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from smoe.errors import SmoeError
-from smoe.format.spec import (  # noqa: F401 (the codec's own names for them)
-    CANDIDATE_FACTORS, DEPTHS, FP16_MAX, GROUP_SIZE, check_bits, half_range, packed_group_bytes)
+from smoe.format.spec import CANDIDATE_FACTORS, DEPTHS, FP16_MAX, GROUP_SIZE, check_bits, half_range, packed_group_bytes  # noqa: F401 (the codec's own names for them)
 
 
 def num_groups(numel: int) -> int:

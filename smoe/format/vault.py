@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from smoe.format import codec
 from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.format.dtypes import FLOAT_NAMES, FLOATS
 from smoe.format.vault_index import SECTION_ALIGNMENT, align, blob_layout, check_index
 
 MAGIC = b"SMOEVLT\x00"
@@ -28,7 +29,6 @@ DATA_FILE = "experts.bin"
 INDEX_FILE = "index.json"
 TRUNK_FILE = "model.safetensors"  # the name transformers' loaders look for
 CONFIG_FILE = "config.json"
-JOURNAL_FILE = "journal.jsonl"
 COPIED_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -37,9 +37,6 @@ COPIED_FILES = (
 READ_FILES = frozenset(COPIED_FILES) | {TRUNK_FILE, "model.safetensors.index.json"}
 QUANT_METHOD = "smoe"  # config.json's quantization_config.quant_method in a vault
 MAX_INDEX_BYTES_PER_BLOB = 4096  # a generous bound on one entry of index.json (bounded memory on open)
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def checksum(data) -> str:
@@ -96,7 +93,7 @@ class ExpertEntry:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "ExpertEntry":
+    def from_json(cls, d: dict) -> ExpertEntry:
         return cls(
             d["layer"], d["expert"], d["offset"], d["size"], d["checksum"],
             [TensorEntry(**t) for t in d["tensors"]], [BiasEntry(**b) for b in d.get("biases", [])],
@@ -132,12 +129,12 @@ def build_blob(tensors: list[QuantisedTensor], biases: dict[str, torch.Tensor] |
         tensor_entries.append(TensorEntry(t.role, list(t.shape), t.bits, c_off, len(codes), s_off, len(scales)))
     for (role, b, raw), offset in zip(bias_raw, b_offsets):
         blob[offset : offset + len(raw)] = raw
-        bias_entries.append(BiasEntry(role, DTYPE_NAMES[b.dtype], list(b.shape), offset, len(raw)))
+        bias_entries.append(BiasEntry(role, FLOAT_NAMES[b.dtype], list(b.shape), offset, len(raw)))
     return bytes(blob), tensor_entries, bias_entries
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    if t.dtype not in DTYPE_NAMES:
+    if t.dtype not in FLOAT_NAMES:
         t = t.to(torch.float32)
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -151,7 +148,7 @@ def parse_blob(entry: ExpertEntry, blob: bytes) -> tuple[list[QuantisedTensor], 
         tensors.append(QuantisedTensor(t.role, tuple(t.shape), t.bits, codes.view(-1, codec.GROUP_SIZE * t.bits // 8), scales))
     biases = {}
     for b in entry.biases:
-        dtype = TORCH_DTYPES[b.dtype]
+        dtype = FLOATS[b.dtype]
         count = b.nbytes // torch.empty(0, dtype=dtype).element_size()
         biases[b.role] = torch.frombuffer(buf, dtype=dtype, offset=b.offset, count=count).view(b.shape)
     return tensors, biases
@@ -341,7 +338,8 @@ class Vault:
         self.dir = Path(path)
         data_path = self.dir / DATA_FILE
         if not self.dir.is_dir() or not data_path.is_file() or not (self.dir / INDEX_FILE).is_file():
-            raise SmoeError(f"{self.dir}: not a vault (needs {DATA_FILE} and {INDEX_FILE}; make one with `smoe quantize MODEL_DIR -o {self.dir}`)")
+            raise SmoeError(f"{self.dir}: not a vault (needs {DATA_FILE} and {INDEX_FILE}; make one with "
+                            f"`smoe quantize MODEL_DIR -o {self.dir}`)")
         self.fd = os.open(data_path, os.O_RDONLY)
         try:
             self._open(data_path)
@@ -519,35 +517,3 @@ def file_checksum(path: Path, chunk: int = 1 << 24) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-# --- trunk (a safetensors file written as a stream) ---------------------------------------------
-
-SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], load, progress=None) -> None:
-    """Stream tensors into one safetensors file without holding them all: header first, then data.
-
-    `specs` gives (name, dtype, shape) of every tensor in advance; `load(name)` returns one at a time.
-    """
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, dtype, shape in specs:
-        nbytes = torch.empty(0, dtype=dtype).element_size()
-        for s in shape:
-            nbytes *= s
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (align(len(raw), 8) - len(raw))
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, dtype, shape in progress(specs) if progress else specs:
-            t = load(name)
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise SmoeError(f"trunk tensor {name}: got {t.dtype} {tuple(t.shape)}, expected {dtype} {tuple(shape)}")
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

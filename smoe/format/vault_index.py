@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 
-from smoe.format import codec
 from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.format.dtypes import FLOATS
 
 SECTION_ALIGNMENT = 64  # codes / scales / biases start on 64-byte boundaries inside a blob
 ROLE_SETS = (["gate", "up", "down"], ["up", "down"])
-BIAS_DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+BIAS_DTYPE_BYTES = {n: t.itemsize for n, t in FLOATS.items()}
 MAX_DIM = 1 << 24  # far above any real projection, far below sizes that overflow the arithmetic
 MAX_LAYERS = 1 << 12
 MAX_EXPERTS = 1 << 14

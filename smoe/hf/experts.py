@@ -98,3 +98,14 @@ def replace_unregistered_moe_blocks(model) -> None:
         make = replacements.get(type(module).__name__)
         if make is not None:
             model.set_submodule(name, make(module))
+
+
+def empty_parameters(module: torch.nn.Module) -> list[str]:
+    """The routed experts' weights live in experts.bin: the module's own parameters become empty
+    placeholders (on no device's memory; transformers' weight initialisation still finds them).
+    Returns their names, relative to the module."""
+    names = list(module._parameters)
+    for name in names:
+        old = module._parameters[name]
+        module._parameters[name] = torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False)
+    return names

@@ -11,9 +11,11 @@ import math
 from pathlib import Path
 
 import torch
+
 from smoe.errors import SmoeError
 from smoe.progress import bar
 from smoe.source.text import windows
+
 
 def compare(logits_fn, ref_logits_fn, ids: list[int], progress: bool = True) -> dict:
     """Aggregate NLL of both models, KL(ref||model) and top-1 agreement over every predicted position."""

@@ -16,15 +16,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
-from smoe.format import codec
 from smoe.errors import SmoeError
+from smoe.format import codec
 from smoe.format.paths import check_outputs
-from smoe.quality.sensitivity import UNIT_ROLES, UNITS, key, save_json
 from smoe.format.vault import DEFAULT_ALIGNMENT, align
 from smoe.format.vault_index import blob_layout
+from smoe.quality.sensitivity import UNIT_ROLES, UNITS, key, save_json
 
 PLAN_FORMAT = "smoe-plan"
 
@@ -277,9 +276,17 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     Returns (plan document, table, KL meter, calibration stats); the last two are None when the table
     was complete already and `need_meter` is false."""
     from smoe.convert import calibrate, encoders
+    from smoe.quality.sensitivity import (
+        SENSITIVITY_WINDOWS,
+        KLMeter,
+        QuantisedModel,
+        fingerprint,
+        load_table,
+        measure,
+        unit_sizes,
+    )
     from smoe.source.checkpoint import Checkpoint
     from smoe.source.families import map_experts
-    from smoe.quality.sensitivity import SENSITIVITY_WINDOWS, KLMeter, QuantisedModel, fingerprint, load_table, measure, unit_sizes
 
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")

@@ -19,25 +19,20 @@ from pathlib import Path
 
 import torch
 
-from smoe.format import codec
-
 from smoe.convert import encoders
 from smoe.convert.calibrate import CalibrationStats, load_source_model
-from smoe.source.checkpoint import Checkpoint
 from smoe.convert.dequantize import expert_parameters
 from smoe.errors import SmoeError
-from smoe.source.families import load_bias, load_projection, map_experts
+from smoe.format import codec
 from smoe.progress import bar as progress_bar
+from smoe.source.checkpoint import Checkpoint
+from smoe.source.families import load_bias, load_projection, map_experts
 
 SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
 UNITS = ("gate_up", "down")
 UNIT_ROLES = {"gate_up": ("gate", "up"), "down": ("down",)}
 UNIT_PARAMS = {"gate_up": ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias"),
                "down": ("down_proj", "down_proj_bias")}
-
-
-def unit_of(role: str) -> str:
-    return "down" if role == "down" else "gate_up"
 
 
 def key(layer: int, unit: str, bits: int) -> str:

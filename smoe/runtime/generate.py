@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -11,8 +10,8 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.hf.model import kv_cache_arguments
+from smoe.runtime.model import DECODERS
 from smoe.runtime.sampling import SamplingParams, Sequence, sample_batch, token_logprobs
-from smoe.runtime.sampling import sample  # noqa: F401 (its old home, still imported from here)
 
 
 @dataclass
@@ -49,9 +48,6 @@ def eos_ids(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
-DECODERS = ("auto", "fast", "generic")
-
-
 def next_logits_function(sm, positions: int, decoder: str = "auto"):
     """step(new_token_ids) -> logits of the last position, continuing the same sequence."""
     step = logits_function(sm, positions, decoder)
@@ -59,21 +55,25 @@ def next_logits_function(sm, positions: int, decoder: str = "auto"):
 
 
 def logits_function(sm, positions: int, decoder: str = "auto"):
-    """step(new_token_ids) -> logits [T, V] of the new positions, continuing the same sequence.
+    """step(new_token_ids) -> logits [T, V] (on the CPU) of the new positions, continuing the same sequence.
 
     "fast" is the compiled decode step of the families that have one; "generic" runs the model's own
-    modules with a KV cache (every family); "auto" picks the fast one where it exists."""
+    modules with a KV cache (every family); "auto" is the decoder the vault was opened with."""
     if decoder not in DECODERS:
         raise SmoeError(f"unknown decoder {decoder!r} ({', '.join(DECODERS)})")
-    fast = sm.fast_decoder(positions) if decoder != "generic" else None
-    if decoder == "fast" and fast is None:
-        raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
-    if fast is not None:
+    decoder = sm.decoder if decoder == "auto" else decoder
+    if decoder == "fast":
+        fast = sm.fast_decoder(positions)
+        if fast is None:
+            raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
         return fast.forward
+    if sm.store is None:  # the GPU's fast decoder holds the one expert cache: the generic one has none
+        raise SmoeError("this vault was opened for the fast GPU decoder; open it with --decoder generic")
     kv = kv_cache_arguments(sm.model)
 
     def step(ids):
-        return sm.model(input_ids=torch.tensor([ids]), use_cache=True, **kv).logits[0]
+        ids = torch.tensor([ids], device=sm.device)
+        return sm.model(input_ids=ids, use_cache=True, **kv).logits[0].cpu()
 
     return step
 

@@ -7,19 +7,21 @@ are never allocated. Its experts modules forward, through transformers' experts 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
+from smoe.format.dtypes import TORCH_NAMES
 from smoe.format.vault import Vault
-from smoe.hf.experts import attach_routed
+from smoe.hf.experts import attach_routed, empty_parameters
 from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODERS = ("auto", "fast", "generic")
+
 
 @dataclass
 class RoutedExperts:
@@ -72,41 +74,58 @@ class RoutedExperts:
 
 
 class StreamingModel:
-    """A vault opened for inference on CPU: trunk resident, experts streamed through the store."""
+    """A vault opened for inference: trunk resident on the device, routed experts streamed through the
+    one expert cache of that device.
+
+    The decoder is chosen when the vault is opened, because it decides which cache exists: "fast"
+    (the compiled CPU step, or the GPU's Triton kernels and CUDA graphs, which read experts from the GPU
+    slot cache) or "generic" (the family's transformers modules, with experts from an ExpertStore
+    that prepares them for the device). "auto" takes the fast one where the family has it.
+    """
 
     def __init__(self, vault_dir, dtype: str | torch.dtype = "bfloat16", cache_bytes: int | None = None,
                  threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", device: str = "cpu",
-                 gpu_cache_bytes: int | None = None):
+                 gpu_cache_bytes: int | None = None, decoder: str = "auto", model=None):
+        if decoder not in DECODERS:
+            raise SmoeError(f"unknown decoder {decoder!r} ({', '.join(DECODERS)})")
         self.device = resolve_device(device)
         self.vault = Vault(vault_dir)
         self.store = self.gpu = None
         try:
-            self._open(dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes)
+            self._open(dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes, decoder, model)
         except BaseException:  # a failed open holds no file, thread or GPU memory: callers may retry
             self.close()
             raise
 
-    def _open(self, dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes) -> None:
-        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    def _open(self, dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes, decoder,
+              model) -> None:
+        self.dtype = TORCH_NAMES[dtype] if isinstance(dtype, str) else dtype
         self.config = model_config(self.vault)
-        prepare = lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, self.dtype, kernel_path,
-                                                                              fuse=True))
-        self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
-        self.model = build_model(self.config, self.dtype)
-        self.vault.check_trunk()
-        load_trunk(self.model, self.vault, self.dtype)
+        if model is None:
+            self.model = build_model(self.config, self.dtype)
+            self.vault.check_trunk()
+            load_trunk(self.model, self.vault, self.dtype)
+        else:  # from_pretrained built it and loaded the trunk (checked by the quantizer)
+            self.model = model
         self.model.requires_grad_(False)  # inference only: no autograd graph, also when called directly
-        self.routed = RoutedExperts(self.store, tuple(self.vault.meta["roles"]))
-        self.attach_experts()
-        if self.device.type == "cuda" and device == "auto" and not gpu_supported(self):
-            self.device = torch.device("cpu")  # auto: the families the GPU path lacks run on the CPU
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and device == "auto" and not gpu_preferred(self, decoder):
+            self.device = torch.device("cpu")  # auto: the GPU only where it measured faster (BENCHMARKS.md)
+        self.decoder = pick_decoder(self, decoder)
+        if self.device.type == "cuda" and self.decoder == "fast":
             self.gpu = GpuRuntime(self, gpu_cache_bytes, host_cache_bytes=cache_bytes or 0, threads=threads,
                                   direct_io=direct_io)
-        else:
-            if cache_bytes is None:  # the default counts experts in their prepared (compute) size
-                self.store.cache_bytes = default_cache_bytes(self.vault, self.store.prepare_ratio())
-            self.check_budget()
+            return
+        if self.device.type == "cuda":  # the generic decoder on the GPU: the trunk moves there
+            for module in experts_modules(self.model, self.vault).values():
+                empty_parameters(module)  # meta placeholders cannot move; the experts come from the store
+            self.model.to(self.device)
+        prepare = expert_preparer(self.dtype, kernel_path, self.device)
+        self.store = ExpertStore(self.vault, cache_bytes or 0, prepare, threads=threads, direct_io=direct_io)
+        self.routed = RoutedExperts(self.store, tuple(self.vault.meta["roles"]))
+        self.attach_experts()
+        if cache_bytes is None:  # the default counts experts in their prepared (compute) size
+            self.store.cache_bytes = default_store_bytes(self)
+        self.check_budget()
 
     def attach_experts(self) -> None:
         for layer, module in experts_modules(self.model, self.vault).items():
@@ -126,7 +145,7 @@ class StreamingModel:
 
         if self.gpu is not None:
             return self.gpu.decoder(positions)
-        if not fast_decode.supports(self):
+        if self.decoder != "fast":
             return None
         current = getattr(self, "_lean", None)
         if current is None or current.max_positions < positions:
@@ -144,11 +163,17 @@ class StreamingModel:
         """Teacher-forced logits [B, T, V] in fp32 (on the CPU)."""
         if self.gpu is not None:
             return torch.stack([self.gpu.decoder(row.numel()).forward(row.tolist()).cpu() for row in input_ids])
-        return self.model(input_ids=input_ids, use_cache=False).logits.float()
+        return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits.float().cpu()
 
     def cache_stats(self) -> dict:
-        """hits, misses, bytes_read, wait_seconds of whichever expert cache runs the experts."""
-        return (self.gpu.decoder_stats() if self.gpu is not None else self.store.stats.as_dict())
+        """The counters of the one expert cache (smoe.runtime.blobs.CacheStats) and its capacity."""
+        if self.gpu is not None:
+            return self.gpu.decoder_stats()
+        return self.store.stats.as_dict() | {"capacity_bytes": self.store.cache_bytes}
+
+    def describe(self) -> dict:
+        """Which decoder runs on which device, for generate --json, eval --json and /metrics."""
+        return {"decoder": self.decoder, "device": str(self.device)}
 
     def close(self) -> None:
         if self.gpu is not None:
@@ -193,7 +218,8 @@ class GpuRuntime:
         return self._decoder
 
     def decoder_stats(self) -> dict:
-        return self._decoder.cache.stats.as_dict()
+        cache = self._decoder.cache
+        return cache.stats.as_dict() | {"capacity_bytes": cache.n_slots * cache.slot_bytes}
 
     def close(self) -> None:
         if self._decoder is not None:
@@ -211,6 +237,48 @@ def gpu_supported(sm: StreamingModel) -> bool:
     from smoe.runtime.cpu import compiled as fast_decode
 
     return fast_decode.supports(sm)
+
+
+def gpu_preferred(sm: StreamingModel, decoder: str) -> bool:
+    """--device auto's rule, from the measured crossovers (BENCHMARKS.md, "Choosing the device"): the
+    GPU when its fast decoder runs every MoE layer on the Triton kernels. Where a layer's experts fall
+    back to decode-then-matmul (e.g. widths that are not multiples of 64), or the family has only the
+    generic decoder, the CPU measured faster."""
+    from smoe.runtime.gpu.decode import kernels_cover
+
+    return decoder != "generic" and gpu_supported(sm) and kernels_cover(sm.vault)
+
+
+def pick_decoder(sm: StreamingModel, decoder: str) -> str:
+    fast = gpu_supported(sm)
+    if decoder == "fast" and not fast:
+        raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
+    return "fast" if decoder != "generic" and fast else "generic"
+
+
+def expert_preparer(dtype: torch.dtype, kernel_path: str, device: torch.device):
+    """prepare(tensors, biases) -> (compute form, bytes) for the device's ExpertStore. On a GPU the
+    generic decoder computes with dense weights decoded there (torch ops; the Triton kernels belong to
+    the fast decoder's slot cache)."""
+    if device.type == "cpu":
+        return lambda tensors, biases: as_sized(kernels_cpu.prepare_expert(tensors, biases, dtype, kernel_path,
+                                                                          fuse=True))
+
+    def prepare(tensors, biases):
+        moved = [replace(t, codes=t.codes.to(device), scales=t.scales.to(device)) for t in tensors]
+        return as_sized(kernels_cpu.prepare_expert(moved, {r: b.to(device) for r, b in biases.items()}, dtype,
+                                                   "dequant", fuse=True))
+
+    return prepare
+
+
+def default_store_bytes(sm: StreamingModel) -> int:
+    """CPU: half the available RAM; GPU: 80% of the GPU memory free with the trunk on it; at most
+    every expert in its prepared size either way."""
+    if sm.device.type == "cuda":
+        everything = sm.store.prepare_ratio() * sum(e.size for e in sm.vault.entries.values())
+        return int(min(everything, 0.8 * torch.cuda.mem_get_info(sm.device)[0]))
+    return default_cache_bytes(sm.vault, sm.store.prepare_ratio())
 
 
 def default_gpu_cache_bytes(sm: StreamingModel) -> int:

@@ -39,9 +39,9 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smoe.errors import SmoeError
-from smoe.serve.worker import REQUEST_JOBS, Worker, Outcome, Overloaded, Sampling
 from smoe.serve.logprobs import Pieces, chat_content, chat_logprobs, completion_logprobs
 from smoe.serve.schemas import AnthropicPrompt, ChatCompletionRequest, CompletionRequest, MessagesRequest, image_at
+from smoe.serve.worker import REQUEST_JOBS, Outcome, Overloaded, Sampling, Worker
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_TYPES = {500: "server_error", 503: "server_error"}

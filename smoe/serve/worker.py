@@ -16,8 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from smoe.runtime.generate import eos_ids, generate
 from smoe.hf.tokenizer import chat_prompt
+from smoe.runtime.generate import eos_ids, generate
 from smoe.runtime.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger("smoe.serve.server")
@@ -215,9 +215,8 @@ class Worker:
         return job
 
     def metrics_snapshot(self) -> dict:
-        store = self.sm.store
-        cache = store.stats.as_dict() | {"capacity_bytes": store.cache_bytes}
-        return {"model": self.model_id, **self.metrics.snapshot(), "queued_or_running": self.waiting, "cache": cache}
+        return {"model": self.model_id, **self.metrics.snapshot(), "queued_or_running": self.waiting,
+                "cache": self.sm.cache_stats(), **self.sm.describe()}
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:

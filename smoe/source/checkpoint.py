@@ -11,14 +11,15 @@ through smoe.source.quantised.
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from smoe.source import quantised as source_quant
 from smoe.errors import SmoeError
+from smoe.format.dtypes import SAFETENSORS, SAFETENSORS_NAMES, TORCH_NAMES
+from smoe.format.safetensors_io import corrupt_header, read_header
+from smoe.source import quantised as source_quant
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -26,31 +27,11 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 CONFIG = "config.json"
 
-# safetensors dtype -> torch dtype (little-endian, as the format specifies).
-DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-}
 # Stored dtypes whose values are the tensor's real values; the others need scales to mean anything.
 REAL_DTYPES = {"BF16", "F16", "F32", "F64"}
 PLAIN_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "F8_E4M3": "fp8_e4m3"}
-CONFIG_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+CONFIG_DTYPES = {name: PLAIN_FORMATS[SAFETENSORS_NAMES[t]] for name, t in TORCH_NAMES.items()}
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors library itself enforces
 READ_CHUNK = 1 << 30  # one read(2) returns at most ~2 GiB on Linux
 
 # Tensor-name endings of quantisation formats we cannot dequantise, and what to call them.
@@ -97,7 +78,7 @@ class _Logical:
 
 
 class Checkpoint:
-    """A model dir, an index-only dir, or a bare config.json file; see docs/INTERFACES.md."""
+    """A model dir, an index-only dir, or a bare config.json file; see docs/ARCHITECTURE.md."""
 
     def __init__(self, path: str | Path):
         self._fds: dict[Path, int] = {}
@@ -252,7 +233,7 @@ class Checkpoint:
             return None
         if logical.format:
             return torch.bfloat16
-        return DTYPES[self._stored[logical.parts["tensor"]].dtype]
+        return SAFETENSORS[self._stored[logical.parts["tensor"]].dtype]
 
     def stored_nbytes(self, name: str) -> int | None:
         """Bytes of all stored parts of the tensor (from the headers; no data read)."""
@@ -339,7 +320,7 @@ class Checkpoint:
             nbytes //= shape[0]
             start += index * nbytes
             shape = shape[1:]
-        dtype = DTYPES[stored.dtype]
+        dtype = SAFETENSORS[stored.dtype]
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         buf = self._pread(stored.file, start, nbytes)
@@ -546,20 +527,9 @@ def _read_header(path: Path) -> dict[str, _Stored]:
     """Parse and validate a safetensors header: 8-byte little-endian length, then a JSON object."""
 
     def corrupt(reason: str) -> SmoeError:
-        return SmoeError(f"{path}: truncated or corrupt safetensors header ({reason})")
+        return corrupt_header(path, reason)
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise corrupt(f"file is only {size} bytes")
-        (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if header_len > min(size - 8, MAX_HEADER_BYTES):
-            raise corrupt(f"header length {header_len} exceeds the {size}-byte file "
-                          f"or the {MAX_HEADER_BYTES}-byte limit")
-        raw = os.pread(fd, header_len, 8)
-    finally:
-        os.close(fd)
+    raw, size = read_header(path)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -567,7 +537,7 @@ def _read_header(path: Path) -> dict[str, _Stored]:
     if not isinstance(header, dict):
         raise corrupt("header is not a JSON object")
     header.pop("__metadata__", None)
-    data_start = 8 + header_len
+    data_start = 8 + len(raw)
     return {name: _stored_entry(path, name, entry, data_start, size, corrupt) for name, entry in header.items()}
 
 
@@ -577,7 +547,7 @@ def _stored_entry(path: Path, name: str, entry, data_start: int, size: int, corr
         dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
     except (TypeError, KeyError, ValueError):
         raise corrupt(f"malformed entry for {name!r}") from None
-    if dtype not in DTYPES:
+    if dtype not in SAFETENSORS:
         raise corrupt(f"unknown dtype {dtype!r} for {name!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise corrupt(f"bad shape {shape!r} for {name!r}")
@@ -586,8 +556,8 @@ def _stored_entry(path: Path, name: str, entry, data_start: int, size: int, corr
     numel = 1
     for d in shape:
         numel *= d
-    if end - begin != numel * DTYPES[dtype].itemsize:
-        raise corrupt(f"{name!r} has {end - begin} bytes, {dtype} {shape} needs {numel * DTYPES[dtype].itemsize}")
+    if end - begin != numel * SAFETENSORS[dtype].itemsize:
+        raise corrupt(f"{name!r} has {end - begin} bytes, {dtype} {shape} needs {numel * SAFETENSORS[dtype].itemsize}")
     if data_start + end > size:
         raise corrupt(f"{name!r} ends at byte {data_start + end}, beyond the {size}-byte file")
     return _Stored(path, dtype, tuple(shape), data_start + begin, end - begin)

@@ -20,7 +20,6 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,7 @@ GATED = ("gate", "up", "down")
 NON_GATED = ("up", "down")
 
 
-# ----- the contract (docs/INTERFACES.md) ---------------------------------------------------------
+# ----- the contract (docs/ARCHITECTURE.md) ---------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from smoe.format import codec
+from smoe.format.vault import DATA_FILE, INDEX_FILE, Vault
 from smoe.source.checkpoint import Checkpoint
 from smoe.source.families import ExpertMap, describe_config, map_experts
-from smoe.format.vault import DATA_FILE, INDEX_FILE, Vault
 
 DEPTHS = {"bf16": None, "q4": 4, "q2": 2}
 
@@ -131,7 +131,8 @@ def format_report(r: dict) -> str:
     if "stored_bits" in r:
         lines.append(f"depth                {r['depth']}")
         lines.append("stored bits          " + json.dumps(r["stored_bits"]))
-    lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>13}{'tok/s':>13}   (disk {r['disk_gbps']} GB/s, no cache)")
+    lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>13}{'tok/s':>13}   "
+                 f"(disk {r['disk_gbps']} GB/s, no cache)")
     for label, size in r["expert_bytes"].items():
         per_token = r["bytes_per_token_uncached"].get(label)
         tps = r["tokens_per_second_uncached"].get(label)

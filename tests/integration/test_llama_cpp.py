@@ -10,7 +10,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
 
 from export_models import (  # noqa: E402
-    agreement, exportable_vault, figures_line, integration_vault, prompt_ids, smoe_logits, teacher_forced_agreement)
+    agreement,
+    exportable_vault,
+    figures_line,
+    integration_vault,
+    prompt_ids,
+    smoe_logits,
+    teacher_forced_agreement,
+)
 from llama_cpp import Llama  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 

@@ -6,7 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import yaml
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when datasets is imported
@@ -15,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from smoe.convert.dequantize import dequantize  # noqa: E402
+from smoe.testing.vaults import dequantised_reference  # noqa: E402
 
 TASKS = Path(__file__).resolve().parent / "lm_eval_task"
 # Both sides run the same float32 weights; summation order alone separates them. Measured: at most
@@ -63,7 +62,7 @@ def test_lm_eval_scores_the_server_like_the_dequantized_checkpoint(serve_vault, 
         "model": "smoe", "base_url": f"{server.url}/v1/completions", "tokenizer": str(serve_vault),
         "tokenizer_backend": "huggingface", "tokenized_requests": tokenized,
         "num_concurrent": 1, "max_retries": 1}, tmp_path / "datasets") for tokenized in (True, False)}
-    checkpoint = dequantize(serve_vault, tmp_path / "hf", dtype=torch.float32)
+    checkpoint = dequantised_reference(serve_vault, tmp_path, name="hf")
     local = evaluate("hf", {"pretrained": str(checkpoint), "dtype": "float32", "device": "cpu"}, tmp_path / "datasets")
 
     acc = local["results"]["smoe_cloze"]["acc,none"]

@@ -3,8 +3,9 @@
 At batch 1 on a CPU, time per token is mostly per-op overhead, not arithmetic: transformers' modules
 spend ~1,000 small ops per token on a 6-layer model. This path reads the same trunk tensors from the
 transformers model (q/k/v fused into one matrix whose slices become the model's own weights, so
-nothing is copied and both paths compute the same function), keeps a static KV cache, precomputes the rotary tables with the model's own rotary module, and calls the expert
-store once per layer. The transformers path stays the reference and the fallback for other families.
+nothing is copied and both paths compute the same function), keeps a static KV cache, precomputes
+the rotary tables with the model's own rotary module, and calls the expert store once per layer. The
+generic decoder (the transformers modules) stays the reference and runs every other family.
 
 One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): two calls per layer (attention
 and routing; then the routed experts straight from their codes when the store prepared them in the
@@ -15,15 +16,16 @@ there (the eager path rounds them to the model's dtype before bf16 matmuls).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from smoe.runtime.cpu import kernels as kernels_cpu, kernels_numba as kn
 from smoe.errors import SmoeError
+from smoe.runtime.buckets import bucket
+from smoe.runtime.cpu import kernels as kernels_cpu
+from smoe.runtime.cpu import kernels_numba as kn
 from smoe.switches import CPU_COMPILED, PREFETCH
 
 SUPPORTED = {"qwen3_moe": True, "mixtral": False}  # family -> has per-head q/k RMSNorm
@@ -284,7 +286,7 @@ class CompiledStep:
         self.x = np.zeros(hidden, dtype=np.float32)
         self.h = np.zeros(hidden, dtype=np.float32)
         self.logits = np.zeros(self.lm_head.shape[0], dtype=np.float32)
-        self.slots = kn.bucket(dec.top_k)  # experts per call, padded: one compiled specialisation
+        self.slots = bucket(dec.top_k)  # experts per call, padded: one compiled specialisation
         self.top_i = np.zeros(dec.top_k, dtype=np.int64)
         self.top_w = np.zeros(self.slots, dtype=np.float32)  # padding slots keep weight 0
         rows = max(layer.qkv.shape[0] for layer in self.layers)

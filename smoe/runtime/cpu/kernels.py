@@ -38,11 +38,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from smoe.format import codec
-
-from smoe.runtime.cpu import kernels_numba
 from smoe.errors import SmoeError
+from smoe.format import codec
 from smoe.format.vault import QuantisedTensor
+from smoe.runtime.cpu import kernels_numba
 
 PATHS = ("dequant", "int4", "codes")
 KERNEL_GROUP = codec.GROUP_SIZE  # one SMOE group is one K-block of the kernel

@@ -34,18 +34,12 @@ import numba
 import numpy as np
 
 GROUP = 64
-HALF_RANGE = {4: 7.5, 2: 1.5}
 jit = numba.njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
 
 
 def codes_fit(shape: tuple[int, int], bits: int) -> bool:
     """Whether every row of a [out, in] tensor starts on a byte of the packed codes."""
     return len(shape) == 2 and shape[1] > 0 and shape[1] % (8 // bits) == 0
-
-
-def bucket(n: int) -> int:
-    """Experts per call rounded up to a power of two, so compiled specialisations are reused."""
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 # --- dense matvecs -------------------------------------------------------------------------------

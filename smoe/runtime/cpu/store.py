@@ -10,48 +10,20 @@ the compute kernels want. The prepared objects are cached, least recently used e
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
-from typing import Callable
+from collections.abc import Callable
+from concurrent.futures import Future, wait
 
 import torch
 
-from smoe.errors import SmoeError
-from smoe.format.vault import DATA_FILE, ExpertEntry, QuantisedTensor, Vault, align, parse_blob
+from smoe.format.vault import ExpertEntry, QuantisedTensor, Vault, parse_blob
+from smoe.runtime.blobs import BlobReader, CacheStats
 
 Prepare = Callable[[list[QuantisedTensor], dict[str, torch.Tensor]], tuple[object, int]]
 Key = tuple[int, int]  # (layer, expert)
-
-
-@dataclass
-class StoreStats:
-    """Counters since the store was opened.
-
-    misses: blobs read (by get or prefetch); hits: experts get() served without a new read (cached,
-    or already being read by a prefetch). bytes_read counts blob bytes (an O_DIRECT read moves up to
-    alignment - 1 more per blob). read_seconds is summed over the reading threads (read and
-    checksum), so it can exceed wall time; wait_seconds is wall time get() spent blocked on reads.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 class ExpertStore:
@@ -67,12 +39,11 @@ class ExpertStore:
         self.cache_bytes = int(cache_bytes)
         self.used_bytes = 0
         self.prepare = prepare
-        self.stats = StoreStats()
+        self.stats = CacheStats()
         self._cache: OrderedDict[Key, tuple[object, int]] = OrderedDict()  # oldest first
         self._pending: dict[Key, Future] = {}  # reads submitted and not finished
         self._lock = threading.Lock()  # guards _cache, _pending, used_bytes and stats
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smoe-store")
-        self._direct_fd = open_direct(vault) if direct_io else None
+        self.reader = BlobReader(vault, threads, direct_io, name="smoe-store")
         self._ratio: float | None = None
 
     # --- asking for experts ----------------------------------------------------------------------
@@ -157,7 +128,7 @@ class ExpertStore:
         """Queue one read; the caller holds the lock, so the pending entry exists before it finishes."""
         entry = self.vault.entry(*key)  # an unknown expert fails here, in the caller's thread
         self.stats.misses += 1
-        future = self._pool.submit(self._read_and_cache, entry)
+        future = self.reader.submit(self._read_and_cache, entry)
         self._pending[key] = future
         return future
 
@@ -178,27 +149,10 @@ class ExpertStore:
 
     def _load(self, entry: ExpertEntry) -> tuple[object, int, float]:
         """(prepared object, its bytes, seconds spent reading and checking the blob)."""
-        start = time.perf_counter()
-        try:
-            blob = self._read_direct(entry) if self._direct_fd is not None else self.vault.read_blob(entry.layer, entry.expert)
-        except OSError as err:
-            raise SmoeError(f"{self.vault.dir}: layer {entry.layer} expert {entry.expert}: read failed ({err})") from None
-        seconds = time.perf_counter() - start
+        blob, seconds = self.reader.read(entry)
         tensors, biases = parse_blob(entry, blob)
         obj, nbytes = self.prepare(tensors, biases)
         return obj, int(nbytes), seconds
-
-    def _read_direct(self, entry: ExpertEntry) -> memoryview:
-        """One O_DIRECT read of the aligned blob into a page-aligned buffer, trimmed and checked.
-
-        O_DIRECT bypasses the page cache (the store is the cache) but needs an aligned buffer, offset
-        and length: anonymous mmaps are page aligned, blobs start on the vault's alignment.
-        """
-        buf = mmap.mmap(-1, align(entry.size, self.vault.alignment))
-        got = os.preadv(self._direct_fd, [buf], entry.offset)
-        blob = memoryview(buf)[: min(got, entry.size)]
-        self.vault.check_blob(entry, blob)
-        return blob  # parse_blob copies it, so the buffer is freed with the last view
 
     def _insert(self, key: Key, obj: object, nbytes: int) -> None:
         """Cache an expert, evicting the least recently used until it fits; the caller holds the lock.
@@ -221,10 +175,7 @@ class ExpertStore:
 
     def close(self) -> None:
         """Stop the reading threads (queued prefetches are dropped) and free the cache."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._direct_fd is not None:
-            os.close(self._direct_fd)
-            self._direct_fd = None
+        self.reader.close()
         with self._lock:
             self._cache.clear()
             self.used_bytes = 0
@@ -234,20 +185,6 @@ class ExpertStore:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def open_direct(vault: Vault) -> int:
-    """A file descriptor on the vault's data opened with O_DIRECT, or a SmoeError saying why not."""
-    path = vault.dir / DATA_FILE
-    if vault.alignment % mmap.PAGESIZE:
-        raise SmoeError(f"{path}: direct I/O needs blobs aligned to the page size ({mmap.PAGESIZE}), "
-                        f"this vault aligns to {vault.alignment}")
-    if not hasattr(os, "O_DIRECT"):
-        raise SmoeError("direct I/O (O_DIRECT) is not available on this system")
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as err:  # some filesystems (tmpfs before Linux 6.6) refuse O_DIRECT
-        raise SmoeError(f"{path}: this filesystem refuses direct I/O ({err.strerror})") from None
 
 
 def default_cache_bytes(vault: Vault, prepare_ratio: float = 1.0) -> int:

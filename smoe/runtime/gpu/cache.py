@@ -21,39 +21,18 @@ On a CPU "device" (tests without a GPU) the same code runs with plain memory and
 from __future__ import annotations
 
 import mmap
-import os
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from concurrent.futures import as_completed
 
 import torch
 
 from smoe.errors import SmoeError
-from smoe.runtime.cpu.store import open_direct
 from smoe.format.vault import Vault, align
+from smoe.runtime.blobs import BlobReader, CacheStats
 
 SLOT_ALIGNMENT = 64  # the kernels read codes as 32-bit words: a blob must start on 64 bytes (kernels_triton)
 STAGING_SLOTS = 32  # host slots when there is no host tier: enough to keep a layer's reads in flight
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0  # experts found in a GPU slot
-    misses: int = 0  # not on the GPU: copied up from the host tier or read from the vault
-    host_hits: int = 0  # misses found in the host tier
-    bytes_read: int = 0  # from the vault
-    bytes_copied: int = 0  # host -> GPU
-    read_seconds: float = 0.0  # summed over reading threads
-    wait_seconds: float = 0.0  # the caller waiting for reads
-
-    @property
-    def hit_rate(self) -> float:
-        asked = self.hits + self.misses
-        return self.hits / asked if asked else 0.0
-
-    def as_dict(self) -> dict:
-        return asdict(self) | {"hit_rate": self.hit_rate}
 
 
 class SlotLRU:
@@ -126,8 +105,7 @@ class GpuExpertCache:
         self.copied_from: list[int] = []  # host slots copied since the last mark_copies
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stats = CacheStats()
-        self.readers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smoe-gpu-read")
-        self.direct_fd = open_direct(vault) if direct_io else None
+        self.reader = BlobReader(vault, threads, direct_io, name="smoe-gpu-read")
 
     # --- asking for experts ----------------------------------------------------------------------
 
@@ -181,7 +159,7 @@ class GpuExpertCache:
             hslot = self.host_lru.take(key, staged)
             self.wait_host_slot(hslot)
             entry = self.vault.entry(layer, e)
-            reads[self.readers.submit(self.read_into, entry, hslot)] = (key, hslot, gslot, entry)
+            reads[self.reader.submit(self.read_into, entry, hslot)] = (key, hslot, gslot, entry)
         start = time.perf_counter()
         failure = None
         for future in as_completed(reads):
@@ -223,30 +201,11 @@ class GpuExpertCache:
             event.synchronize()
             self.host_events[hslot] = None
 
-    def fill_host_tier(self) -> None:
-        """Read experts into the host tier until it is full (benchmarks: "experts in host RAM")."""
-        keys = sorted(self.vault.entries)[: len(self.host)]
-        reads = [self.readers.submit(self.read_into, self.vault.entries[key], self.host_lru.take(key, set()))
-                 for key in keys]
-        for future in reads:
-            future.result()
-
     # --- reading (runs in the reader threads) ----------------------------------------------------
 
     def read_into(self, entry, hslot: int) -> float:
-        """pread (or O_DIRECT preadv) the blob into host slot `hslot` and check it; returns seconds."""
-        start = time.perf_counter()
-        where = f"{self.vault.dir}: layer {entry.layer} expert {entry.expert}"
-        buf = memoryview(self.host[hslot].numpy())
-        try:
-            if self.direct_fd is not None:
-                got = os.preadv(self.direct_fd, [buf[:align(entry.size, self.vault.alignment)]], entry.offset)
-            else:
-                got = os.preadv(self.vault.fd, [buf[:entry.size]], entry.offset)
-        except OSError as err:
-            raise SmoeError(f"{where}: read failed ({err})") from None
-        self.vault.check_blob(entry, buf[:got])
-        return time.perf_counter() - start
+        """Read the blob into host slot `hslot` and check it; returns seconds."""
+        return self.reader.read_into(entry, memoryview(self.host[hslot].numpy()))[1]
 
     # --- lifetime --------------------------------------------------------------------------------
 
@@ -254,10 +213,7 @@ class GpuExpertCache:
         return (layer, expert) in self.gpu.slots
 
     def close(self) -> None:
-        self.readers.shutdown(wait=True, cancel_futures=True)
-        if self.direct_fd is not None:
-            os.close(self.direct_fd)
-            self.direct_fd = None
+        self.reader.close()
 
 
 def allocate(nbytes: int, device: torch.device, what: str, option: str, pinned: bool = False) -> torch.Tensor:

@@ -23,15 +23,13 @@ kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, th
 from __future__ import annotations
 
 import functools
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 
-from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.errors import SmoeError
 from smoe.runtime.cpu.compiled import SUPPORTED, check_room, dense_mlp, fuse_qkv, rope_tables, rotate
+from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.runtime.gpu.cache import GpuExpertCache
 from smoe.switches import GPU_INDUCTOR
 
@@ -63,8 +61,7 @@ class GpuDecoder:
     """forward(ids) -> logits [T, V] (fp32) of the new tokens, continuing the cached sequence."""
 
     def __init__(self, sm, device: torch.device, gpu_cache_bytes: int, max_positions: int, host_cache_bytes: int = 0,
-                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True,
-                 route_replay: torch.Tensor | None = None):
+                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True):
         cfg = sm.config.get_text_config()
         self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
         self.eps, self.top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
@@ -72,11 +69,6 @@ class GpuDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.normalize = getattr(cfg, "norm_topk_prob", True)
         self.kernel_path = kernel_path
-        # benchmarks: [steps, layers, k] expert ids used instead of the router's (which still runs), read
-        # on the device at the step set by `replay_step`, so graphs and host syncs stay as in real decoding
-        self.route_replay = None if route_replay is None else route_replay.to(device=device, dtype=torch.int64)
-        self.replay_step = 0
-        self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0}  # host seconds per phase of step()
         try:
             self.load(sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io)
         except torch.OutOfMemoryError:
@@ -163,30 +155,21 @@ class GpuDecoder:
 
     def step(self, token: int) -> torch.Tensor:
         s = self.static
-        s.set_token(token, self.pos, self.replay_step)
+        s.set_token(token, self.pos)
         if self.all_resident():
-            clock = time.perf_counter()
             self.run_whole_token()
             self.cache.stats.hits += self.top_k * len(self.layouts)  # every routed expert is resident
-            self.timing["launch"] += time.perf_counter() - clock
         else:
             for seg in range(len(self.layers) + 1):
-                clock = time.perf_counter()
                 self.run_segment(seg)
-                self.timing["launch"] += time.perf_counter() - clock
                 if seg < len(self.layers) and self.layers[seg].moe:
                     self.load_offsets(seg)
         self.pos += 1
         return s.logits.clone()
 
     def load_offsets(self, i: int) -> None:
-        s = self.static
-        clock = time.perf_counter()
-        ids = s.top_i[0].tolist()  # the sync: the host must know which experts to bring
-        now = time.perf_counter()
-        self.timing["routing_sync"] += now - clock
-        s.set_offsets(self.cache.offsets(i, ids))
-        self.timing["cache"] += time.perf_counter() - now
+        ids = self.static.top_i[0].tolist()  # the sync: the host must know which experts to bring
+        self.static.set_offsets(self.cache.offsets(i, ids))
 
     def segment(self, seg: int) -> None:
         """experts of layer seg-1, then attention and routing of layer seg (or the LM head)."""
@@ -204,8 +187,12 @@ class GpuDecoder:
         s.x.copy_(x)
         s.h.copy_(h)
         if top_i is not None:
-            s.top_i.copy_(self.route_replay[s.step, seg] if self.route_replay is not None else top_i)
+            s.top_i.copy_(self.routed(seg, top_i))
             s.top_w.copy_(top_w)
+
+    def routed(self, seg: int, top_i):
+        """The experts layer seg runs: its router's (a benchmark's subclass replays recorded ones)."""
+        return top_i
 
     def run_block(self, x, added, pos, args):
         try:
@@ -324,10 +311,9 @@ class StaticBuffers:
         self.top_i = torch.zeros(1, k, dtype=torch.int64, device=dev)
         self.top_w = torch.zeros(1, k, dtype=ACT, device=dev)
         self.offsets = torch.zeros(k, dtype=torch.int64, device=dev)
-        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(1, dec.lm_head.shape[0], dtype=ACT, device=dev)
         pinned = dev.type == "cuda"
-        self.stage = torch.zeros(3 + k, dtype=torch.int64, pin_memory=pinned)
+        self.stage = torch.zeros(2 + k, dtype=torch.int64, pin_memory=pinned)
 
     def upload(self, dst: torch.Tensor, values: list[int], at: int) -> None:
         # the host reaches this point only after a sync on the compute stream (reading top-k or the
@@ -335,13 +321,12 @@ class StaticBuffers:
         self.stage[at: at + len(values)] = torch.tensor(values, dtype=torch.int64)
         dst.copy_(self.stage[at: at + len(values)].view(dst.shape), non_blocking=True)
 
-    def set_token(self, token: int, pos: int, step: int) -> None:
+    def set_token(self, token: int, pos: int) -> None:
         self.upload(self.token, [token], 0)
         self.upload(self.pos, [pos], 1)
-        self.upload(self.step, [step], 2)
 
     def set_offsets(self, offsets: list[int]) -> None:
-        self.upload(self.offsets, offsets, 3)
+        self.upload(self.offsets, offsets, 2)
 
 
 def capture(fn, device):
@@ -355,7 +340,15 @@ def capture(fn, device):
 
 def layer_layout(vault, layer: int) -> kernels_triton.ExpertLayout:
     """The blob layout shared by every expert of a layer (the kernels index blobs with one layout)."""
-    layouts = {kernels_triton.ExpertLayout.from_entry(e) for (l, _), e in vault.entries.items() if l == layer}
+    layouts = {kernels_triton.ExpertLayout.from_entry(e) for (at, _), e in vault.entries.items() if at == layer}
     if len(layouts) != 1:
         raise SmoeError(f"layer {layer}: experts differ in layout (depths or shapes); the GPU kernels need one per layer")
     return layouts.pop()
+
+
+def kernels_cover(vault) -> bool:
+    """Whether the Triton kernels run every MoE layer's experts (no decode-then-matmul fallback)."""
+    try:
+        return all(layer_layout(vault, layer).unsupported() is None for layer in vault.meta["moe_layers"])
+    except SmoeError:
+        return False

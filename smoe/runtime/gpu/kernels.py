@@ -41,15 +41,15 @@ Q4, ~3e-5 at Q2, far below a bf16 rounding). Measured speed and what limits it: 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from smoe.format import codec
 from smoe.errors import SmoeError
+from smoe.format import codec
+from smoe.runtime.buckets import bucket
 
 GROUP = codec.GROUP_SIZE
 SLOT_ALIGNMENT = 64  # blob offsets in the pool must be multiples of this (the kernels read 32-bit words)
@@ -79,7 +79,7 @@ class ExpertLayout:
     down_scales: int
 
     @classmethod
-    def from_entry(cls, entry) -> "ExpertLayout":
+    def from_entry(cls, entry) -> ExpertLayout:
         """From a vault index entry (smoe.format.vault.ExpertEntry) of a gated expert."""
         t = {x.role: x for x in entry.tensors}
         if set(t) != {"gate", "up", "down"}:
@@ -411,10 +411,6 @@ def tokens_per_block(pairs: int, runs: int) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
 
 
-def bucket(n: int) -> int:
-    return max(PAIR_BUCKET_MIN, 1 << math.ceil(math.log2(max(n, 1))))
-
-
 # --- entry points --------------------------------------------------------------------------------
 
 
@@ -548,7 +544,7 @@ def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.
     n_pairs = n_tok * k
     runs = int(torch.unique(offsets).numel())  # one host sync: sizes the padded pair list
     bt = tokens_per_block(n_pairs, runs)
-    capacity = bucket(n_pairs + runs * (bt - 1))
+    capacity = bucket(n_pairs + runs * (bt - 1), PAIR_BUCKET_MIN)
     pair_id, block_units = sort_pairs(offsets, bt, capacity)
     # tensor-core tiles in the activation dtype; fp32 for fp32 activations, and under Triton's
     # interpreter, whose bf16 tl.dot is wrong (triton 3.6)
@@ -607,39 +603,3 @@ def reference_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torc
 @functools.cache
 def warn_once(message: str) -> None:
     print(f"smoe: warning: {message}", file=sys.stderr)
-
-
-# --- building a pool (tests, benchmarks) ---------------------------------------------------------
-
-
-def layout_for_shape(hidden: int, inter: int, bits_gate_up: int, bits_down: int) -> tuple[ExpertLayout, int]:
-    """The blob layout smoe.format.vault.build_blob produces for a gated expert, and the blob's size."""
-    offsets, end = [], 0
-    for rows, cols, bits in ((inter, hidden, bits_gate_up), (inter, hidden, bits_gate_up), (hidden, inter, bits_down)):
-        for nbytes in codec.encoded_nbytes(rows * cols, bits):
-            start = -(-end // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-            offsets.append(start)
-            end = start + nbytes
-    return ExpertLayout(hidden, inter, bits_gate_up, bits_down, *offsets), end
-
-
-def random_blob(layout_shape: tuple[int, int], bits_gate_up: int, bits_down: int, seed: int):
-    """A blob of one random expert (uniform codes, scales in [1e-3, 0.05)) in the vault's layout;
-    returns (bytes, ExpertLayout). layout_shape: (hidden, inter)."""
-    from smoe.format.vault import QuantisedTensor, build_blob
-
-    hidden, inter = layout_shape
-    gen = torch.Generator().manual_seed(seed)
-    tensors = []
-    for role, shape, bits in (("gate", (inter, hidden), bits_gate_up), ("up", (inter, hidden), bits_gate_up),
-                              ("down", (hidden, inter), bits_down)):
-        groups = codec.num_groups(shape[0] * shape[1])
-        codes = torch.randint(0, 2**bits, (groups, GROUP), generator=gen, dtype=torch.uint8)
-        scales = (torch.rand(groups, generator=gen) * 0.049 + 1e-3).to(torch.float16)
-        tensors.append(QuantisedTensor(role, shape, bits, codec.pack_codes(codes, bits), scales))
-    raw, entries, _ = build_blob(tensors)
-    t = {e.role: e for e in entries}
-    layout = ExpertLayout(hidden, inter, bits_gate_up, bits_down,
-                          t["gate"].codes_offset, t["gate"].scales_offset, t["up"].codes_offset,
-                          t["up"].scales_offset, t["down"].codes_offset, t["down"].scales_offset)
-    return raw, layout

@@ -1,0 +1,65 @@
+"""The GPU decoder as `smoe bench decode` drives it: recorded routing instead of the router's, host
+seconds per phase of a step, and a host tier filled before timing.
+
+The router still runs and the host still reads its top-k (the one sync per layer that streaming
+needs), so graphs and host syncs stay as in real decoding; only the experts used come from the
+recording, read on the device at the step set by `replay_step`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from smoe.runtime.gpu.cache import GpuExpertCache
+from smoe.runtime.gpu.decode import GpuDecoder
+
+
+class ReplayDecoder(GpuDecoder):
+    """GpuDecoder whose layers use `route_replay[replay_step, layer]` ([steps, layers, k] expert ids)."""
+
+    def __init__(self, *args, route_replay: torch.Tensor, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.route_replay = route_replay.to(device=self.device, dtype=torch.int64)
+        self.replay_step = 0
+        self.replay_index = torch.zeros(1, dtype=torch.int64, device=self.device)  # read inside the graphs
+        self.replay_stage = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0}  # host seconds per phase of step()
+
+    def step(self, token: int) -> torch.Tensor:
+        # ordered on the compute stream like the token's own upload (StaticBuffers.upload)
+        self.replay_stage[0] = self.replay_step
+        self.replay_index.copy_(self.replay_stage, non_blocking=True)
+        return super().step(token)
+
+    def routed(self, seg: int, top_i):
+        return self.route_replay[self.replay_index, seg]
+
+    def run_whole_token(self) -> None:
+        clock = time.perf_counter()
+        super().run_whole_token()
+        self.timing["launch"] += time.perf_counter() - clock
+
+    def run_segment(self, seg: int) -> None:
+        clock = time.perf_counter()
+        super().run_segment(seg)
+        self.timing["launch"] += time.perf_counter() - clock
+
+    def load_offsets(self, i: int) -> None:
+        s = self.static
+        clock = time.perf_counter()
+        ids = s.top_i[0].tolist()  # the sync: the host must know which experts to bring
+        now = time.perf_counter()
+        self.timing["routing_sync"] += now - clock
+        s.set_offsets(self.cache.offsets(i, ids))
+        self.timing["cache"] += time.perf_counter() - now
+
+
+def fill_host_tier(cache: GpuExpertCache) -> None:
+    """Read experts into the host tier until it is full ("experts in host RAM")."""
+    keys = sorted(cache.vault.entries)[: len(cache.host)]
+    reads = [cache.reader.submit(cache.read_into, cache.vault.entries[key], cache.host_lru.take(key, set()))
+             for key in keys]
+    for future in reads:
+        future.result()

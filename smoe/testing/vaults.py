@@ -1,0 +1,85 @@
+"""Tiny models, their vaults and their dequantised references, built one way for every test.
+
+Most tests need the same three things: a tiny model of a family on disk, the vault sculpted from it,
+and a reference model dequantised back from that vault to compare the runtime against.  Each test
+file used to carry its own copy of those steps; these functions are the one copy, so that a change
+to how a test vault is made (an option, a directory name) is made once.  The trained models under
+../shared are used by the tests that want them when present; `SHARED_MODELS` names them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from smoe.convert.dequantize import dequantize
+from smoe.convert.sculpt import sculpt
+from smoe.testing.tiny_models import save_tiny_model
+
+# Beside the repository (its parent directory), as in a development checkout; absent elsewhere,
+# and every test that uses it skips or falls back to a tiny model then.
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b"}
+
+
+def tiny_model_dir(tmp: Path, family: str, seed: int = 0, layout: str | None = None, name: str = "model",
+                   **config_overrides) -> Path:
+    """A tiny random `family` model saved at tmp/name.
+
+    config_overrides are written into its config.json after saving, so they must leave the weights'
+    shapes alone (max_position_embeddings, say): the saved tensors are those of the tiny config.
+    """
+    model = Path(tmp) / name
+    save_tiny_model(family, model, seed=seed, layout=layout)
+    if config_overrides:
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(config | config_overrides))
+    return model
+
+
+def vault_of(model: Path, out: Path | None = None, bits: int = 4, **options) -> Path:
+    """The vault of `model` at `out` (default: "vault" beside the model), sculpted without progress bars."""
+    out = Path(model).parent / "vault" if out is None else Path(out)
+    sculpt(model, out, bits=bits, progress=False, **options)
+    return out
+
+
+def tiny_vault(tmp: Path, family: str, bits: int = 4, seed: int = 0, **options) -> Path:
+    """tmp/vault, sculpted at `bits` (or by the `plan` in options) from a tiny model at tmp/model."""
+    return vault_of(tiny_model_dir(tmp, family, seed=seed), Path(tmp) / "vault", bits, **options)
+
+
+def dequantised_reference(vault: Path, tmp: Path, dtype: torch.dtype = torch.float32,
+                          name: str = "reference") -> Path:
+    """The transformers model of `vault` with its experts decoded, at tmp/name (fp32: for comparisons)."""
+    return dequantize(vault, Path(tmp) / name, dtype=dtype)
+
+
+def tiny_vault_and_reference(tmp: Path, family: str, bits: int = 4, seed: int = 0) -> tuple[Path, Path]:
+    """tiny_vault's tmp/vault and its fp32 dequantised reference at tmp/reference."""
+    vault = tiny_vault(tmp, family, bits, seed)
+    return vault, dequantised_reference(vault, tmp)
+
+
+def kernel_sized_vault(tmp: Path, family: str, bits: int = 4) -> tuple[Path, Path]:
+    """(vault, fp32 dequantised reference) of a tiny model whose expert widths are multiples of 64, so
+    that the GPU's Triton kernels (not their decode-then-matmul fallback), and with them CUDA graphs, run."""
+    import transformers
+
+    from smoe.testing.tiny_models import save_tiny_tokenizer, tiny_config
+
+    tmp = Path(tmp)
+    config = tiny_config(family)
+    setattr(config, "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size", 64)
+    config.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.05)
+    model.save_pretrained(tmp / "model")
+    save_tiny_tokenizer(tmp / "model", config.vocab_size)
+    vault = vault_of(tmp / "model", tmp / "vault", bits)
+    return vault, dequantised_reference(vault, tmp)
