@@ -262,13 +262,13 @@ def tiny_table(tiny, tiny_stats):
     windows = calibrate.calibration_windows(tiny / "model", tiny / "calib.txt", 256)
     path = tiny / "sensitivity.json"
     table = measure(qm, windows, path, "fp", progress=False)
-    return qm, windows, path, table_for_model(table, qm.plan)
+    return qm, windows, path, table_for_model(table, qm.expert_map)
 
 
 def test_sensitivity_measures_every_fused_tensor_at_every_depth(tiny_table):
     qm, _, _, table = tiny_table
-    assert set(table["kl"]) == {key(layer, u, b) for layer in qm.plan.moe_layers for u in UNITS for b in (2, 4)}
-    for layer in qm.plan.moe_layers:
+    assert set(table["kl"]) == {key(layer, u, b) for layer in qm.expert_map.moe_layers for u in UNITS for b in (2, 4)}
+    for layer in qm.expert_map.moe_layers:
         for u in UNITS:
             assert table["kl"][key(layer, u, 2)] > table["kl"][key(layer, u, 4)] > 0
 
@@ -276,7 +276,7 @@ def test_sensitivity_measures_every_fused_tensor_at_every_depth(tiny_table):
 def test_sensitivity_resumes_where_it_stopped(tiny_table):
     qm, windows, path, table = tiny_table
     saved = json.loads(path.read_text())
-    dropped = key(qm.plan.moe_layers[0], "down", 2)
+    dropped = key(qm.expert_map.moe_layers[0], "down", 2)
     del saved["kl"][dropped]
     path.write_text(json.dumps(saved))
     meter = KLMeter(qm, windows)
@@ -295,7 +295,7 @@ def test_mixed_vault_from_a_plan_runs_and_holds_the_planned_bits(tiny, tiny_tabl
 
     qm, windows, _, table = tiny_table
     doc = make_plan(table, budget_bits=3.25)
-    depths = role_bits(doc, qm.plan)
+    depths = role_bits(doc, qm.expert_map)
     assert set(depths.values()) == {2, 4}
     out = tmp_path / "mixed"
     sculpt(tiny / "model", out, plan=depths, encoder="gptq", calib=tiny / "calib.txt", calib_tokens=256,
@@ -306,15 +306,15 @@ def test_mixed_vault_from_a_plan_runs_and_holds_the_planned_bits(tiny, tiny_tabl
             for t in entry.tensors:
                 assert t.bits == depths[(entry.layer, t.role)]
     assert (out / "experts.bin").stat().st_size == experts_file_bytes(table, {
-        layer: {u: doc["tensors"][f"{layer}.{u}"] for u in UNITS} for layer in qm.plan.moe_layers})
-    qm.set_plan({(layer, u): doc["tensors"][f"{layer}.{u}"] for layer in qm.plan.moe_layers for u in UNITS})
+        layer: {u: doc["tensors"][f"{layer}.{u}"] for u in UNITS} for layer in qm.expert_map.moe_layers})
+    qm.set_plan({(layer, u): doc["tensors"][f"{layer}.{u}"] for layer in qm.expert_map.moe_layers for u in UNITS})
     sm = StreamingModel(out, dtype="float32")
     try:
         streamed = sm.logits(windows[0])
         assert torch.allclose(streamed, qm.model(input_ids=windows[0], use_cache=False).logits, atol=1e-4, rtol=1e-4)
     finally:
         sm.close()
-        qm.set_plan({(layer, u): None for layer in qm.plan.moe_layers for u in UNITS})
+        qm.set_plan({(layer, u): None for layer in qm.expert_map.moe_layers for u in UNITS})
     write_heatmap(doc, table, tmp_path / "plan.png", measured_kl=0.01)
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -89,7 +89,7 @@ def quantize_inputs(args, progress: bool):
                                               progress=progress, need_meter=True)
         if progress:
             print(format_plan(doc, table))
-        return role_bits(doc, meter.qm.plan), encoder, stats, (doc, table, meter)
+        return role_bits(doc, meter.qm.expert_map), encoder, stats, (doc, table, meter)
     if args.plan:
         doc = load_plan(args.plan)
         encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))

@@ -100,7 +100,7 @@ def write_vault(
     encoders.check_encoder(encoder)
     if encoder in encoders.NEEDS_CALIBRATION and calib is None:
         raise SmoeError(f"the {encoder} encoder needs calibration text (--calib FILE)")
-    depths = plan  # `plan` is the experts' plan below
+    depths = plan
     check_plan_bits(depths)
     if depths:
         bits = majority_depth(depths)
@@ -110,17 +110,17 @@ def write_vault(
         raise SmoeError(f"{ckpt.dir}: no safetensors weights found (only an index or a config)")
     if not (ckpt.dir / "config.json").exists():
         raise SmoeError(f"{ckpt.dir}: no config.json")
-    plan = map_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
-    check_sources(ckpt, plan)
+    expert_map = map_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
+    check_sources(ckpt, expert_map)
     out = Path(out_dir)
     if out.exists() and not force:
         raise SmoeError(f"{out}: already exists (use --force to replace it)")
-    check_plan_matches(depths, plan)
+    check_plan_matches(depths, expert_map)
     calib_tokens = calib_tokens or calibrate.DEFAULT_TOKENS
     calib_id = f"|{calibrate.file_hash(calib)}|{calib_tokens}" if calib is not None and encoder != "grid" else ""
     plan_id = f"|{sorted(depths.items())}" if depths else ""
     partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, encoder, alignment, calib_id + plan_id)}"
-    check_disk_space(ckpt, plan, max(depths.values()) if depths else bits, partial)
+    check_disk_space(ckpt, expert_map, max(depths.values()) if depths else bits, partial)
     prepare_partial(out, partial, force)
     if encoder in encoders.NEEDS_CALIBRATION and stats is None:
         stats = calibrate.collect(ckpt.dir, calib, calib_tokens, progress=progress)
@@ -128,33 +128,33 @@ def write_vault(
     writer = VaultWriter(partial, bits, alignment)
     try:
         coder = Coder(encoder, stats, depths or {}, bits)
-        resumed = keep_unchanged_blobs(ckpt, plan, writer, coder, progress)
-        snr, expert_out = write_experts(ckpt, plan, writer, coder, dev, progress)
-        trunk_bytes = write_trunk_file(ckpt, plan, partial / TRUNK_FILE, progress)
+        resumed = keep_unchanged_blobs(ckpt, expert_map, writer, coder, progress)
+        snr, expert_out = write_experts(ckpt, expert_map, writer, coder, dev, progress)
+        trunk_bytes = write_trunk_file(ckpt, expert_map, partial / TRUNK_FILE, progress)
         for name in COPIED_FILES:
             if (ckpt.dir / name).exists():
                 shutil.copyfile(ckpt.inside(name), partial / name)
-        writer.finish(vault_meta(ckpt, plan, partial) | {"encoder": encoder})
+        writer.finish(vault_meta(ckpt, expert_map, partial) | {"encoder": encoder})
     finally:
         if not writer.data.closed:
             writer.close()
     publish(partial, out)
     return SculptReport(
-        family=plan.family, experts=len(plan.experts), expert_bytes_in=expert_source_bytes(ckpt, plan),
+        family=expert_map.family, experts=len(expert_map.experts), expert_bytes_in=expert_source_bytes(ckpt, expert_map),
         trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(out),
         seconds=time.perf_counter() - start, snr_db=snr, bits=bits, resumed_experts=resumed,
-        weights_by_bits=weights_by_bits(plan, depths, bits),
+        weights_by_bits=weights_by_bits(expert_map, depths, bits),
     )
 
 
-def weights_by_bits(plan: ExpertMap, depths: dict | None, bits: int) -> dict[int, int]:
+def weights_by_bits(expert_map: ExpertMap, depths: dict | None, bits: int) -> dict[int, int]:
     """Expert weights per depth; every (layer, role) tensor has the same shape in each of its experts."""
-    shapes = plan.expert_shapes()
+    shapes = expert_map.expert_shapes()
     counts: dict[int, int] = {}
-    for layer in plan.moe_layers:
+    for layer in expert_map.moe_layers:
         for role, (o, i) in shapes.items():
             b = (depths or {}).get((layer, role), bits)
-            counts[b] = counts.get(b, 0) + plan.num_experts * o * i
+            counts[b] = counts.get(b, 0) + expert_map.num_experts * o * i
     return counts
 
 
@@ -166,9 +166,9 @@ def prepare_partial(out: Path, partial: Path, force: bool) -> None:
     partial.mkdir(parents=True, exist_ok=True)
 
 
-def check_disk_space(ckpt: Checkpoint, plan: ExpertMap, bits: int, partial: Path) -> None:
+def check_disk_space(ckpt: Checkpoint, expert_map: ExpertMap, bits: int, partial: Path) -> None:
     """Refuse before writing anything; blobs already in a resumable partial count as written."""
-    need = expected_vault_bytes(ckpt, plan, bits)
+    need = expected_vault_bytes(ckpt, expert_map, bits)
     parent = partial.parent
     if not parent.exists():
         raise SmoeError(f"{parent}: output directory's parent does not exist")
@@ -177,10 +177,10 @@ def check_disk_space(ckpt: Checkpoint, plan: ExpertMap, bits: int, partial: Path
         raise SmoeError(f"not enough disk space at {partial.parent}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 
 
-def expected_vault_bytes(ckpt: Checkpoint, plan: ExpertMap, bits: int) -> int:
-    trunk = sum(nbytes_of(ckpt, n) for n in trunk_names(ckpt, plan))
-    per_expert = sum(sum(codec.encoded_nbytes(o * i, bits)) + 128 for o, i in plan.expert_shapes().values())
-    return trunk + len(plan.experts) * align(per_expert, 4096) + (1 << 20)
+def expected_vault_bytes(ckpt: Checkpoint, expert_map: ExpertMap, bits: int) -> int:
+    trunk = sum(nbytes_of(ckpt, n) for n in trunk_names(ckpt, expert_map))
+    per_expert = sum(sum(codec.encoded_nbytes(o * i, bits)) + 128 for o, i in expert_map.expert_shapes().values())
+    return trunk + len(expert_map.experts) * align(per_expert, 4096) + (1 << 20)
 
 
 def nbytes_of(ckpt: Checkpoint, name: str) -> int:
@@ -190,12 +190,12 @@ def nbytes_of(ckpt: Checkpoint, name: str) -> int:
     return n
 
 
-def trunk_names(ckpt: Checkpoint, plan: ExpertMap) -> list[str]:
-    return [n for n in ckpt.names() if n not in plan.expert_names]
+def trunk_names(ckpt: Checkpoint, expert_map: ExpertMap) -> list[str]:
+    return [n for n in ckpt.names() if n not in expert_map.expert_names]
 
 
-def expert_source_bytes(ckpt: Checkpoint, plan: ExpertMap) -> int:
-    return sum(ckpt.stored_nbytes(n) or 0 for n in plan.expert_names)
+def expert_source_bytes(ckpt: Checkpoint, expert_map: ExpertMap) -> int:
+    return sum(ckpt.stored_nbytes(n) or 0 for n in expert_map.expert_names)
 
 
 @dataclass
@@ -231,8 +231,8 @@ def check_plan_bits(depths: dict | None) -> None:
             raise SmoeError(f"the plan gives layer {layer} gate and up different depths; one fused kernel serves both")
 
 
-def check_plan_matches(depths: dict | None, plan: ExpertMap) -> None:
-    known = {(layer, role) for layer in plan.moe_layers for role in plan.roles}
+def check_plan_matches(depths: dict | None, expert_map: ExpertMap) -> None:
+    known = {(layer, role) for layer in expert_map.moe_layers for role in expert_map.roles}
     if depths and set(depths) != known:
         odd = sorted(set(depths) ^ known)[:4]
         raise SmoeError(f"the plan does not match the model: tensors {odd} are missing from it or unknown to the model")
@@ -244,18 +244,18 @@ def majority_depth(depths: dict[tuple[int, str], int]) -> int:
     return max(set(values), key=lambda b: (values.count(b), b))
 
 
-def write_experts(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
+def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
     """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
     done = writer.done()
-    todo = [key for key in sorted(plan.experts) if key not in done]
-    expected = plan.expert_shapes()
+    todo = [key for key in sorted(expert_map.experts) if key not in done]
+    expected = expert_map.expert_shapes()
     snr_sum: dict[str, float] = {}
     weights = sum(o * i for o, i in expected.values()) or None
-    bar = progress_bar(total=weights and 2 * weights * len(plan.experts), initial=weights and 2 * weights * len(done),
-                       enabled=progress, unit="B", unit_scale=True, desc=f"experts ({len(plan.experts)})")
+    bar = progress_bar(total=weights and 2 * weights * len(expert_map.experts), initial=weights and 2 * weights * len(done),
+                       enabled=progress, unit="B", unit_scale=True, desc=f"experts ({len(expert_map.experts)})")
     for layer, expert in todo:
         tensors, digest = [], xxhash.xxh3_64()
-        for src, w, moment in expert_inputs(ckpt, plan, coder, (layer, expert), digest):
+        for src, w, moment in expert_inputs(ckpt, expert_map, coder, (layer, expert), digest):
             name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
             check_shape(name, src.role, tuple(w.shape), expected)
             w = w.to(dev)
@@ -264,36 +264,36 @@ def write_experts(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Coder, dev:
             snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
             tensors.append(q)
             bar.update(2 * w.numel())
-        biases = expert_biases(ckpt, plan, (layer, expert), digest)
+        biases = expert_biases(ckpt, expert_map, (layer, expert), digest)
         writer.add(layer, expert, tensors, check_finite_all(biases), source=digest.hexdigest())
     bar.close()
     snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
     return snr, sum(e.size for e in writer.entries)
 
 
-def expert_inputs(ckpt, plan: ExpertMap, coder: Coder, key: tuple[int, int], digest):
+def expert_inputs(ckpt, expert_map: ExpertMap, coder: Coder, key: tuple[int, int], digest):
     """Yield (source, [out, in] weights, second moment or None) per projection of one expert, one at a
     time, feeding `digest` everything its blob is encoded from."""
-    for src in plan.experts[key]:
+    for src in expert_map.experts[key]:
         yield src, load_projection(ckpt, src, digest), coder.moment(*key, src.role, digest)
 
 
-def expert_biases(ckpt, plan: ExpertMap, key: tuple[int, int], digest) -> dict[str, torch.Tensor]:
-    return {b.role: load_bias(ckpt, b, digest) for b in plan.biases.get(key, [])}
+def expert_biases(ckpt, expert_map: ExpertMap, key: tuple[int, int], digest) -> dict[str, torch.Tensor]:
+    return {b.role: load_bias(ckpt, b, digest) for b in expert_map.biases.get(key, [])}
 
 
-def source_digest(ckpt, plan: ExpertMap, coder: Coder, key: tuple[int, int]) -> str | None:
+def source_digest(ckpt, expert_map: ExpertMap, coder: Coder, key: tuple[int, int]) -> str | None:
     """The digest `write_experts` journals for `key`'s blob, from the source as it is now."""
-    if key not in plan.experts:
+    if key not in expert_map.experts:
         return None
     digest = xxhash.xxh3_64()
-    for _ in expert_inputs(ckpt, plan, coder, key, digest):
+    for _ in expert_inputs(ckpt, expert_map, coder, key, digest):
         pass
-    expert_biases(ckpt, plan, key, digest)
+    expert_biases(ckpt, expert_map, key, digest)
     return digest.hexdigest()
 
 
-def keep_unchanged_blobs(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Coder, progress: bool) -> int:
+def keep_unchanged_blobs(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, progress: bool) -> int:
     """Keep the resumed blobs whose sources (stored bytes, calibration moments) read as when they were
     encoded; from the first that differs on, the data file is cut and re-encoded. Returns the count kept.
 
@@ -304,7 +304,7 @@ def keep_unchanged_blobs(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Code
     for i, entry in enumerate(bar):
         key = (entry.layer, entry.expert)
         journalled = writer.sources.get(key)
-        if journalled is None or journalled != source_digest(ckpt, plan, coder, key):
+        if journalled is None or journalled != source_digest(ckpt, expert_map, coder, key):
             bar.close()
             print(f"smoe: notice: layer {entry.layer} expert {entry.expert} was encoded from other source weights or "
                   f"calibration than the model's now: re-encoding it and the {len(entries) - i - 1} blobs after it "
@@ -314,12 +314,12 @@ def keep_unchanged_blobs(ckpt, plan: ExpertMap, writer: VaultWriter, coder: Code
     return len(entries)
 
 
-def check_sources(ckpt: Checkpoint, plan: ExpertMap) -> None:
+def check_sources(ckpt: Checkpoint, expert_map: ExpertMap) -> None:
     """Refuse, before anything is written, a tensor that cannot be read (or kept) as its real values,
     and a file to copy that lies outside the model directory."""
-    for name in sorted(plan.expert_names):
+    for name in sorted(expert_map.expert_names):
         ckpt.check_real_valued(name, "expert tensor")
-    for name in trunk_names(ckpt, plan):
+    for name in trunk_names(ckpt, expert_map):
         check_trunk_source(ckpt, name)
     for name in COPIED_FILES:
         if (ckpt.dir / name).exists():
@@ -355,26 +355,26 @@ def check_finite(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def write_trunk_file(ckpt: Checkpoint, plan: ExpertMap, path: Path, progress: bool) -> int:
-    names = trunk_names(ckpt, plan)
+def write_trunk_file(ckpt: Checkpoint, expert_map: ExpertMap, path: Path, progress: bool) -> int:
+    names = trunk_names(ckpt, expert_map)
     specs = [(n, ckpt.dtype(n), ckpt.shape(n)) for n in names]
     bar = (lambda xs: progress_bar(xs, unit="tensor", desc="trunk")) if progress else None
     write_safetensors(path, specs, lambda n: check_finite(n, ckpt.load(n)), progress=bar)
     return sum(nbytes_of(ckpt, n) for n in names)
 
 
-def vault_meta(ckpt: Checkpoint, plan: ExpertMap, partial: Path) -> dict:
+def vault_meta(ckpt: Checkpoint, expert_map: ExpertMap, partial: Path) -> dict:
     return {
         "smoe_version": __version__,
-        "family": plan.family,
-        "model_type": plan.model_type,
-        "moe_layers": plan.moe_layers,
-        "num_experts": plan.num_experts,
-        "top_k": plan.top_k,
-        "roles": list(plan.roles),
-        "expert_shapes": {r: list(s) for r, s in plan.expert_shapes().items()},
+        "family": expert_map.family,
+        "model_type": expert_map.model_type,
+        "moe_layers": expert_map.moe_layers,
+        "num_experts": expert_map.num_experts,
+        "top_k": expert_map.top_k,
+        "roles": list(expert_map.roles),
+        "expert_shapes": {r: list(s) for r, s in expert_map.expert_shapes().items()},
         "encoder": ENCODER,
-        "source": {"path": str(ckpt.dir), "formats": sorted({ckpt.source_format(n) for n in plan.expert_names})},
+        "source": {"path": str(ckpt.dir), "formats": sorted({ckpt.source_format(n) for n in expert_map.expert_names})},
     }
 
 

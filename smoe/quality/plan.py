@@ -167,15 +167,15 @@ def load_plan(source: str | Path | dict) -> dict:
     return doc
 
 
-def role_bits(doc: dict, moe_plan) -> dict[tuple[int, str], int]:
+def role_bits(doc: dict, expert_map) -> dict[tuple[int, str], int]:
     """A plan document checked against the model: (layer, role) -> bits, gate and up always equal."""
-    shapes = {r: list(s) for r, s in moe_plan.expert_shapes().items()}
-    if doc.get("moe_layers") != moe_plan.moe_layers or doc.get("num_experts") != moe_plan.num_experts or \
+    shapes = {r: list(s) for r, s in expert_map.expert_shapes().items()}
+    if doc.get("moe_layers") != expert_map.moe_layers or doc.get("num_experts") != expert_map.num_experts or \
             (doc.get("expert_shapes") and doc["expert_shapes"] != shapes):
         raise SmoeError(f"the plan does not match the model: it is for {doc.get('model_type')} with MoE layers "
                         f"{doc.get('moe_layers')}, {doc.get('num_experts')} experts, shapes {doc.get('expert_shapes')}; "
-                        f"the model has {moe_plan.moe_layers}, {moe_plan.num_experts}, {shapes}")
-    want = {f"{layer}.{u}" for layer in moe_plan.moe_layers for u in UNITS}
+                        f"the model has {expert_map.moe_layers}, {expert_map.num_experts}, {shapes}")
+    want = {f"{layer}.{u}" for layer in expert_map.moe_layers for u in UNITS}
     if set(doc["tensors"]) != want:
         odd = sorted(set(doc["tensors"]) ^ want)
         raise SmoeError(f"the plan does not match the model: tensors {odd[:4]} are missing or unknown")
@@ -185,14 +185,14 @@ def role_bits(doc: dict, moe_plan) -> dict[tuple[int, str], int]:
             raise SmoeError(f"the plan gives {name} {b} bits; SMOE supports {codec.DEPTHS}")
         layer, unit = name.split(".")
         for role in UNIT_ROLES[unit]:
-            if role in moe_plan.roles:
+            if role in expert_map.roles:
                 bits[(int(layer), role)] = b
     return bits
 
 
-def table_for_model(table: dict, moe_plan, bias_nbytes: dict[str, int] | None = None) -> dict:
+def table_for_model(table: dict, expert_map, bias_nbytes: dict[str, int] | None = None) -> dict:
     """The sensitivity table with the model facts sizes need."""
-    return table | {"expert_shapes": {r: list(s) for r, s in moe_plan.expert_shapes().items()},
+    return table | {"expert_shapes": {r: list(s) for r, s in expert_map.expert_shapes().items()},
                     "bias_nbytes": bias_nbytes or {}}
 
 

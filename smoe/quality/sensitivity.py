@@ -1,6 +1,6 @@
 """Sensitivity: what quantising one fused expert tensor costs the model, measured as KL divergence.
 
-The unit is what one fused kernel serves and the plan decides: per MoE layer, "gate_up" (gate and up
+The unit is what one fused kernel serves and the expert_map decides: per MoE layer, "gate_up" (gate and up
 of every expert, or up alone for experts without a gate) and "down". For each unit and depth the
 source model (fp32, in memory) gets that unit's weights replaced by their decoded SMOE values, runs the
 first SENSITIVITY_WINDOWS calibration windows, and KL(source ‖ quantised) averaged over positions is
@@ -48,9 +48,9 @@ class QuantisedModel:
             raise SmoeError(f"the {encoder} encoder needs calibration statistics (--calib FILE)")
         self.encoder, self.stats = encoder, stats
         self.ckpt = Checkpoint(model_dir)
-        self.plan = map_experts(self.ckpt.config, self.ckpt.names())
+        self.expert_map = map_experts(self.ckpt.config, self.ckpt.names())
         self.model, self.modules = load_source_model(model_dir)
-        missing = set(self.plan.moe_layers) - set(self.modules)
+        missing = set(self.expert_map.moe_layers) - set(self.modules)
         if missing:
             raise SmoeError(f"the model has no experts module for MoE layers {sorted(missing)}")
         self.original = {layer: {n: p.data for n, p in m.named_parameters(recurse=False)}
@@ -58,21 +58,21 @@ class QuantisedModel:
         self.cache: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
 
     def units(self) -> list[tuple[int, str]]:
-        return [(layer, unit) for layer in self.plan.moe_layers for unit in UNITS]
+        return [(layer, unit) for layer in self.expert_map.moe_layers for unit in UNITS]
 
     def decoded(self, layer: int, unit: str, bits: int) -> dict[str, torch.Tensor]:
         """The module's parameters for `unit` with every expert encoded at `bits` and decoded."""
         if (layer, unit, bits) not in self.cache:
             module = self.modules[layer]
             experts, biases = [], []
-            for e in range(self.plan.num_experts):
-                sources = self.plan.experts[(layer, e)]
+            for e in range(self.expert_map.num_experts):
+                sources = self.expert_map.experts[(layer, e)]
                 weights = {s.role: load_projection(self.ckpt, s).float() for s in sources}
                 for role in UNIT_ROLES[unit]:
                     if role in weights:
                         weights[role] = self.quantise(weights[role], layer, e, role, bits)
                 experts.append(weights)
-                biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.plan.biases.get((layer, e), [])})
+                biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.expert_map.biases.get((layer, e), [])})
             params = expert_parameters(module, experts, biases)
             self.cache[(layer, unit, bits)] = {n: p for n, p in params.items() if n in UNIT_PARAMS[unit]}
         return self.cache[(layer, unit, bits)]
@@ -151,8 +151,8 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
     """Fill `path` (sensitivity.json) with KL per (layer, unit, depth); resumes what is there."""
     path = Path(path)
     table = load_table(path, fp)
-    table.update(encoder=qm.encoder, moe_layers=qm.plan.moe_layers, units=list(UNITS), depths=list(depths),
-                 numel=unit_sizes(qm.plan), model_type=qm.plan.model_type, num_experts=qm.plan.num_experts)
+    table.update(encoder=qm.encoder, moe_layers=qm.expert_map.moe_layers, units=list(UNITS), depths=list(depths),
+                 numel=unit_sizes(qm.expert_map), model_type=qm.expert_map.model_type, num_experts=qm.expert_map.num_experts)
     todo = [(layer, unit, b) for layer, unit in qm.units() for b in depths if key(layer, unit, b) not in table["kl"]]
     bar = progress_bar(total=len(qm.units()) * len(depths), initial=len(qm.units()) * len(depths) - len(todo),
                        enabled=progress, desc="sensitivity", unit="tensor")
@@ -173,12 +173,12 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
     return table
 
 
-def unit_sizes(plan) -> dict[str, int]:
+def unit_sizes(expert_map) -> dict[str, int]:
     """Weights per unit ("layer.unit" -> count over all experts of the layer)."""
-    shapes = plan.expert_shapes()
+    shapes = expert_map.expert_shapes()
     sizes = {}
-    for layer in plan.moe_layers:
+    for layer in expert_map.moe_layers:
         for unit in UNITS:
             n = sum(shapes[r][0] * shapes[r][1] for r in UNIT_ROLES[unit] if r in shapes)
-            sizes[f"{layer}.{unit}"] = n * plan.num_experts
+            sizes[f"{layer}.{unit}"] = n * expert_map.num_experts
     return sizes

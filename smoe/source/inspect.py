@@ -34,18 +34,18 @@ def streaming_costs(sizes: dict[str, int], moe_layers: int, top_k: int | None, d
     }
 
 
-def plan_report(plan: ExpertMap, disk_gbps: float) -> dict:
-    shapes = plan.expert_shapes()
+def experts_report(expert_map: ExpertMap, disk_gbps: float) -> dict:
+    shapes = expert_map.expert_shapes()
     return {
-        "family": plan.family,
-        "model_type": plan.model_type,
-        "moe_layers": len(plan.moe_layers),
-        "experts_per_layer": plan.num_experts,
-        "experts_per_token": plan.top_k,
+        "family": expert_map.family,
+        "model_type": expert_map.model_type,
+        "moe_layers": len(expert_map.moe_layers),
+        "experts_per_layer": expert_map.num_experts,
+        "experts_per_token": expert_map.top_k,
         "expert_shapes": {r: list(s) for r, s in shapes.items()},
         "params_per_expert": sum(o * i for o, i in shapes.values()),
         "disk_gbps": disk_gbps,
-        **streaming_costs(expert_bytes(shapes), len(plan.moe_layers), plan.top_k, disk_gbps),
+        **streaming_costs(expert_bytes(shapes), len(expert_map.moe_layers), expert_map.top_k, disk_gbps),
     }
 
 
@@ -53,29 +53,29 @@ def inspect_checkpoint(path: Path, disk_gbps: float, num_experts: int | None) ->
     ckpt = Checkpoint(path)
     names = ckpt.names()
     if not names:  # a bare config: everything comes from its numbers
-        report = plan_report(describe_config(ckpt.config, num_experts), disk_gbps)
+        report = experts_report(describe_config(ckpt.config, num_experts), disk_gbps)
         return report | {"source": "config", "routed_experts_found": None, "expert_share": None, "expert_share_from": None}
-    plan = map_experts(ckpt.config, names, num_experts=num_experts)
-    report = plan_report(plan, disk_gbps)
-    report |= {"source": "weights" if ckpt.has_weights else "index", "routed_experts_found": len(plan.experts)}
-    report["expert_share"], report["expert_share_from"] = expert_share(ckpt, plan)
+    expert_map = map_experts(ckpt.config, names, num_experts=num_experts)
+    report = experts_report(expert_map, disk_gbps)
+    report |= {"source": "weights" if ckpt.has_weights else "index", "routed_experts_found": len(expert_map.experts)}
+    report["expert_share"], report["expert_share_from"] = expert_share(ckpt, expert_map)
     return report
 
 
-def expert_share(ckpt: Checkpoint, plan: ExpertMap) -> tuple[float | None, str | None]:
+def expert_share(ckpt: Checkpoint, expert_map: ExpertMap) -> tuple[float | None, str | None]:
     """Share of the checkpoint's bytes held by routed experts: from the safetensors headers, or
     (index only, unquantised source) estimated from the config's shapes and the index's total size."""
     total = ckpt.total_nbytes()
-    sizes = [ckpt.stored_nbytes(n) for n in plan.expert_names]
+    sizes = [ckpt.stored_nbytes(n) for n in expert_map.expert_names]
     if not total:
         return None, None
     if all(s is not None for s in sizes):
         return sum(sizes) / total, "headers"
     quantised = any(k in ckpt.config for k in ("quantization_config", "quantization"))
-    params = sum(o * i for o, i in plan.expert_shapes().values())
+    params = sum(o * i for o, i in expert_map.expert_shapes().values())
     if quantised or not params:
         return None, None
-    return len(plan.experts) * params * 2 / total, "estimate (bf16, config shapes / index total_size)"
+    return len(expert_map.experts) * params * 2 / total, "estimate (bf16, config shapes / index total_size)"
 
 
 def inspect_vault(path: Path, disk_gbps: float) -> dict:
