@@ -14,12 +14,12 @@ from collections import Counter, OrderedDict
 import torch
 from transformers import AutoTokenizer
 
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.source.text import token_stream
 
 
 def record(vault: str, text: str, tokens: int) -> list[tuple[int, int]]:
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     ids = token_stream(AutoTokenizer.from_pretrained(vault), text, tokens)
     trace, get = [], sm.store.get
     sm.store.get = lambda layer, experts: (trace.extend((layer, e) for e in dict.fromkeys(experts)), get(layer, experts))[1]

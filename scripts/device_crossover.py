@@ -10,13 +10,13 @@ import time
 import torch
 
 from smoe.runtime.generate import generate
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 
 PROMPT, WARMUP, TOKENS = [1, 2, 3, 4, 5, 6, 7, 8], 16, 96
 
 
 def timed(vault: str, device: str, decoder: str) -> float:
-    sm = StreamingModel(vault, dtype="bfloat16", device=device, decoder=decoder)
+    sm = OpenedVault(vault, dtype="bfloat16", device=device, decoder=decoder)
     try:
         generate(sm, PROMPT, max_tokens=WARMUP)
         if device == "cuda":

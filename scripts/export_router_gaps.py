@@ -16,12 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from export_models import prompt_ids  # noqa: E402
 
 from smoe.export.writer import export  # noqa: E402
-from smoe.runtime.model import StreamingModel  # noqa: E402
+from smoe.runtime.model import OpenedVault  # noqa: E402
 
 
 def main(vault: str, out: str) -> None:
     ids = prompt_ids(Path(vault))
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     k = sm.vault.meta["top_k"]
     gaps = []
 

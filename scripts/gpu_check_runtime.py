@@ -18,7 +18,7 @@ from smoe.convert.dequantize import dequantize
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.gpu.cache import blob_slot_bytes
 from smoe.runtime.gpu.decode import GpuDecoder
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 
 
 def decode_in_pieces(dec, ids):
@@ -57,7 +57,7 @@ def check(vault: Path) -> bool:
         bf16_tol = 2 * rel(want, in_bf16)
         print(f"{vault.name} transformers bf16 vs its fp32 reference: {bf16_tol / 2:.2e} -> bf16 tolerance {bf16_tol:.2e}")
         for dtype in ("float32", "bfloat16"):
-            sm = StreamingModel(vault, dtype=dtype)
+            sm = OpenedVault(vault, dtype=dtype)
             cpu = decode_in_pieces(sm.fast_decoder(128), ids)
             cpu_err = rel(want, cpu)
             tol = 1e-4 if dtype == "float32" else bf16_tol

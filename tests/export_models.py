@@ -109,9 +109,9 @@ def prompt_ids(vault: Path, tokens: int = 128) -> list[int]:
 
 def smoe_logits(vault: Path, ids: list[int]):
     """fp32 logits [T, V] of the streaming runtime."""
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     try:
         return sm.logits(torch.tensor([ids]))[0].numpy()
     finally:

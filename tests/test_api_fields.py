@@ -13,7 +13,7 @@ import torch
 
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
 from smoe.runtime.generate import generate
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.runtime.sampling import SamplingParams
 
 PROMPT = "The sea was"
@@ -28,7 +28,7 @@ def server(serve_vault, start_server):
 
 @pytest.fixture(scope="module")
 def local(serve_vault):
-    sm = StreamingModel(serve_vault, dtype="float32")
+    sm = OpenedVault(serve_vault, dtype="float32")
     yield sm, load_tokenizer(serve_vault)
     sm.close()
 

@@ -178,11 +178,11 @@ def test_a_bad_config_value_is_refused_when_quantizing_before_anything_is_writte
 
 @pytest.mark.parametrize("overrides, word", CASES)
 def test_a_bad_config_value_in_a_vault_is_refused_when_it_is_opened(built, tmp_path, overrides, word):
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
     vault = vault_with(built, tmp_path, overrides)
     with pytest.raises(SmoeError, match="config.json") as refused:
-        StreamingModel(vault, dtype="float32")
+        OpenedVault(vault, dtype="float32")
     assert word in str(refused.value) and "\n" not in str(refused.value)
 
 

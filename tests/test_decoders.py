@@ -14,7 +14,7 @@ from smoe.hf.tokenizer import load_tokenizer
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.generate import generate
 from smoe.runtime.gpu.decode import kernels_cover
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.serve.worker import Worker
 from smoe.testing.tiny_models import tiny_families
 from smoe.testing.vaults import kernel_sized_vault, tiny_vault, tiny_vault_and_reference
@@ -34,7 +34,7 @@ def store_threads() -> int:
 
 def test_metrics_report_the_cache_the_decoder_reads(tmp_path):
     vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
-    sm = StreamingModel(vault, dtype="float32", device="cpu")
+    sm = OpenedVault(vault, dtype="float32", device="cpu")
     try:
         generate(sm, [1, 2, 3], max_tokens=3)
         snapshot = Worker(sm, load_tokenizer(vault), "m").metrics_snapshot()
@@ -47,15 +47,15 @@ def test_metrics_report_the_cache_the_decoder_reads(tmp_path):
 def test_the_triton_kernels_cover_only_vaults_whose_expert_widths_are_multiples_of_64(tmp_path):
     narrow = tiny_vault(tmp_path / "narrow", "qwen3_moe")  # 24-wide experts: the GPU would fall back
     wide, _ = kernel_sized_vault(tmp_path / "wide", "qwen3_moe")
-    assert not kernels_cover(StreamingModel(narrow, device="cpu").vault)
-    assert kernels_cover(StreamingModel(wide, device="cpu").vault)
+    assert not kernels_cover(OpenedVault(narrow, device="cpu").vault)
+    assert kernels_cover(OpenedVault(wide, device="cpu").vault)
 
 
 @needs_cuda
 @pytest.mark.parametrize("family", tiny_families())
 def test_generic_decoder_on_cuda_matches_the_dequantised_model_for_every_family(family, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, seed=2)
-    sm = StreamingModel(vault, dtype="float32", device="cuda", decoder="generic")
+    sm = OpenedVault(vault, dtype="float32", device="cuda", decoder="generic")
     try:
         assert sm.decoder == "generic" and sm.device.type == "cuda"
         assert all(p.device.type == "cuda" for p in sm.model.parameters())
@@ -71,7 +71,7 @@ def test_generic_decoder_on_cuda_matches_the_dequantised_model_for_every_family(
 def test_the_fast_gpu_path_builds_no_cpu_store_and_metrics_read_the_gpu_cache(tmp_path):
     vault, _ = kernel_sized_vault(tmp_path, "qwen3_moe")
     before = store_threads()
-    sm = StreamingModel(vault, dtype="float32", device="cuda")
+    sm = OpenedVault(vault, dtype="float32", device="cuda")
     try:
         assert sm.decoder == "fast" and sm.store is None and store_threads() == before
         generate(sm, [1, 2, 3], max_tokens=3)
@@ -87,7 +87,7 @@ def test_device_auto_keeps_experts_the_kernels_cannot_run_on_the_cpu(tmp_path):
     narrow = tiny_vault(tmp_path / "narrow", "qwen3_moe")
     wide, _ = kernel_sized_vault(tmp_path / "wide", "qwen3_moe")
     for vault, device in ((narrow, "cpu"), (wide, "cuda")):
-        sm = StreamingModel(vault, dtype="float32", device="auto")
+        sm = OpenedVault(vault, dtype="float32", device="auto")
         try:
             assert sm.device.type == device
         finally:

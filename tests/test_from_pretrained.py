@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import smoe  # noqa: F401 (registers the vault's quantisation method)
 from smoe.errors import SmoeError
 from smoe.runtime.generate import generate
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing.vaults import tiny_vault
 
 PROMPT = [1, 2, 3, 4]
@@ -25,7 +25,7 @@ def test_from_pretrained_gives_smoe_generates_greedy_tokens(family, tmp_path):
         assert model.smoe_runtime.describe() == {"decoder": "generic", "device": "cpu"}
         assert all(p.numel() == 0 for n, p in model.named_parameters() if ".experts." in n)  # nothing allocated
         got = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        sm = StreamingModel(vault, dtype="float32")
+        sm = OpenedVault(vault, dtype="float32")
         try:
             want, _ = generate(sm, PROMPT, max_tokens=8)
         finally:

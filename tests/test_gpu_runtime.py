@@ -18,7 +18,7 @@ from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.gpu.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
 from smoe.runtime.gpu.decode import GpuDecoder
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing.vaults import kernel_sized_vault, tiny_vault_and_reference
 
 TOLERANCE = 1e-4  # fp32: the same weights, another summation order
@@ -131,7 +131,7 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
-    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     top_k = sm.vault.meta["top_k"]
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k), max_positions=64)  # one token's experts: evictions
     ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -143,7 +143,7 @@ def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(fami
 
 def test_prefill_wider_than_the_cache_runs_in_token_chunks(tiny_vault):
     vault, reference = tiny_vault
-    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=64)
     ids = list(range(3, 43))  # 40 tokens route to every expert of a layer, more than the 2 slots
     got = dec.forward(ids).cpu()
@@ -153,7 +153,7 @@ def test_prefill_wider_than_the_cache_runs_in_token_chunks(tiny_vault):
 
 def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):
     vault, reference = tiny_vault
-    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     with Vault(vault) as v:
         everything = blob_slot_bytes(v) * len(v.entries)
     dec = GpuDecoder(sm, "cpu", everything, max_positions=64)
@@ -167,7 +167,7 @@ def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):
 
 def test_sequence_longer_than_the_decoder_cache_is_an_error(tiny_vault):
     vault, _ = tiny_vault
-    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=16)
     with pytest.raises(SmoeError, match="longer than the decoder's cache"):
         dec.forward(list(range(17)))
@@ -175,10 +175,10 @@ def test_sequence_longer_than_the_decoder_cache_is_an_error(tiny_vault):
 
 INTERPRETED = """
 import sys, torch
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.runtime.gpu.decode import GpuDecoder
 from smoe.runtime.gpu.cache import min_gpu_budget
-sm = StreamingModel(sys.argv[1], dtype="float32", kernel_path="dequant")
+sm = OpenedVault(sys.argv[1], dtype="float32", kernel_path="dequant")
 dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
 ids = list(range(5, 17))
 logits = torch.cat([dec.forward(ids[:8]), *[dec.forward([t]) for t in ids[8:]]])
@@ -230,7 +230,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):
     vault, reference = kernel_sized_vault(tmp_path, family, bits)
-    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     with Vault(vault) as v:
         budget = blob_slot_bytes(v) * len(v.entries) if resident else min_gpu_budget(v, v.meta["top_k"])
     dec = GpuDecoder(sm, "cuda", budget, max_positions=64)
@@ -275,7 +275,7 @@ def test_benchmark_vault_has_the_config_shapes_and_replayed_routing_picks_the_ex
     vault = write_model_vault(tmp_path / "v", cfg, progress=False)
     with Vault(vault) as v:
         assert len(v.entries) == 2 * 8 and v.meta["expert_shapes"]["down"] == [128, 64]
-    sm = StreamingModel(vault, dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     replay = np.array([[[3, 5], [7, 0]], [[1, 2], [4, 6]]])  # [steps, layers, k]
     # four slots: one token's experts of both layers stay resident
     dec = ReplayDecoder(sm, "cpu", 4 * blob_slot_bytes(sm.vault), max_positions=8, route_replay=torch.from_numpy(replay))

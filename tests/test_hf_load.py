@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedModel, pipeline
 import smoe
 from smoe.errors import SmoeError
 from smoe.runtime.generate import generate
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing.vaults import tiny_vault
 
 PROMPT = "the old man rowed out before the sun"
@@ -22,7 +22,7 @@ def vault(request, tmp_path_factory):
 
 
 def runtime_greedy(vault, prompt_ids: list[int]) -> list[int]:
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     tokens, _ = generate(sm, prompt_ids, NEW_TOKENS)
     sm.close()
     return tokens

@@ -9,7 +9,7 @@ from test_runtime import SHARED_MODEL, TOLERANCE, relative_error, small_budget
 from smoe.format.vault import Vault
 from smoe.runtime.cpu import compiled as fast_decode
 from smoe.runtime.generate import next_logits_function
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing import vaults
 
 
@@ -28,15 +28,15 @@ def tiny_vault(tmp_path: Path, family: str, depth) -> Path:
     return tmp_path / "vault"
 
 
-def open_codes(vault: Path) -> StreamingModel:
-    sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="codes")
+def open_codes(vault: Path) -> OpenedVault:
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="codes")
     with Vault(vault) as v:
         layer = v.meta["moe_layers"][0]
     assert fast_decode.from_codes(sm.store.get(layer, [0])[0])  # the experts run in the compiled kernel
     return sm
 
 
-def check_steps(sm: StreamingModel, steps: int = 10) -> None:
+def check_steps(sm: OpenedVault, steps: int = 10) -> None:
     """Prefill 30 tokens, then one-token steps: compiled logits within fp32 tolerance of the eager lean
     path and of the transformers path, and the same greedy token wherever the margin allows."""
     ids = torch.randint(0, 100, (30 + steps,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -74,5 +74,5 @@ def test_compiled_step_matches_the_eager_and_transformers_paths_on_the_shared_mo
 
 def test_compiled_step_runs_experts_of_other_forms_through_the_eager_expert_path(tmp_path):
     vault = tiny_vault(tmp_path, "qwen3_moe", 4)
-    sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     check_steps(sm, steps=4)

@@ -291,7 +291,7 @@ def test_sensitivity_resumes_where_it_stopped(tiny_table):
 
 
 def test_mixed_vault_from_a_plan_runs_and_holds_the_planned_bits(tiny, tiny_table, tiny_stats, tmp_path):
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
     qm, windows, _, table = tiny_table
     doc = make_plan(table, budget_bits=3.25)
@@ -308,7 +308,7 @@ def test_mixed_vault_from_a_plan_runs_and_holds_the_planned_bits(tiny, tiny_tabl
     assert (out / "experts.bin").stat().st_size == experts_file_bytes(table, {
         layer: {u: doc["tensors"][f"{layer}.{u}"] for u in UNITS} for layer in qm.expert_map.moe_layers})
     qm.set_plan({(layer, u): doc["tensors"][f"{layer}.{u}"] for layer in qm.expert_map.moe_layers for u in UNITS})
-    sm = StreamingModel(out, dtype="float32")
+    sm = OpenedVault(out, dtype="float32")
     try:
         streamed = sm.logits(windows[0])
         assert torch.allclose(streamed, qm.model(input_ids=windows[0], use_cache=False).logits, atol=1e-4, rtol=1e-4)

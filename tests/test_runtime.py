@@ -10,7 +10,7 @@ from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.generate import generate
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing.tiny_models import tiny_families
 from smoe.testing.vaults import (
     SHARED,
@@ -45,7 +45,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("family", tiny_families())
 def test_streaming_logits_match_the_dequantised_transformers_model(family, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, seed=2)
-    sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(0))
     assert relative_error(load_reference(reference)(ids), sm.logits(ids)) < TOLERANCE
     assert sm.store.stats.misses > 0
@@ -68,7 +68,7 @@ def test_shared_model_greedy_output_matches_the_reference_with_a_cache_below_the
         pytest.skip(f"{SHARED_MODEL} not present (the shared models live beside the repository)")
     dequantised_reference(vault_of(SHARED_MODEL, tmp_path / "vault", bits), tmp_path)
     budget = small_budget(tmp_path / "vault")
-    sm = StreamingModel(tmp_path / "vault", dtype="float32", cache_bytes=budget, kernel_path="dequant")
+    sm = OpenedVault(tmp_path / "vault", dtype="float32", cache_bytes=budget, kernel_path="dequant")
     from transformers import AutoTokenizer
 
     prompt = AutoTokenizer.from_pretrained(tmp_path / "vault")("It was a dark and stormy night; the rain")["input_ids"]
@@ -86,12 +86,12 @@ def test_shared_model_greedy_output_matches_the_reference_with_a_cache_below_the
 def test_cache_smaller_than_one_tokens_experts_is_an_error_saying_the_minimum(tmp_path):
     vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
     with pytest.raises(SmoeError, match=r"at least .* GB \([\d,]+ bytes\) is needed"):
-        StreamingModel(vault, dtype="float32", cache_bytes=1000)
+        OpenedVault(vault, dtype="float32", cache_bytes=1000)
 
 
 def test_prompt_longer_than_the_context_is_an_error(tmp_path):
     vault = tiny_vault(tmp_path, "qwen3_moe", seed=2)
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     with pytest.raises(SmoeError, match="exceeds the model's context"):
         generate(sm, list(range(100)), max_tokens=100)
 
@@ -105,7 +105,7 @@ def test_corrupt_blob_stops_generation_naming_layer_and_expert(tmp_path):
             f.seek(e.offset + 1)
             f.write(b"\xff\xfe")
     with pytest.raises(SmoeError, match=r"layer \d+ expert \d+: checksum mismatch"):
-        generate(StreamingModel(vault, dtype="float32"), [1, 2, 3], max_tokens=2)
+        generate(OpenedVault(vault, dtype="float32"), [1, 2, 3], max_tokens=2)
 
 
 def test_generate_cli_prints_text_tokens_and_stats_as_json(tmp_path):
@@ -183,7 +183,7 @@ def test_lean_decode_path_matches_the_transformers_path_on_tiny_models(family, t
 def check_lean_against_transformers(vault: Path) -> None:
     from smoe.runtime.generate import next_logits_function
 
-    sm = StreamingModel(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     assert sm.fast_decoder(64) is not None
     ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     lean = next_logits_function(sm, 64, "fast")

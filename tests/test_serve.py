@@ -20,7 +20,7 @@ import pytest
 
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
 from smoe.runtime.generate import generate
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.serve.worker import Overloaded, Sampling, TextStream, Worker
 
 MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
@@ -37,7 +37,7 @@ def server(serve_vault, start_server):
 @pytest.fixture(scope="module")
 def local(serve_vault):
     """The same vault run in this process: what the server must say."""
-    sm = StreamingModel(serve_vault, dtype="float32")
+    sm = OpenedVault(serve_vault, dtype="float32")
     yield sm, load_tokenizer(serve_vault)
     sm.close()
 

@@ -21,7 +21,7 @@ from smoe.errors import SmoeError
 from smoe.format.vault import Vault
 from smoe.hf.model import causal_lm_class, is_experts_param
 from smoe.quality.evaluate import load_reference
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing.tiny_models import save_tiny_model, tiny_families, tiny_model
 from smoe.testing.vaults import dequantised_reference, tiny_model_dir, vault_of
 
@@ -70,7 +70,7 @@ def from_pretrained(model_dir: Path):
 def test_every_trunk_buffer_reaches_the_model(built):
     source = from_pretrained(built["source"])
     initial = tiny_model(built["family"], seed=2)
-    sm = StreamingModel(built["vault"], dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(built["vault"], dtype="float32", kernel_path="dequant")
     for name in persistent_float_buffers(source):
         assert not torch.equal(source.get_buffer(name), initial.get_buffer(name))  # the check can fail
         assert torch.equal(sm.model.get_buffer(name), source.get_buffer(name)), name
@@ -83,7 +83,7 @@ def test_streaming_logits_match_transformers_on_the_source_trunk_and_dequantized
     hybrid = from_pretrained(built["source"])
     experts = {n: t for n, t in dequantized.state_dict().items() if is_experts_param(dequantized, n, is_dequantizable)}
     assert experts and not hybrid.load_state_dict(experts, strict=False).unexpected_keys
-    sm = StreamingModel(built["vault"], dtype="float32", kernel_path="dequant")
+    sm = OpenedVault(built["vault"], dtype="float32", kernel_path="dequant")
     ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(0))
     logits = sm.logits(ids)
     with torch.inference_mode():
@@ -117,16 +117,16 @@ def rewrite_source(tmp_path: Path, change) -> Path:
 def test_trunk_tensor_of_another_shape_than_the_config_is_an_error_naming_it_and_both_shapes(tmp_path):
     vault = rewrite_source(tmp_path, lambda t: t | {"model.norm.weight": torch.ones(65)})
     with pytest.raises(SmoeError, match=r"trunk tensor model\.norm\.weight: shape \(65,\) .* \(64,\)"):
-        StreamingModel(vault, dtype="float32")
+        OpenedVault(vault, dtype="float32")
 
 
 def test_trunk_tensor_the_model_lacks_is_an_error_naming_it(tmp_path):
     vault = rewrite_source(tmp_path, lambda t: t | {"model.layers.0.mlp.extra.weight": torch.ones(4)})
     with pytest.raises(SmoeError, match=r"model\.layers\.0\.mlp\.extra\.weight"):
-        StreamingModel(vault, dtype="float32")
+        OpenedVault(vault, dtype="float32")
 
 
 def test_trunk_tensor_the_model_declares_ignorable_is_left_out_as_transformers_leaves_it(tmp_path):
     # DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected: the release's multi-token-prediction layer 61
     vault = rewrite_source(tmp_path, lambda t: t | {"model.layers.61.eh_proj.weight": torch.ones(4, 4)})
-    StreamingModel(vault, dtype="float32").logits(torch.tensor([[1, 2, 3]]))
+    OpenedVault(vault, dtype="float32").logits(torch.tensor([[1, 2, 3]]))

@@ -10,7 +10,7 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.format.vault import CONFIG_FILE, INDEX_FILE, TRUNK_FILE, Vault, verify
-from smoe.runtime.model import StreamingModel
+from smoe.runtime.model import OpenedVault
 from smoe.testing import vaults
 
 
@@ -27,7 +27,7 @@ def copy_vault(src, dst):
 
 
 def open_model(vault):
-    return StreamingModel(vault, dtype="float32", cache_bytes=1 << 30)
+    return OpenedVault(vault, dtype="float32", cache_bytes=1 << 30)
 
 
 def test_every_file_but_the_blobs_is_listed_with_its_checksum(tiny_vault):

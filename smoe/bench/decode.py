@@ -246,14 +246,14 @@ def transformers_run(cfg: dict, tokens: int) -> dict:
 
 def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, threads: int = 16,
                  baseline: bool = True, layers: int | None = None) -> dict:
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
     if not torch.cuda.is_available():
         raise SmoeError("smoe bench decode measures the GPU runtime: no CUDA device is available")
     cfg = dict(QWEN3_30B) | ({"num_hidden_layers": layers} if layers else {})
     vault_dir = write_model_vault(Path(workdir) / f"qwen3-30b-shaped-q4-{cfg['num_hidden_layers']}L", cfg)
     limits = {"pinned_copy_gbps": pinned_copy_gbps("cuda"), "hbm_gbps": hbm_gbps("cuda"), "disk_gbps": disk_gbps(vault_dir)}
-    sm = StreamingModel(vault_dir, dtype="bfloat16", kernel_path="dequant")  # its CPU store stays unused
+    sm = OpenedVault(vault_dir, dtype="bfloat16", kernel_path="dequant")  # its CPU store stays unused
     routing = skewed_routing(cfg["num_hidden_layers"], warmup + tokens + 8, seed=0)
     rows = []
     try:

@@ -95,12 +95,12 @@ def cmd_test_quant(args) -> int:
 def open_model(args):
     import torch
 
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
     torch.set_num_threads(args.torch_threads)
     cache = None if args.cache_gb is None else int(args.cache_gb * 1e9)
     gpu_cache = None if args.gpu_cache_gb is None else int(args.gpu_cache_gb * 1e9)
-    return StreamingModel(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
+    return OpenedVault(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
                           direct_io=args.direct_io, device=args.device, gpu_cache_bytes=gpu_cache,
                           decoder=args.decoder)
 

@@ -82,11 +82,11 @@ def caveat(random_model: bool) -> None:
 
 def show_generation(vault: Path) -> None:
     from smoe.runtime.generate import TextStreamer, generate
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
     with Vault(vault) as v:
         quarter = sum(e.size for e in v.entries.values()) // 4
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     sm.store.cache_bytes = max(int(quarter * sm.store.prepare_ratio()), sm.store.min_budget(sm.vault.meta["top_k"] or 1))
     tok = load_tokenizer(vault)
     ids = tok(PROMPT)["input_ids"]
@@ -109,10 +109,10 @@ def eval_text(workdir: Path) -> Path:
 
 def show_quality(vault: Path, model: Path, data: Path) -> None:
     from smoe.quality.evaluate import compare, load_reference
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
     from smoe.source.text import token_stream
 
-    sm = StreamingModel(vault, dtype="float32")
+    sm = OpenedVault(vault, dtype="float32")
     ids = token_stream(load_tokenizer(vault), data, 16384)
     r = compare(sm.logits, load_reference(model), ids, progress=False)
     print(f"tokens {r['tokens']}  perplexity {r['ppl']:.3f} (bf16 reference {r['ref_ppl']:.3f})  "

@@ -39,9 +39,9 @@ def vault_kl(vault_dir, meter) -> float:
     """KL(source ‖ vault) of the finished vault, run by the streaming runtime on the meter's windows."""
     import torch
 
-    from smoe.runtime.model import StreamingModel
+    from smoe.runtime.model import OpenedVault
 
-    sm = StreamingModel(vault_dir, dtype="float32")
+    sm = OpenedVault(vault_dir, dtype="float32")
     try:
         total = count = 0.0
         for window, ref in zip(meter.windows, meter.reference):

@@ -1,4 +1,4 @@
-"""Token generation over a StreamingModel: sampling, streaming text, and the statistics users see."""
+"""Token generation over a OpenedVault: sampling, streaming text, and the statistics users see."""
 
 from __future__ import annotations
 

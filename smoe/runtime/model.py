@@ -73,7 +73,7 @@ class RoutedExperts:
         return y
 
 
-class StreamingModel:
+class OpenedVault:
     """A vault opened for inference: trunk resident on the device, routed experts streamed through the
     one expert cache of that device.
 
@@ -184,10 +184,10 @@ class StreamingModel:
 
 
 class GpuRuntime:
-    """The GPU side of a StreamingModel: one GpuDecoder (trunk on the GPU, GPU expert cache), made on
+    """The GPU side of a OpenedVault: one GpuDecoder (trunk on the GPU, GPU expert cache), made on
     first use and remade with a longer KV cache when a longer sequence comes."""
 
-    def __init__(self, sm: StreamingModel, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
+    def __init__(self, sm: OpenedVault, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
                  direct_io: bool):
         if not gpu_supported(sm):
             raise SmoeError(f"the GPU runtime runs the Qwen3-MoE and Mixtral layouts; {sm.vault.meta['family']} "
@@ -233,13 +233,13 @@ def kv_capacity(current, positions: int, limit: int | None) -> int:
     return min(capacity, limit or capacity)
 
 
-def gpu_supported(sm: StreamingModel) -> bool:
+def gpu_supported(sm: OpenedVault) -> bool:
     from smoe.runtime.cpu import compiled as fast_decode
 
     return fast_decode.supports(sm)
 
 
-def gpu_preferred(sm: StreamingModel, decoder: str) -> bool:
+def gpu_preferred(sm: OpenedVault, decoder: str) -> bool:
     """--device auto's rule, from the measured crossovers (BENCHMARKS.md, "Choosing the device"): the
     GPU when its fast decoder runs every MoE layer on the Triton kernels. Where a layer's experts fall
     back to decode-then-matmul (e.g. widths that are not multiples of 64), or the family has only the
@@ -249,7 +249,7 @@ def gpu_preferred(sm: StreamingModel, decoder: str) -> bool:
     return decoder != "generic" and gpu_supported(sm) and kernels_cover(sm.vault)
 
 
-def pick_decoder(sm: StreamingModel, decoder: str) -> str:
+def pick_decoder(sm: OpenedVault, decoder: str) -> str:
     fast = gpu_supported(sm)
     if decoder == "fast" and not fast:
         raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
@@ -272,7 +272,7 @@ def expert_preparer(dtype: torch.dtype, kernel_path: str, device: torch.device):
     return prepare
 
 
-def default_store_bytes(sm: StreamingModel) -> int:
+def default_store_bytes(sm: OpenedVault) -> int:
     """CPU: half the available RAM; GPU: 80% of the GPU memory free with the trunk on it; at most
     every expert in its prepared size either way."""
     if sm.device.type == "cuda":
@@ -281,7 +281,7 @@ def default_store_bytes(sm: StreamingModel) -> int:
     return default_cache_bytes(sm.vault, sm.store.prepare_ratio())
 
 
-def default_gpu_cache_bytes(sm: StreamingModel) -> int:
+def default_gpu_cache_bytes(sm: OpenedVault) -> int:
     """Every expert when they fit in 80% of the GPU memory free after the trunk, else that 80%."""
     from smoe.runtime.gpu.cache import blob_slot_bytes
 

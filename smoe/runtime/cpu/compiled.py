@@ -55,7 +55,7 @@ def supports(sm) -> bool:
 
 
 class LeanDecoder:
-    """Prefill and one-token steps over a StreamingModel's trunk and expert store."""
+    """Prefill and one-token steps over a OpenedVault's trunk and expert store."""
 
     def __init__(self, sm, max_positions: int):
         cfg = sm.config.get_text_config()
