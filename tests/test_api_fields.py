@@ -18,7 +18,7 @@ from smoe.runtime.sampling import SamplingParams
 
 PROMPT = "The sea was"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
-TOLERANCE = 2e-3  # the server's lean decode path against teacher-forced logits, both float32
+TOLERANCE = 2e-3  # the server's fast decoder against teacher-forced logits, both float32
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import io
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -30,8 +31,10 @@ def vault(tmp_path_factory) -> Path:
 
 def take_terminal():
     """In the child: a session of its own whose controlling terminal is the pty on stdin, so that
-    Ctrl-C typed there becomes SIGINT, as in a real terminal."""
+    Ctrl-C typed there becomes SIGINT, as in a real terminal. A shell runs a background job with
+    SIGINT ignored, and children inherit that: the chat gets the default disposition a terminal gives."""
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Terminal:

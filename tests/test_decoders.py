@@ -92,3 +92,4 @@ def test_device_auto_keeps_experts_the_kernels_cannot_run_on_the_cpu(tmp_path):
             assert sm.device.type == device
         finally:
             sm.close()
+

@@ -169,7 +169,7 @@ def test_chat_answers_each_line_until_the_input_ends(tmp_path):
 
 def test_lean_decode_path_matches_the_transformers_path(tmp_path):
     if not SHARED_MODEL.exists():
-        pytest.skip(f"{SHARED_MODEL} not present: the lean path is checked on tiny models below")
+        pytest.skip(f"{SHARED_MODEL} not present: the fast decoder is checked on tiny models below")
     vault_of(SHARED_MODEL, tmp_path / "vault")
     check_lean_against_transformers(tmp_path / "vault")
 
@@ -186,8 +186,8 @@ def check_lean_against_transformers(vault: Path) -> None:
     sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     assert sm.fast_decoder(64) is not None
     ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    lean = next_logits_function(sm, 64, "fast")
+    fast = next_logits_function(sm, 64, "fast")
     slow = next_logits_function(sm, 64, "generic")
     for chunk in (ids[:30], ids[30:31], ids[31:32], ids[32:40]):  # prefill, decode steps, a second prefill
-        a, b = slow(chunk), lean(chunk)
+        a, b = slow(chunk), fast(chunk)
         assert relative_error(a, b) < TOLERANCE

@@ -145,7 +145,7 @@ def bench_model(vault: str, ref: str | None, gguf: str | None, budgets: list[flo
               "tokens": tokens, "prepared_expert_bytes": total, "rows": rows, "baselines": {},
               "memory_limit_gb": memory_limit_gb}
     if decoder in ("auto", "fast") and not limit:
-        # the lean path before the compiled step: eager torch ops, experts in torch's int4 form
+        # the fast CPU decoder before the compiled step: eager torch ops, experts in torch's int4 form
         # (bf16; the dequant form otherwise), every expert cached
         old_path = "int4" if dtype == "bfloat16" else "dequant"
         result["baselines"]["lean_eager"] = child(STREAMING_RUN, vault_dir, total * 4, tokens, dtype, threads, decoder,

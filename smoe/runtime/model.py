@@ -139,7 +139,7 @@ class OpenedVault:
                             f"of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
 
     def fast_decoder(self, positions: int):
-        """The lean decode path when this family has one (else None), with a KV cache of at least
+        """The fast CPU decoder when this family has one (else None), with a KV cache of at least
         `positions`; kept between calls and regrown (doubling) when a longer sequence comes."""
         from smoe.runtime.cpu import compiled as fast_decode
 
@@ -147,11 +147,11 @@ class OpenedVault:
             return self.gpu.decoder(positions)
         if self.decoder != "fast":
             return None
-        current = getattr(self, "_lean", None)
+        current = getattr(self, "_fast", None)
         if current is None or current.max_positions < positions:
-            self._lean = fast_decode.LeanDecoder(self, kv_capacity(current, positions, self.max_positions))
-        self._lean.reset()
-        return self._lean
+            self._fast = fast_decode.FastCpuDecoder(self, kv_capacity(current, positions, self.max_positions))
+        self._fast.reset()
+        return self._fast
 
     @property
     def max_positions(self) -> int | None:

@@ -200,12 +200,19 @@ def fetch(url: str, body: dict | None = None):
         return r.status, r.headers.get("Content-Type", ""), r.read()
 
 
+def default_ctrl_c() -> None:
+    """In the child: Ctrl-C as a terminal gives it. A shell runs a background job (CI, say) with SIGINT
+    ignored and children inherit that, where uvicorn would restore "ignored" after its shutdown."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_serve_from_the_installed_wheel_serves_the_chat_page_and_a_completion(venv, outside, vault, wheel):
     log = outside / "serve.stderr"
     start = time.monotonic()
     with open(log, "w") as err:
         proc = subprocess.Popen([str(venv / "bin" / "smoe"), "serve", str(vault), "--port", "0", "--dtype", "float32"],
-                                cwd=outside, env=clean_env(venv), stdout=subprocess.PIPE, stderr=err, text=True)
+                                cwd=outside, env=clean_env(venv), stdout=subprocess.PIPE, stderr=err, text=True,
+                                preexec_fn=default_ctrl_c)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 180)
         line = proc.stdout.readline() if ready else ""

@@ -1,4 +1,4 @@
-"""A lean forward pass for the common decoder layout (Qwen3-MoE, Mixtral): few Python-level ops per layer.
+"""The fast CPU decoder: a forward pass for the common decoder layout (Qwen3-MoE, Mixtral): few Python-level ops per layer.
 
 At batch 1 on a CPU, time per token is mostly per-op overhead, not arithmetic: transformers' modules
 spend ~1,000 small ops per token on a 6-layer model. This path reads the same trunk tensors from the
@@ -54,7 +54,7 @@ def supports(sm) -> bool:
             and not getattr(text, "attention_bias", False) and getattr(text, "hidden_act", "silu") == "silu")
 
 
-class LeanDecoder:
+class FastCpuDecoder:
     """Prefill and one-token steps over a OpenedVault's trunk and expert store."""
 
     def __init__(self, sm, max_positions: int):
@@ -203,7 +203,7 @@ def fuse_qkv(attn) -> None:
 
 
 def compute_form(w: torch.Tensor) -> torch.Tensor:
-    """The weight as the lean path multiplies it: small matrices and vectors in fp32, large as stored."""
+    """The weight as the fast decoder multiplies it: small matrices and vectors in fp32, large as stored."""
     return w.to(ACT) if w.dim() == 1 or w.numel() <= SMALL_MATRIX else w
 
 
@@ -257,11 +257,11 @@ class CompiledLayer:
 
 
 class CompiledStep:
-    """One-token decode steps of a LeanDecoder through the compiled kernels. Every array is extracted
+    """One-token decode steps of a FastCpuDecoder through the compiled kernels. Every array is extracted
     once and every buffer preallocated: per layer, Python only asks the store for the routed experts
     and passes their arrays on."""
 
-    def __init__(self, dec: LeanDecoder):
+    def __init__(self, dec: FastCpuDecoder):
         self.dec = dec
         hidden = dec.embed.shape[1]
         empty = np.zeros(0, dtype=np.float32)

@@ -14,7 +14,7 @@ Three compute forms, chosen once per expert when it is prepared (when it enters 
   bf16. In fp32 the weights equal decode()'s. The kernel needs in % 64 == 0 (a group must not span
   rows) and out % 16 == 0; a tensor that does not fit keeps the dequant form (PreparedExpert.fallbacks).
 * "codes": the vault's own codes with fp32 group steps, run by the compiled kernels of
-  smoe/runtime/cpu/kernels_numba.py (the lean decoder's compiled step runs a layer's experts in one call). About
+  smoe/runtime/cpu/kernels_numba.py (the fast CPU decoder's compiled step runs a layer's experts in one call). About
   half a byte per weight; exact in fp32. The "auto" choice for small experts (see choose_path).
 
 Measured with torch 2.13 on AVX-512 (see smoe/bench/kernels_cpu.py): the kernel is vectorised for
@@ -55,7 +55,7 @@ DENSE_FROM_TOKENS = 96
 # F.linear instead of one compiled matvec per token (measured: 2 tokens loop faster, 4 decode faster).
 CODES_DENSE_FROM_TOKENS = 3
 # The codes path runs an expert tensor of up to this many weights (above: torch's int4 kernel, 2.4x
-# faster per matvec at Qwen3-30B-A3B's [768, 2048] in bf16, wins over the lean decoder's fused layer).
+# faster per matvec at Qwen3-30B-A3B's [768, 2048] in bf16, wins over the fast CPU decoder's fused layer).
 CODES_MAX_WEIGHTS = 1 << 20
 # Packed layouts known here: (rows per block, how two rows share a byte's nibbles). "halves": row j
 # and row j + rows/2 (AVX-512: 64, AVX2: 32); "pairs": rows 2j and 2j + 1 (scalar builds). A partial
@@ -113,7 +113,7 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 def choose_path(dtype: torch.dtype, bits: int = 4, tokens: int | None = None,
                 shapes: list[tuple[int, int]] | None = None) -> str:
     """The "auto" path. With `shapes` (the expert's [out, in] tensors) small enough for the compiled
-    kernels (each <= CODES_MAX_WEIGHTS and a row starting on a byte): "codes", which lets the lean
+    kernels (each <= CODES_MAX_WEIGHTS and a row starting on a byte): "codes", which lets the fast
     decoder run a layer's experts in one compiled call, holds the vault's bytes only, and is exact in
     fp32. Otherwise int4 where torch's kernel is vectorised (bf16 on AVX2 / AVX-512 builds): faster
     than dense bf16 for decoding and a quarter of its memory; large calls go to a dense temporary in

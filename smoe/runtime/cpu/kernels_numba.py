@@ -1,4 +1,4 @@
-"""Compiled (numba) kernels for one-token decode steps on CPU: the lean decoder's whole layer in two
+"""Compiled (numba) kernels for one-token decode steps on CPU: the fast CPU decoder's whole layer in two
 calls (attention + routing, then the routed experts) instead of dozens of eager torch ops.
 
 At batch 1 a small model's decode time is per-op overhead, not arithmetic: an eager torch op costs

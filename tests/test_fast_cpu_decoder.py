@@ -1,4 +1,4 @@
-"""The compiled one-token step of the lean decoder against its eager path and the transformers path."""
+"""The compiled one-token step of the fast CPU decoder against its eager path and the transformers path."""
 
 from pathlib import Path
 
@@ -37,21 +37,21 @@ def open_codes(vault: Path) -> OpenedVault:
 
 
 def check_steps(sm: OpenedVault, steps: int = 10) -> None:
-    """Prefill 30 tokens, then one-token steps: compiled logits within fp32 tolerance of the eager lean
+    """Prefill 30 tokens, then one-token steps: compiled logits within fp32 tolerance of the eager fast
     path and of the transformers path, and the same greedy token wherever the margin allows."""
     ids = torch.randint(0, 100, (30 + steps,), generator=torch.Generator().manual_seed(1)).tolist()
-    lean = next_logits_function(sm, 64, "fast")
+    fast = next_logits_function(sm, 64, "fast")
     compiled = sm.fast_decoder(64).compiled
     assert compiled.enabled
     slow = next_logits_function(sm, 64, "generic")
-    fast_logits, slow_logits = lean(ids[:30]), slow(ids[:30])
+    fast_logits, slow_logits = fast(ids[:30]), slow(ids[:30])
     assert relative_error(slow_logits, fast_logits) < TOLERANCE
     # the eager path keeps its own cache position: run it on a second decoder over the same store
-    reference = fast_decode.LeanDecoder(sm, 64)
+    reference = fast_decode.FastCpuDecoder(sm, 64)
     reference.compiled.enabled = False
     reference.forward(ids[:30])
     for token in ids[30:]:
-        a, b, c = lean([token]), reference.forward([token])[-1], slow([token])
+        a, b, c = fast([token]), reference.forward([token])[-1], slow([token])
         assert relative_error(b, a) < TOLERANCE and relative_error(c, a) < TOLERANCE
         top2 = torch.topk(c, 2).values
         if top2[0] - top2[1] > 10 * float((a - c).abs().max()):
