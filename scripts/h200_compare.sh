@@ -5,7 +5,7 @@
 set -uo pipefail
 source scripts/device_env.sh
 old=${1:-.old}
-site=${PYTHONPATH#*/tmp/site}; site=$([ "$site" != "$PYTHONPATH" ] && echo /tmp/site || echo)
+site=$([ -d /tmp/site ] && echo /tmp/site)  # wheels device_env.sh installed, if any
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 decode="bench decode --workdir /tmp/bench --layers 8 --tokens 32 --warmup 16 --budgets 1,0.25 --no-baseline --json"
 kernels="bench kernels --shape qwen3-30b-a3b --json"

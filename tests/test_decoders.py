@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from smoe.format.vault import Vault
 from smoe.hf.tokenizer import load_tokenizer
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.generate import generate
@@ -47,8 +48,10 @@ def test_metrics_report_the_cache_the_decoder_reads(tmp_path):
 def test_the_triton_kernels_cover_only_vaults_whose_expert_widths_are_multiples_of_64(tmp_path):
     narrow = tiny_vault(tmp_path / "narrow", "qwen3_moe")  # 24-wide experts: the GPU would fall back
     wide, _ = kernel_sized_vault(tmp_path / "wide", "qwen3_moe")
-    assert not kernels_cover(OpenedVault(narrow, device="cpu").vault)
-    assert kernels_cover(OpenedVault(wide, device="cpu").vault)
+    with Vault(narrow) as v:
+        assert not kernels_cover(v)
+    with Vault(wide) as v:
+        assert kernels_cover(v)
 
 
 @needs_cuda

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -188,8 +188,6 @@ def random_model(config: dict, dtype: torch.dtype, device: str):
 
 def generation_config(directory):
     """The directory's generation_config.json as transformers reads it, or None without one."""
-    from transformers import GenerationConfig
-
     path = Path(directory) / "generation_config.json"
     return GenerationConfig.from_pretrained(directory) if path.exists() else None
 

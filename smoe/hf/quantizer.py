@@ -31,10 +31,10 @@ def set_attach(attach) -> None:
 class SmoeConfig(QuantizationConfigMixin):
     """The `quantization_config` of a vault's config.json: format version and the experts' bits."""
 
-    def __init__(self, format: str = "smoe-vault", version: int = FORMAT_VERSION, bits=None, **kwargs):
+    def __init__(self, format: str = "smoe-vault", version: int = FORMAT_VERSION, bits=None, **_):
+        # other keys (quant_method itself) are the vault writer's; nothing else is read from them
         self.quant_method = METHOD
         self.format, self.version, self.bits = format, version, bits
-        self.extra = kwargs
 
     def to_dict(self) -> dict:
         return {"quant_method": METHOD, "format": self.format, "version": self.version, "bits": self.bits}

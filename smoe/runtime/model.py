@@ -189,7 +189,7 @@ class GpuRuntime:
 
     def __init__(self, sm: OpenedVault, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
                  direct_io: bool):
-        if not gpu_supported(sm):
+        if not has_fast_decoder(sm):
             raise SmoeError(f"the GPU runtime runs the Qwen3-MoE and Mixtral layouts; {sm.vault.meta['family']} "
                             "runs on the CPU (--device cpu)")
         self.sm, self.host_cache_bytes, self.threads, self.direct_io = sm, host_cache_bytes, threads, direct_io
@@ -233,7 +233,8 @@ def kv_capacity(current, positions: int, limit: int | None) -> int:
     return min(capacity, limit or capacity)
 
 
-def gpu_supported(sm: OpenedVault) -> bool:
+def has_fast_decoder(sm: OpenedVault) -> bool:
+    """Whether the family's layout has the fast decoders (the CPU compiled step and the GPU's)."""
     from smoe.runtime.cpu import compiled as fast_decode
 
     return fast_decode.supports(sm)
@@ -246,11 +247,11 @@ def gpu_preferred(sm: OpenedVault, decoder: str) -> bool:
     generic decoder, the CPU measured faster."""
     from smoe.runtime.gpu.decode import kernels_cover
 
-    return decoder != "generic" and gpu_supported(sm) and kernels_cover(sm.vault)
+    return decoder != "generic" and has_fast_decoder(sm) and kernels_cover(sm.vault)
 
 
 def pick_decoder(sm: OpenedVault, decoder: str) -> str:
-    fast = gpu_supported(sm)
+    fast = has_fast_decoder(sm)
     if decoder == "fast" and not fast:
         raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
     return "fast" if decoder != "generic" and fast else "generic"
