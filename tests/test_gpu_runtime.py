@@ -133,7 +133,8 @@ def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(fami
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
     sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     top_k = sm.vault.meta["top_k"]
-    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k), max_positions=64)  # one token's experts: evictions
+    # two slots more than one token's experts, for the layers' 2 x 4 experts: evictions, and hits
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k + 2), max_positions=64)
     ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
     got = decode_in_pieces(dec, ids)
     want = load_reference(reference)(torch.tensor([ids]))[0]
@@ -141,7 +142,7 @@ def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(fami
     assert dec.cache.stats.misses > dec.cache.stats.hits > 0
 
 
-def test_prefill_wider_than_the_cache_runs_in_token_chunks(tiny_vault):
+def test_prefill_wider_than_the_cache_runs_in_expert_groups(tiny_vault):
     vault, reference = tiny_vault
     sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=64)
@@ -149,6 +150,7 @@ def test_prefill_wider_than_the_cache_runs_in_token_chunks(tiny_vault):
     got = dec.forward(ids).cpu()
     want = load_reference(reference)(torch.tensor([ids]))[0]
     assert relative_error(want, got) < TOLERANCE
+    assert dec.cache.stats.misses == len(sm.vault.entries)  # group by group: every expert read exactly once
 
 
 def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):

@@ -8,6 +8,7 @@ import json
 import random
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -527,3 +528,12 @@ def test_a_thousand_malformed_oversized_and_cut_requests_leave_the_server_correc
     after = oai.completions.create(model="any", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     assert after == before
     assert "Traceback" not in server.stderr()
+
+
+def test_sigterm_stops_the_server_cleanly_and_closes_the_vault(serve_vault, start_server):
+    server = start_server(serve_vault)
+    assert server.get_json("/health")
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=30) == 0
+    log = server.stderr()
+    assert "smoe: stopped (SIGTERM); the vault is closed" in log and "Traceback" not in log

@@ -27,6 +27,7 @@ from smoe.errors import SmoeError
 from smoe.hf.experts import is_experts_module, layer_of, register
 from smoe.hf.model import load_pretrained
 from smoe.hf.tokenizer import load_tokenizer
+from smoe.moe.dispatch import routed_sum
 from smoe.progress import bar
 from smoe.source.text import WINDOW, read_text, token_stream, windows
 
@@ -139,13 +140,8 @@ def spread_windows(tokenizer, text: str, count: int) -> list[torch.Tensor]:
 def experts_forward(module, hidden_states, top_k_index, top_k_weights, observe=None):
     """The routed experts as transformers computes them (from the module's fused parameters and its own
     gating); `observe(expert, input_name, x)` sees each projection input first."""
-    out = torch.zeros_like(hidden_states)
-    for e in torch.unique(top_k_index).tolist():
-        if e >= module.num_experts:  # expert-parallel sentinel: not an expert
-            continue
-        token_idx, slot = torch.where(top_k_index == e)
-        x = hidden_states[token_idx]
-        weight = top_k_weights[token_idx, slot, None]
+
+    def run(e, x):
         if observe:
             observe(e, "gate_up", x)
         first = "gate_up_proj" if module.has_gate else "up_proj"
@@ -154,10 +150,10 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights, observe=N
         if observe:
             observe(e, "down", h)
         y = linear(module, "down_proj", e, h)
-        if getattr(module, "has_post_expert_norm", False):
-            y = module.post_expert_norm(y)
-        out.index_add_(0, token_idx, (y * weight).to(out.dtype))
-    return out
+        return module.post_expert_norm(y) if getattr(module, "has_post_expert_norm", False) else y
+
+    fetch = lambda group: {e: (lambda x, e=e: run(e, x)) for e in group}
+    return routed_sum(hidden_states, top_k_index, top_k_weights, fetch, num_experts=module.num_experts)
 
 
 def linear(module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:

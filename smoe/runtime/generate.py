@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from smoe.errors import SmoeError
-from smoe.hf.model import kv_cache_arguments
+from smoe.runtime.decoder import SequenceStep, open_decoder
 from smoe.runtime.model import DECODERS
 from smoe.runtime.sampling import SamplingParams, Sequence, sample_batch, token_logprobs
 
@@ -55,25 +55,20 @@ def next_logits_function(sm, positions: int, decoder: str = "auto"):
 
 
 def logits_function(sm, positions: int, decoder: str = "auto"):
-    """step(new_token_ids) -> logits [T, V] (on the CPU) of the new positions, continuing the same sequence.
+    """step(new_token_ids) -> logits [T, V] (on the CPU) of the new positions, continuing one sequence
+    through the decoder contract (smoe.runtime.decoder).
 
     "fast" is the compiled decode step of the families that have one; "generic" runs the model's own
     modules with a KV cache (every family); "auto" is the decoder the vault was opened with."""
     if decoder not in DECODERS:
         raise SmoeError(f"unknown decoder {decoder!r} ({', '.join(DECODERS)})")
-    decoder = sm.decoder if decoder == "auto" else decoder
-    if decoder == "fast":
-        fast = sm.fast_decoder(positions)
-        if fast is None:
-            raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
-        return fast.forward
-    if sm.store is None:  # the GPU's fast decoder holds the one expert cache: the generic one has none
-        raise SmoeError("this vault was opened for the fast GPU decoder; open it with --decoder generic")
-    kv = kv_cache_arguments(sm.model)
+    dec = open_decoder(sm, decoder, positions)
+    sequence, held = object(), [0]
 
     def step(ids):
-        ids = torch.tensor([ids], device=sm.device)
-        return sm.model(input_ids=ids, use_cache=True, **kv).logits[0].cpu()
+        logits = dec.forward([SequenceStep(sequence, list(ids), held[0])])[0]
+        held[0] += len(ids)
+        return logits
 
     return step
 

@@ -17,8 +17,11 @@ from smoe.format.dtypes import TORCH_NAMES
 from smoe.format.vault import Vault
 from smoe.hf.experts import attach_routed, empty_parameters
 from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
+from smoe.moe.dispatch import routed_sum
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes
+from smoe.runtime.weights import fast_decoder_gap
+from smoe.source.description import describe_model
 
 DECODERS = ("auto", "fast", "generic")
 
@@ -33,28 +36,20 @@ class RoutedExperts:
 
     def forward(self, module, hidden_states, top_k_index, top_k_weights):
         layer = module.smoe_layer
-        out = torch.zeros_like(hidden_states)
-        experts = torch.unique(top_k_index).tolist()
-        for batch in self.batches(layer, experts):
-            prepared = self.store.get(layer, batch)
-            for e in batch:
-                token_idx, slot = torch.where(top_k_index == e)
-                weight = top_k_weights[token_idx, slot, None]
-                if getattr(module, "smoe_scale_input", False):
-                    y = self.expert_output(module, prepared[e], hidden_states[token_idx] * weight.to(hidden_states.dtype))
-                else:
-                    y = self.expert_output(module, prepared[e], hidden_states[token_idx])
-                    y = y * weight.to(y.dtype)
-                out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
 
-    def batches(self, layer: int, experts: list[int]) -> list[list[int]]:
-        """Experts grouped so that one group's prepared weights fit the cache budget together: a long
-        prompt's layer may route to more experts than fit, and then reads them group by group."""
+        def fetch(group):
+            prepared = self.store.get(layer, group)
+            return {e: (lambda rows, p=prepared[e]: self.expert_output(module, p, rows)) for e in group}
+
+        return routed_sum(hidden_states, top_k_index, top_k_weights, fetch, per_group=self.experts_per_group(),
+                          weight_input=getattr(module, "smoe_scale_input", False))
+
+    def experts_per_group(self) -> int:
+        """How many experts fit the cache budget together: a long prompt's layer may route to more
+        experts than fit, and then reads them group by group (smoe.moe.dispatch.expert_groups)."""
         if not self.largest_expert:
             self.largest_expert = max(self.store.min_budget(1), 1)
-        per_group = max(1, self.store.cache_bytes // self.largest_expert)
-        return [experts[i : i + per_group] for i in range(0, len(experts), per_group)]
+        return max(1, self.store.cache_bytes // self.largest_expert)
 
     def expert_output(self, module, expert, x):
         """One expert as transformers computes it: gate/up, the module's own gating, down."""
@@ -101,6 +96,7 @@ class OpenedVault:
               model) -> None:
         self.dtype = TORCH_NAMES[dtype] if isinstance(dtype, str) else dtype
         self.config = model_config(self.vault)
+        self.description = describe_model(self.vault.config)
         if model is None:
             self.model = build_model(self.config, self.dtype)
             self.vault.check_trunk()
@@ -190,8 +186,8 @@ class GpuRuntime:
     def __init__(self, sm: OpenedVault, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
                  direct_io: bool):
         if not has_fast_decoder(sm):
-            raise SmoeError(f"the GPU runtime runs the Qwen3-MoE and Mixtral layouts; {sm.vault.meta['family']} "
-                            "runs on the CPU (--device cpu)")
+            raise SmoeError(f"no fast GPU decoder for the {sm.vault.meta['family']} family: it has "
+                            f"{fast_decoder_gap(sm.description)} (use --decoder generic)")
         self.sm, self.host_cache_bytes, self.threads, self.direct_io = sm, host_cache_bytes, threads, direct_io
         self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
         self._decoder = None
@@ -234,10 +230,8 @@ def kv_capacity(current, positions: int, limit: int | None) -> int:
 
 
 def has_fast_decoder(sm: OpenedVault) -> bool:
-    """Whether the family's layout has the fast decoders (the CPU compiled step and the GPU's)."""
-    from smoe.runtime.cpu import compiled as fast_decode
-
-    return fast_decode.supports(sm)
+    """Whether the fast decoders (the CPU compiled step and the GPU's) cover the model's description."""
+    return fast_decoder_gap(sm.description) is None
 
 
 def gpu_preferred(sm: OpenedVault, decoder: str) -> bool:
@@ -253,7 +247,8 @@ def gpu_preferred(sm: OpenedVault, decoder: str) -> bool:
 def pick_decoder(sm: OpenedVault, decoder: str) -> str:
     fast = has_fast_decoder(sm)
     if decoder == "fast" and not fast:
-        raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
+        raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family: it has "
+                        f"{fast_decoder_gap(sm.description)} (use --decoder generic)")
     return "fast" if decoder != "generic" and fast else "generic"
 
 

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import logging
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -795,8 +796,22 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
     warn_if_exposed(sock)
     print(f"smoe: serving {worker.model_id} at {url_of(sock)} (web chat at /, OpenAI API at /v1, "
           f"Anthropic API at /v1/messages)", flush=True)
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         uvicorn.Server(config).run(sockets=[sock])
+    except Terminated:
+        print("smoe: stopped (SIGTERM); the vault is closed", file=sys.stderr, flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         worker.sm.close()
     return 0
+
+
+class Terminated(Exception):
+    """SIGTERM (a service manager stopping the server): after uvicorn's graceful shutdown it re-raises
+    the signal, which would end the process before the vault is closed; this handler turns it into
+    an exception that unwinds through the `finally` that closes it."""
+
+
+def terminated(signum, frame):
+    raise Terminated

@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from smoe.errors import SmoeError
+from smoe.moe.dispatch import routed_sum
+from smoe.moe.routing import route
 from smoe.runtime.buckets import bucket
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu import kernels_numba as kn
+from smoe.runtime.weights import LayerWeights, fast_decoder_gap, layer_weights
 from smoe.switches import CPU_COMPILED, PREFETCH
 
-SUPPORTED = {"qwen3_moe": True, "mixtral": False}  # family -> has per-head q/k RMSNorm
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
 # is bandwidth-bound and cheaper in bf16: activations run in fp32, matrices up to this many weights
 # are held in fp32 (an exact upcast of the bf16 source), larger ones stay in the model's dtype.
@@ -36,22 +38,8 @@ SMALL_MATRIX = 1 << 20
 ACT = torch.float32
 
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q; k; v] rows; the model's own q/k/v weights are views into it
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: torch.Tensor
-    post_norm: torch.Tensor
-    router: torch.Tensor | None  # None: a dense layer (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)
-    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
-
-
 def supports(sm) -> bool:
-    text = sm.config.get_text_config()
-    return (sm.vault.meta["family"] in SUPPORTED and getattr(text, "sliding_window", None) in (None, 0)
-            and not getattr(text, "attention_bias", False) and getattr(text, "hidden_act", "silu") == "silu")
+    return fast_decoder_gap(sm.description) is None
 
 
 class FastCpuDecoder:
@@ -64,13 +52,14 @@ class FastCpuDecoder:
         self.eps = cfg.rms_norm_eps
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.top_k = cfg.num_experts_per_tok
-        self.normalize = getattr(cfg, "norm_topk_prob", True)
+        self.routing = sm.description.routing
+        self.top_k = self.routing.top_k
+        self.normalize = self.routing.normalise
         base = sm.model.model
         self.embed = base.embed_tokens.weight
         self.final_norm = compute_form(base.norm.weight)
         self.lm_head = compute_form(sm.model.lm_head.weight)
-        self.layers = [self.layer_weights(layer, SUPPORTED[sm.vault.meta["family"]]) for layer in base.layers]
+        self.layers = [layer_weights(layer, sm.description).map(compute_form) for layer in base.layers]
         self.cos, self.sin = rope_tables(base.rotary_emb, max_positions, self.head_dim)
         shape = (1, self.kv_heads, max_positions, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=ACT) for _ in self.layers]
@@ -80,21 +69,6 @@ class FastCpuDecoder:
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
         self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
-
-    @staticmethod
-    def layer_weights(layer, qk_norm: bool) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
-        fuse_qkv(attn)
-        moe = hasattr(mlp, "experts")
-        dense = None if moe else tuple(compute_form(p.weight) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        return LayerWeights(
-            input_norm=compute_form(layer.input_layernorm.weight),
-            qkv=compute_form(attn.smoe_qkv),
-            q_norm=compute_form(attn.q_norm.weight) if qk_norm else None,
-            k_norm=compute_form(attn.k_norm.weight) if qk_norm else None,
-            o=compute_form(attn.o_proj.weight), post_norm=compute_form(layer.post_attention_layernorm.weight),
-            router=compute_form(mlp.gate.weight) if moe else None, dense=dense,
-        )
 
     def reset(self) -> None:
         self.pos = 0
@@ -143,18 +117,13 @@ class FastCpuDecoder:
         """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
         residual stream changes little between layers) and start reading them."""
         if i + 1 < len(self.layers) and self.layers[i + 1].router is not None:
-            guess = torch.topk(matmul(h, self.layers[i + 1].router), self.top_k, dim=-1).indices
+            guess, _ = route(self.routing, matmul(h, self.layers[i + 1].router))
             self.store.prefetch(i + 1, torch.unique(guess).tolist())
 
     def experts(self, i: int, w: LayerWeights, h):
         if self.prefetch:
             self.prefetch_next(i, h)
-        logits = matmul(h, w.router).float()
-        if self.normalize:  # softmax then renormalising the top k = softmax over the top-k logits
-            top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)
-            top_w = torch.softmax(top_logits, dim=-1)
-        else:
-            top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        top_i, top_w = route(self.routing, matmul(h, w.router))
         h = h.to(self.dtype)  # the experts were prepared for the model's dtype
         top_w = top_w.to(self.dtype)
         if h.shape[0] == 1:  # decode: one token, k experts: stack their outputs, weight them in one matmul
@@ -164,14 +133,11 @@ class FastCpuDecoder:
         return self.experts_batched(i, h, top_i, top_w).to(ACT)
 
     def experts_batched(self, i: int, h, top_i, top_w):
-        out = torch.zeros_like(h)
-        for batch in self.sm.routed.batches(i, torch.unique(top_i).tolist()):
-            prepared = self.store.get(i, batch)
-            for e in batch:
-                token_idx, slot = torch.where(top_i == e)
-                y = expert_mlp(prepared[e], h[token_idx]) * top_w[token_idx, slot, None]
-                out.index_add_(0, token_idx, y)
-        return out
+        def fetch(group):
+            prepared = self.store.get(i, group)
+            return {e: (lambda rows, p=prepared[e]: expert_mlp(p, rows)) for e in group}
+
+        return routed_sum(h, top_i, top_w, fetch, per_group=self.sm.routed.experts_per_group())
 
 
 def check_room(start: int, t: int, capacity: int) -> int:
@@ -185,21 +151,6 @@ def rope_tables(rotary, n: int, head_dim: int):
     """cos/sin [n, head_dim] exactly as the model's rotary module computes them."""
     cos, sin = rotary(torch.zeros(1, n, head_dim, dtype=ACT), torch.arange(n)[None])
     return cos[0], sin[0]
-
-
-def fuse_qkv(attn) -> None:
-    """One [q; k; v] matrix for one matmul; the attention module's three weights become views into it,
-    so the transformers path keeps working and no memory is duplicated."""
-    if hasattr(attn, "smoe_qkv"):
-        return
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    fused = torch.cat([p.weight.detach() for p in projections])
-    start = 0
-    for p in projections:
-        rows = p.weight.shape[0]
-        p.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
-        start += rows
-    attn.smoe_qkv = fused
 
 
 def compute_form(w: torch.Tensor) -> torch.Tensor:
@@ -220,6 +171,7 @@ def dense_mlp(weights, x):
 
 
 def expert_mlp(expert, x):
+    """One expert on rows x; SiLU-gated, the one activation fast_decoder_gap admits."""
     gate, up = kernels_cpu.gate_and_up(x, expert)
     return kernels_cpu.linear(F.silu(gate) * up, expert, "down")
 

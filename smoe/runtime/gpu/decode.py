@@ -14,7 +14,7 @@ holds every expert of the model, offsets come from a device table inside the gra
 token is one graph with no sync but the final read of the logits.
 
 Several tokens at once (prompt prefill, teacher-forced evaluation) run eagerly, layer by layer, with
-the grouped kernel; a layer whose experts do not fit the cache together is done in token chunks.
+the grouped kernel; a layer whose experts do not fit the cache together is done in expert groups.
 
 On a CPU "device" (tests without a GPU) everything runs eagerly and the experts run through
 kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, the Triton kernels.
@@ -28,33 +28,35 @@ import torch
 import torch.nn.functional as F
 
 from smoe.errors import SmoeError
-from smoe.runtime.cpu.compiled import SUPPORTED, check_room, dense_mlp, fuse_qkv, rope_tables, rotate
+from smoe.moe.dispatch import expert_groups
+from smoe.moe.routing import route
+from smoe.runtime.cpu.compiled import check_room, dense_mlp, rope_tables, rotate
 from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.runtime.gpu.cache import GpuExpertCache
+from smoe.runtime.weights import layer_weights
 from smoe.switches import GPU_INDUCTOR
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
 
 
 class GpuLayer:
-    """One decoder layer's trunk weights on the device."""
+    """One decoder layer's trunk weights (smoe.runtime.weights.LayerWeights) on the device."""
 
-    def __init__(self, layer, qk_norm: bool, device, dtype):
+    def __init__(self, layer, description, device, dtype):
         def put(t, as_dtype=dtype):
             return t.detach().to(device=device, dtype=as_dtype).contiguous()
 
-        attn, mlp = layer.self_attn, layer.mlp
-        fuse_qkv(attn)
+        w = layer_weights(layer, description)
         # the residual stream is fp32, so are the norms applied to it
-        self.input_norm, self.post_norm = put(layer.input_layernorm.weight, ACT), put(layer.post_attention_layernorm.weight, ACT)
-        self.qkv, self.o = put(attn.smoe_qkv), put(attn.o_proj.weight)
+        self.input_norm, self.post_norm = put(w.input_norm, ACT), put(w.post_norm, ACT)
+        self.qkv, self.o = put(w.qkv), put(w.o)
         self.qk_norm = None
-        if qk_norm:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
-            heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-            self.qk_norm = torch.cat([put(attn.q_norm.weight).expand(heads, -1), put(attn.k_norm.weight).expand(kv_heads, -1)])
-        self.moe = hasattr(mlp, "experts")
-        self.router = put(mlp.gate.weight) if self.moe else None
-        self.dense = None if self.moe else tuple(put(p.weight) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        if w.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
+            a = description.attention
+            self.qk_norm = torch.cat([put(w.q_norm).expand(a.heads, -1), put(w.k_norm).expand(a.kv_heads, -1)])
+        self.moe = w.router is not None
+        self.router = put(w.router) if self.moe else None
+        self.dense = None if self.moe else tuple(put(p) for p in w.dense)
 
 
 class GpuDecoder:
@@ -64,10 +66,10 @@ class GpuDecoder:
                  threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True):
         cfg = sm.config.get_text_config()
         self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
-        self.eps, self.top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.normalize = getattr(cfg, "norm_topk_prob", True)
+        self.description = sm.description
+        self.routing, attention = sm.description.routing, sm.description.attention
+        self.eps, self.top_k = cfg.rms_norm_eps, self.routing.top_k
+        self.heads, self.kv_heads, self.head_dim = attention.heads, attention.kv_heads, attention.head_dim
         self.kernel_path = kernel_path
         try:
             self.load(sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io)
@@ -91,8 +93,7 @@ class GpuDecoder:
         put = lambda t: t.detach().to(device=self.device, dtype=self.dtype).contiguous()
         self.embed, self.lm_head = put(base.embed_tokens.weight), put(sm.model.lm_head.weight)
         self.final_norm = base.norm.weight.detach().to(device=self.device, dtype=ACT)
-        qk_norm = SUPPORTED[self.vault.meta["family"]]
-        self.layers = [GpuLayer(layer, qk_norm, self.device, self.dtype) for layer in base.layers]
+        self.layers = [GpuLayer(layer, self.description, self.device, self.dtype) for layer in base.layers]
         self.layouts = {i: layer_layout(self.vault, i) for i, w in enumerate(self.layers) if w.moe}
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
@@ -124,19 +125,24 @@ class GpuDecoder:
         return self.logits(x)
 
     def experts_chunked(self, i: int, h, top_i, top_w):
-        """The layer's experts for every token, in token chunks whose experts fit the cache together."""
-        ids = top_i.tolist()
-        out, start = torch.empty_like(h), 0
-        while start < len(ids):
-            end = len(ids)
-            while len({e for row in ids[start:end] for e in row}) > self.cache.n_slots:
-                end = start + max(1, (end - start) // 2)
-            offsets = self.cache.offsets(i, sum(ids[start:end], []))
-            offs = torch.tensor(offsets, dtype=torch.int64, device=self.device).view(end - start, -1)
-            out[start:end] = kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h[start:end], offs,
-                                                            top_w[start:end], path=self.kernel_path)
-            start = end
+        """The layer's experts for every token, in groups of experts that fit the cache's slots together
+        (smoe.moe.dispatch.expert_groups): each expert is read once, and each group runs its
+        (token, slot) pairs as rows of one expert each."""
+        groups = expert_groups(torch.unique(top_i).tolist(), self.cache.n_slots)
+        if len(groups) == 1:
+            return self.run_experts(i, h, top_i, top_w)
+        out = torch.zeros_like(h)
+        for group in groups:
+            tokens, slots = torch.where(torch.isin(top_i, torch.tensor(group, device=top_i.device)))
+            pairs = self.run_experts(i, h[tokens], top_i[tokens, slots, None], top_w[tokens, slots, None])
+            out.index_add_(0, tokens, pairs.to(out.dtype))
         return out
+
+    def run_experts(self, i: int, h, top_i, top_w):
+        ids = top_i.tolist()
+        offsets = self.cache.offsets(i, sum(ids, []))
+        offs = torch.tensor(offsets, dtype=torch.int64, device=self.device).view(len(ids), -1)
+        return kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h, offs, top_w, path=self.kernel_path)
 
     # --- the pieces of a layer -------------------------------------------------------------------
 
@@ -146,7 +152,7 @@ class GpuDecoder:
         return dict(k_cache=self.k_cache[i], v_cache=self.v_cache[i], positions=self.positions, cos=self.cos,
                     sin=self.sin, input_norm=w.input_norm, qkv=w.qkv, qk_norm=w.qk_norm, o=w.o,
                     post_norm=w.post_norm, router=w.router, heads=self.heads, kv_heads=self.kv_heads, eps=self.eps,
-                    top_k=self.top_k, normalize=self.normalize, dtype=self.dtype)
+                    routing=self.routing, dtype=self.dtype)
 
     def logits(self, x):
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
@@ -258,7 +264,7 @@ class GpuDecoder:
 
 
 def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qk_norm, o, post_norm,
-                    router, heads: int, kv_heads: int, eps: float, top_k: int, normalize: bool, dtype):
+                    router, heads: int, kv_heads: int, eps: float, routing, dtype):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
     (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
     cache, then the experts' input h and the routing (top-k ids and weights; None for a dense layer).
@@ -283,11 +289,7 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
     if router is None:
         return x, h, None, None
-    logits = F.linear(h, router).float()
-    if normalize:  # softmax then renormalising the top k = softmax over the top-k logits
-        top_logits, top_i = torch.topk(logits, top_k, dim=-1)
-        return x, h, top_i, torch.softmax(top_logits, dim=-1)
-    top_w, top_i = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    top_i, top_w = route(routing, F.linear(h, router))
     return x, h, top_i, top_w
 
 

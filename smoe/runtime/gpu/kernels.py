@@ -49,6 +49,7 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.format import codec
+from smoe.moe.dispatch import routed_sum
 from smoe.runtime.buckets import bucket
 
 GROUP = codec.GROUP_SIZE
@@ -590,14 +591,17 @@ def reference_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torc
     x2 = x.reshape(-1, layout.hidden).to(torch.float32)
     offsets = offsets.reshape(x2.shape[0], -1)
     weights = weights.reshape(x2.shape[0], -1).to(torch.float32)
-    y = torch.zeros_like(x2)
-    for off in torch.unique(offsets).tolist():
-        gate, up, down = expert_weights(pool, layout, int(off))
-        tok, slot = torch.where(offsets == off)
-        xs = x2[tok]
-        h = torch.nn.functional.silu(xs @ gate.t()) * (xs @ up.t())
-        y.index_add_(0, tok, (h @ down.t()) * weights[tok, slot, None])
+
+    def fetch(group):
+        # each decoded only when it runs: a layer's experts decoded at once could fill the GPU
+        return {off: (lambda rows, off=off: swiglu(rows, *expert_weights(pool, layout, int(off)))) for off in group}
+
+    y = routed_sum(x2, offsets, weights, fetch)  # blobs keyed by their offset, not by expert id
     return y.to(x.dtype).view(x.shape)
+
+
+def swiglu(x, gate, up, down):
+    return (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
 
 @functools.cache

@@ -1,0 +1,1 @@
+"""The mixture-of-experts arithmetic every decoder shares: routing and the token->expert loop."""

@@ -1,0 +1,130 @@
+"""The decoder contract: a batch of sequences in, logits per sequence out.
+
+Every decoder takes a list of `SequenceStep`s, each a sequence's new tokens and the position they
+start at, and returns the logits of those tokens per step. A decoder holds each sequence's KV cache
+until `release`. A step whose start is not the number of tokens the decoder holds for that sequence
+is refused (a silent mismatch would compute with the wrong context); start 0 begins a sequence.
+
+- `GenericDecoder` runs the family's transformers modules, one KV cache per sequence, up to
+  `max_sequences` sequences at once; the steps of a batch run one after another.
+- `FastDecoder` runs the fast decoder of the device (the compiled CPU step, the GPU's CUDA graphs),
+  which holds one sequence (`max_sequences` 1): a batch of several sequences is refused.
+
+Batched serving fills in batches that run together; the contract stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from smoe.errors import SmoeError
+from smoe.hf.model import kv_cache_arguments
+
+
+@dataclass(frozen=True)
+class SequenceStep:
+    sequence: Hashable  # the caller's name for the sequence
+    tokens: list[int]  # its new tokens
+    start: int  # the position of tokens[0]: how many tokens of the sequence came before
+
+
+class Decoder:
+    name: str
+    max_sequences: int
+
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        """Logits [len(step.tokens), V] (fp32, on the CPU) for each step, in order."""
+        raise NotImplementedError
+
+    def release(self, sequence: Hashable) -> None:
+        """Forget a sequence: its KV cache is freed and its name may start a new one."""
+        raise NotImplementedError
+
+    def check(self, steps: Sequence[SequenceStep], held: dict) -> None:
+        """Refuse batches beyond max_sequences and steps that do not continue what is held."""
+        names = {s.sequence for s in steps}
+        if len(names) != len(steps):
+            raise SmoeError("a batch holds one step per sequence")
+        if len(names | set(held)) > self.max_sequences:
+            raise SmoeError(f"the {self.name} decoder holds at most {self.max_sequences} sequence(s) at once; "
+                            "release one first")
+        for s in steps:
+            if not s.tokens:
+                raise SmoeError(f"sequence {s.sequence!r}: a step needs at least one token")
+            have = held.get(s.sequence, 0)
+            if s.start != 0 and s.start != have:
+                raise SmoeError(f"sequence {s.sequence!r}: step starts at position {s.start}, but {have} tokens "
+                                "are held for it")
+
+
+class GenericDecoder(Decoder):
+    """The transformers modules with a KV cache per sequence; every family, either device."""
+
+    name = "generic"
+
+    def __init__(self, sm, max_sequences: int = 16):
+        if sm.store is None:  # the GPU's fast decoder holds the one expert cache: the generic one has none
+            raise SmoeError("this vault was opened for the fast GPU decoder; open it with --decoder generic")
+        self.sm, self.max_sequences = sm, max_sequences
+        self.caches: dict[Hashable, dict] = {}
+        self.lengths: dict[Hashable, int] = {}
+
+    @torch.inference_mode()
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        self.check(steps, self.lengths)
+        out = []
+        for s in steps:
+            if s.start == 0:
+                self.caches[s.sequence] = kv_cache_arguments(self.sm.model)
+            ids = torch.tensor([s.tokens], device=self.sm.device)
+            out.append(self.sm.model(input_ids=ids, use_cache=True, **self.caches[s.sequence]).logits[0].float().cpu())
+            self.lengths[s.sequence] = s.start + len(s.tokens)
+        return out
+
+    def release(self, sequence: Hashable) -> None:
+        self.caches.pop(sequence, None)
+        self.lengths.pop(sequence, None)
+
+
+class FastDecoder(Decoder):
+    """The device's fast decoder (OpenedVault.fast_decoder): one sequence at a time."""
+
+    name = "fast"
+    max_sequences = 1
+
+    def __init__(self, sm, positions: int):
+        self.sm, self.positions = sm, positions
+        self.held: dict[Hashable, int] = {}
+        self.decoder = None
+
+    @torch.inference_mode()
+    def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
+        if any(s.start == 0 for s in steps):  # a sequence begun again from 0 gives its cache up first
+            for s in steps:
+                if s.start == 0:
+                    self.held.pop(s.sequence, None)
+        self.check(steps, self.held)
+        out = []
+        for s in steps:
+            if s.start == 0:
+                self.decoder = self.sm.fast_decoder(max(self.positions, len(s.tokens)))  # reset for a new sequence
+            out.append(self.decoder.forward(s.tokens).float().cpu())
+            self.held[s.sequence] = s.start + len(s.tokens)
+        return out
+
+    def release(self, sequence: Hashable) -> None:
+        self.held.pop(sequence, None)
+
+
+def open_decoder(sm, decoder: str, positions: int) -> Decoder:
+    """The decoder named ("fast" | "generic" | "auto": the one the vault was opened with) over sm,
+    with room for sequences of `positions` tokens."""
+    decoder = sm.decoder if decoder == "auto" else decoder
+    if decoder == "generic":
+        return GenericDecoder(sm)
+    if sm.fast_decoder(positions) is None:
+        raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
+    return FastDecoder(sm, positions)

@@ -1,0 +1,377 @@
+"""What a model computes, as the decoders need it: a description read once from the config.
+
+`smoe.source.families` says where a checkpoint's tensors are; this module says what the model does
+with them: the attention kind, the routing kind, the experts' activation, shared experts and dense
+layers, plus the trunk features outside the common decoder layout. The two are the only modules that
+read config keys. A fast decoder states the descriptions it covers (`covers`), the generic decoder
+runs them all through the family's transformers modules, and the one routing function
+(smoe.moe.routing.route) computes every routing kind stated here but a family's own (`custom`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from smoe.errors import SmoeError
+from smoe.source import families
+
+# Trunk features outside the common decoder layout (pre-norm RMSNorm layers, rotary over the whole
+# head in the half-split layout, no extra scales). A decoder that does not implement one must not
+# claim a description that has it.
+EXTRAS = {
+    "layer_norm": "LayerNorm instead of RMSNorm",
+    "norm_offset": "RMSNorm scaled by (1 + weight)",
+    "sandwich_norms": "norms after attention and after the MLP as well as before",
+    "partial_rotary": "rotary embedding over part of each head",
+    "interleaved_rotary": "rotary embedding over adjacent pairs instead of the two halves",
+    "no_rope_layers": "layers without rotary embedding",
+    "clip_qkv": "q, k and v clamped",
+    "multipliers": "scales on the embedding, residual branches, attention or logits",
+    "softcap": "logits soft-capped",
+    "attention_gate": "attention output gated",
+    "temperature_tuning": "query scaling by position",
+    "latent_experts": "experts working in a projected latent space",
+    "expert_scales": "per-expert output scales",
+    "post_expert_norm": "a norm on each expert's output",
+    "router_norm": "a norm or scale on the router's input",
+    "dense_mlp_activation": "dense layers with another activation than the experts'",
+    "chunked_attention": "attention within fixed chunks",
+    "undescribed": "a family this description does not cover",
+}
+
+
+@dataclass(frozen=True)
+class Attention:
+    kind: str  # "gqa" (multi-head and grouped-query included) | "mla" (DeepSeek's low-rank latent attention)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: str | None = None  # None | "head": RMSNorm over each head | "full": over all heads together
+    bias: bool = False  # q/k/v projections with biases
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()  # layers attending within the window
+    sinks: bool = False  # learned per-head sink logits (gpt-oss)
+    mixer_layers: tuple[int, ...] = ()  # layers with linear attention or a state-space mixer instead
+
+
+@dataclass(frozen=True)
+class Routing:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # "softmax" | "sigmoid" of the router logits
+    normalise: bool = True  # the k weights divided by their sum
+    normalise_eps: float = 0.0  # added to that sum
+    correction_bias: bool = False  # a per-expert bias added to the scores for the choice only
+    n_group: int = 1  # group-limited choice: experts in n_group groups, only the best topk_group used
+    topk_group: int = 1
+    group_score: str = "top2"  # a group's score: its best two scores summed ("top2") or its best ("max")
+    outside_groups: float = float("-inf")  # the choice score of experts outside the chosen groups
+    scale: float = 1.0  # routed scaling factor on the weights
+    router_bias: bool = False  # the router's linear layer has a bias
+    weight_input: bool = False  # the weight scales the expert's input instead of its output
+    custom: str | None = None  # a routing only the family's own module computes, named
+
+
+@dataclass(frozen=True)
+class Experts:
+    intermediate_size: int | None
+    activation: str = "silu"  # transformers' ACT2FN name
+    gated: bool = True  # act(gate) * up; else act(up)
+    clamp: tuple[float, float] | None = None  # (alpha, limit) of gpt-oss's clamped SwiGLU
+    biases: bool = False  # per-expert projection biases
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    family: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    attention: Attention
+    routing: Routing
+    experts: Experts
+    moe_layers: tuple[int, ...]
+    shared_experts: int = 0  # shared experts every token runs, besides the routed ones
+    shared_gate: bool = False  # the shared experts' output scaled by sigmoid(a learned gate of the input)
+    extras: tuple[str, ...] = ()  # keys of EXTRAS
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Layers with an MLP (or nothing routed) instead of routed experts."""
+        return tuple(i for i in range(self.num_layers) if i not in set(self.moe_layers))
+
+
+# ----- reading a description from a config ------------------------------------------------------
+#
+# Each family's facts follow its transformers modeling code (the generic decoder runs that code, and
+# tests compare `route` with its routers on a tiny model of every family).
+
+NO_GROUPS = float("-inf")  # experts outside the chosen groups: never chosen (DeepSeek-V3 and most)
+ZERO = 0.0  # ... or scored 0 (DeepSeek-V2's group_limited_greedy, Mistral 4)
+
+
+def describe_model(config: dict) -> ModelDescription:
+    """The description of the model a config (config.json's dict) defines; SmoeError when the
+    family is unknown."""
+    family, model_type, configs = families._resolve(config or {})
+    if family is None:
+        raise SmoeError("config has no model_type: cannot tell the model family")
+    c = _Config(configs)
+    n_layers = families._num_layers(configs) or 0
+    moe_layers = tuple(families._config_moe_layers(configs, n_layers))
+    rule = _RULES.get(families._normalise_type(model_type)) or _RULES.get(family.name, _undescribed)
+    facts = rule(c, n_layers)
+    hidden = int(c.get(*families.CONFIG_KEYS["hidden_size"], default=0))
+    heads = int(c.get("num_attention_heads", "n_heads", default=1))
+    attention = Attention(
+        kind=facts.pop("attention_kind", "gqa"), heads=heads,
+        kv_heads=int(c.get("num_key_value_heads", "attn_config.kv_n_heads", default=heads)),
+        head_dim=int(c.get("head_dim", default=0) or hidden // heads), qk_norm=facts.pop("qk_norm", None),
+        bias=bool(facts.pop("attention_bias", c.get("attention_bias", default=False))),
+        sliding_window=c.get("sliding_window") or None, sliding_layers=facts.pop("sliding_layers", ()),
+        sinks=facts.pop("sinks", False), mixer_layers=facts.pop("mixer_layers", _typed_layers(c, MIXER_TYPES)),
+    )
+    if attention.sliding_window is None:
+        attention = replace(attention, sliding_layers=())
+    routing = Routing(num_experts=int(c.get(*families.CONFIG_KEYS["num_experts"], default=0)),
+                      top_k=int(_largest(c.get(*families.CONFIG_KEYS["top_k"], default=1))), **facts.pop("routing"))
+    experts = Experts(intermediate_size=_largest(c.get(*family.intermediate_keys)), **facts.pop("experts", {}))
+    return ModelDescription(
+        family=family.name, model_type=str(model_type), hidden_size=hidden, num_layers=n_layers,
+        vocab_size=int(c.get("vocab_size", default=0)), attention=attention, routing=routing, experts=experts,
+        moe_layers=moe_layers, shared_experts=int(facts.pop("shared_experts", 0)),
+        shared_gate=facts.pop("shared_gate", False), extras=tuple(sorted(set(facts.pop("extras", ())))),
+    )
+
+
+class _Config:
+    def __init__(self, configs: list[dict]):
+        self.configs = configs
+
+    def get(self, *keys: str, default=None):
+        value = families._lookup(self.configs, keys)
+        return default if value is None else value
+
+
+MIXER_TYPES = ("linear_attention", "conv", "mamba", "mamba2", "mlp", "moe")  # layer_types that are not attention
+
+
+def _typed_layers(c: _Config, kinds) -> tuple[int, ...]:
+    types = c.get("layer_types", "layers_block_type")
+    return tuple(i for i, t in enumerate(types) if t in kinds) if isinstance(types, list) else ()
+
+
+def _sliding(c: _Config, n: int, default=None) -> tuple[int, ...]:
+    """Layers attending within the window: by layer_types where the config lists them, else
+    `default(n)` (the family's rule), else every layer when a window is set."""
+    if isinstance(c.get("layer_types"), list):
+        return _typed_layers(c, ("sliding_attention",))
+    if default is not None:
+        return default(n)
+    return tuple(range(n)) if c.get("sliding_window") else ()
+
+
+def _largest(value):
+    if isinstance(value, list):  # hunyuan: per-layer lists
+        value = max(value) if value else None
+    return int(value) if value is not None else None
+
+
+def _normalise(c: _Config, default: bool) -> bool:
+    return bool(c.get("norm_topk_prob", default=default))
+
+
+def _scale(c: _Config, key: str = "routed_scaling_factor", default: float = 1.0) -> float:
+    return float(c.get(key, default=default))
+
+
+def _groups(c: _Config, group_score: str = "top2", outside: float = NO_GROUPS) -> dict:
+    return dict(n_group=int(c.get("n_group", default=1) or 1), topk_group=int(c.get("topk_group", default=1) or 1),
+                group_score=group_score, outside_groups=outside)
+
+
+def _sigmoid_biased(c: _Config, normalise_default: bool = True, eps: float = 1e-20, groups: bool = True,
+                    scale_key: str = "routed_scaling_factor", scale_default: float = 1.0) -> dict:
+    """DeepSeek-V3's routing and its descendants: sigmoid scores, choice by score + correction bias."""
+    return dict(scoring="sigmoid", correction_bias=True, normalise=_normalise(c, normalise_default),
+                normalise_eps=eps, scale=_scale(c, scale_key, scale_default), **(_groups(c) if groups else {}))
+
+
+def _undescribed(c: _Config, n: int) -> dict:
+    """A family whose computation is not described here: only its transformers modules run it."""
+    return dict(routing=dict(custom="not described"), extras=("undescribed",))
+
+
+def _standard(c: _Config, n: int) -> dict:
+    """Softmax top-k routing, SiLU-gated experts, GQA: Qwen3-MoE's layout."""
+    return dict(routing=dict(normalise=_normalise(c, False)), qk_norm="head",
+                sliding_layers=_sliding(c, n) if c.get("use_sliding_window", default=False) else ())
+
+
+def _qwen2_moe(c, n):
+    window = c.get("use_sliding_window", default=False)
+    rule = lambda n: tuple(i for i in range(n) if i % 2 == 0 and i < c.get("max_window_layers", default=n))
+    return dict(routing=dict(normalise=_normalise(c, False)), attention_bias=c.get("qkv_bias", default=True),
+                sliding_layers=_sliding(c, n, rule) if window else (),
+                shared_experts=int(bool(c.get("shared_expert_intermediate_size", default=0))), shared_gate=True)
+
+
+def _qwen3_next(c, n, normalise=None):
+    interval = c.get("full_attention_interval", default=4)
+    mixers = _typed_layers(c, ("linear_attention",)) or tuple(i for i in range(n) if (i + 1) % interval)
+    return dict(routing=dict(normalise=_normalise(c, True) if normalise is None else normalise), qk_norm="head",
+                mixer_layers=mixers, shared_experts=int(bool(c.get("shared_expert_intermediate_size", default=0))),
+                shared_gate=True, extras=("norm_offset", "attention_gate", "partial_rotary"))
+
+
+def _olmoe(c, n):
+    return dict(routing=dict(normalise=_normalise(c, False)), qk_norm="full",
+                extras=("clip_qkv",) if c.get("clip_qkv") else ())
+
+
+def _deepseek_v2(c, n):
+    grouped = c.get("topk_method", default="greedy") == "group_limited_greedy"
+    return dict(routing=dict(normalise=False, scale=_scale(c), **(_groups(c, "max", ZERO) if grouped else {})),
+                attention_kind="mla", shared_experts=c.get("n_shared_experts", default=2) or 0,
+                extras=("interleaved_rotary",))
+
+
+def _deepseek_v3(c, n):
+    return dict(routing=_sigmoid_biased(c), attention_kind="mla", shared_experts=c.get("n_shared_experts", default=1) or 0,
+                extras=("interleaved_rotary",) if c.get("rope_interleave", default=True) else ())
+
+
+def _mistral4(c, n):
+    return dict(routing=dict(normalise=_normalise(c, True), normalise_eps=1e-20, scale=_scale(c),
+                             **_groups(c, "top2", ZERO)),
+                attention_kind="mla", shared_experts=c.get("n_shared_experts", default=1) or 0,
+                extras=("interleaved_rotary", "temperature_tuning"))
+
+
+def _glm4_moe(c, n):
+    return dict(routing=_sigmoid_biased(c), qk_norm="head" if c.get("use_qk_norm", default=False) else None,
+                shared_experts=c.get("n_shared_experts", default=1) or 0, extras=("partial_rotary",))
+
+
+def _mixtral(c, n):
+    return dict(routing=dict(normalise=True), sliding_layers=_sliding(c, n))
+
+
+def _minimax(c, n):
+    mixers = _typed_layers(c, ("linear_attention",)) or tuple(i for i in range(n) if i % 2)
+    return dict(routing=dict(normalise=True), sliding_layers=_sliding(c, n), mixer_layers=mixers,
+                extras=("multipliers",))
+
+
+def _minimax_m2(c, n):
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True), qk_norm="full",
+                extras=("partial_rotary",))
+
+
+def _phimoe(c, n):
+    return dict(routing=dict(custom="sparsemixer"), sliding_layers=_sliding(c, n), extras=("layer_norm",))
+
+
+def _jamba(c, n):
+    period, offset = c.get("attn_layer_period", default=8), c.get("attn_layer_offset", default=4)
+    return dict(routing=dict(normalise=False), mixer_layers=tuple(i for i in range(n) if i % period != offset),
+                attention_bias=False, extras=("no_rope_layers",))
+
+
+def _ernie4_5_moe(c, n):
+    return dict(routing=dict(correction_bias=True, normalise=True), attention_bias=c.get("use_bias", default=False),
+                shared_experts=c.get("moe_num_shared_experts", default=2) or 0, extras=("interleaved_rotary",))
+
+
+def _hunyuan_v1_moe(c, n):
+    return dict(routing=dict(normalise=True), qk_norm="head_after_rotary", shared_experts=1)
+
+
+def _dots1(c, n):
+    return dict(routing=_sigmoid_biased(c, normalise_default=False), qk_norm="head", sliding_layers=_sliding(c, n),
+                shared_experts=c.get("n_shared_experts", default=1) or 0)
+
+
+def _exaone_moe(c, n):
+    return dict(routing=_sigmoid_biased(c, scale_default=2.5), qk_norm="head", attention_bias=False,
+                sliding_layers=_sliding(c, n), shared_experts=c.get("num_shared_experts", default=1) or 0,
+                extras=("no_rope_layers",) if c.get("sliding_window") else ())
+
+
+def _afmoe(c, n):
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True, normalise_eps=1e-20,
+                             scale=_scale(c, "route_scale")),
+                qk_norm="head", sliding_layers=_sliding(c, n), shared_experts=c.get("num_shared_experts", default=2) or 0,
+                extras=("sandwich_norms", "attention_gate", "no_rope_layers",
+                        *(("multipliers",) if c.get("mup_enabled", default=False) else ())))
+
+
+def _lfm2_moe(c, n):
+    return dict(routing=dict(scoring="sigmoid", correction_bias=bool(c.get("use_expert_bias", default=True)),
+                             normalise=_normalise(c, True), normalise_eps=1e-6, scale=_scale(c)),
+                qk_norm="head", attention_bias=False)
+
+
+def _gpt_oss(c, n):
+    return dict(routing=dict(normalise=True, router_bias=True),
+                experts=dict(clamp=(1.702, float(c.get("swiglu_limit", default=7.0))), biases=True),
+                sliding_layers=_sliding(c, n, lambda n: tuple(range(0, n, 2))), sinks=True,
+                attention_bias=c.get("attention_bias", default=True))
+
+
+def _llama4(c, n):
+    return dict(routing=dict(scoring="sigmoid", normalise=False, weight_input=True),
+                qk_norm="l2_after_rotary" if c.get("use_qk_norm", default=True) else None, shared_experts=1,
+                extras=("interleaved_rotary", "no_rope_layers", "temperature_tuning", "chunked_attention"))
+
+
+def _granitemoe(c, n):
+    shared = c.get("shared_intermediate_size", default=0)
+    return dict(routing=dict(normalise=True), shared_experts=int(bool(shared)), extras=("multipliers",))
+
+
+def _granitemoehybrid(c, n):
+    facts = _granitemoe(c, n)
+    facts["shared_experts"] = 1
+    if c.get("position_embedding_type") != "rope":
+        facts["extras"] += ("no_rope_layers",)
+    return facts
+
+
+def _gemma4(c, n):
+    return dict(routing=dict(custom="per-expert scales over a normalised router input"), qk_norm="head",
+                experts=dict(activation=str(c.get("hidden_activation", default="gelu_pytorch_tanh"))),
+                sliding_layers=_sliding(c, n), shared_experts=1,
+                extras=("sandwich_norms", "partial_rotary", "multipliers"))
+
+
+def _nemotron_h(c, n):
+    attention = _typed_layers(c, ("full_attention", "attention"))
+    pattern = c.get("hybrid_override_pattern")
+    if not attention and isinstance(pattern, str):
+        attention = tuple(i for i, ch in enumerate(pattern) if ch == "*")
+    return dict(routing=_sigmoid_biased(c), attention_bias=False,
+                experts=dict(activation=str(c.get("mlp_hidden_act", default="relu2")), gated=False),
+                mixer_layers=tuple(i for i in range(n) if i not in attention),
+                shared_experts=int(bool(c.get("moe_shared_expert_intermediate_size", default=0))),
+                extras=("no_rope_layers", *(("latent_experts",) if c.get("moe_latent_size") else ())))
+
+
+def _dbrx(c, n):
+    p = c.get("ffn_config.moe_normalize_expert_weights", default=1.0)
+    return dict(routing=dict(normalise=p == 1, custom=None if p in (1, None) else f"p-norm {p}"),
+                experts=dict(activation=str(c.get("ffn_config.ffn_act_fn.name", default="silu"))),
+                extras=("layer_norm", *(("clip_qkv",) if c.get("attn_config.clip_qkv") else ())))
+
+
+_RULES = {
+    "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
+    "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3, "mistral4": _mistral4, "glm4_moe": _glm4_moe, "mixtral": _mixtral,
+    "minimax": _minimax, "minimax_m2": _minimax_m2, "phimoe": _phimoe, "jamba": _jamba, "ernie4_5_moe": _ernie4_5_moe,
+    "hunyuan_v1_moe": _hunyuan_v1_moe, "dots1": _dots1, "exaone_moe": _exaone_moe, "afmoe": _afmoe,
+    "lfm2_moe": _lfm2_moe, "gpt_oss": _gpt_oss, "llama4": _llama4, "granitemoe": _granitemoe,
+    "granitemoeshared": _granitemoe, "granitemoehybrid": _granitemoehybrid, "gemma4": _gemma4,
+    "nemotron_h": _nemotron_h, "dbrx": _dbrx,
+}

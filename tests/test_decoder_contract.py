@@ -1,0 +1,79 @@
+"""The decoder contract: a batch of sequences, each with its own positions, in; logits per sequence out."""
+
+import pytest
+import torch
+
+from smoe.errors import SmoeError
+from smoe.runtime.decoder import FastDecoder, GenericDecoder, SequenceStep, open_decoder
+from smoe.runtime.model import OpenedVault
+from smoe.testing import vaults
+
+
+@pytest.fixture(scope="module")
+def opened(tmp_path_factory):
+    sm = OpenedVault(vaults.tiny_vault(tmp_path_factory.mktemp("contract"), "qwen3_moe"), dtype="float32")
+    yield sm
+    sm.close()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(decoder, ids: list[int], split: int) -> list[torch.Tensor]:
+    first = decoder.forward([SequenceStep("alone", ids[:split], 0)])[0]
+    rest = decoder.forward([SequenceStep("alone", ids[split:], split)])[0]
+    decoder.release("alone")
+    return [first, rest]
+
+
+def test_generic_decoder_keeps_each_sequence_of_a_batch_to_its_own_positions(opened):
+    a, b = tokens(1, 12), tokens(2, 7)
+    dec = GenericDecoder(opened)
+    want_a, want_b = alone(dec, a, 5), alone(dec, b, 3)
+    first = dec.forward([SequenceStep("a", a[:5], 0), SequenceStep("b", b[:3], 0)])
+    second = dec.forward([SequenceStep("b", b[3:], 3), SequenceStep("a", a[5:], 5)])
+    for got, want in ((first[0], want_a[0]), (first[1], want_b[0]), (second[1], want_a[1]), (second[0], want_b[1])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_that_does_not_continue_its_sequence_is_refused(opened):
+    for dec in (GenericDecoder(opened), open_decoder(opened, "fast", 64)):
+        dec.forward([SequenceStep("s", tokens(3, 4), 0)])
+        with pytest.raises(SmoeError, match="starts at position 3, but 4 tokens are held"):
+            dec.forward([SequenceStep("s", [1], 3)])
+        dec.release("s")
+        with pytest.raises(SmoeError, match="starts at position 2, but 0 tokens are held"):
+            dec.forward([SequenceStep("never-begun", [1], 2)])
+
+
+def test_fast_decoder_holds_one_sequence_and_takes_the_next_after_release(opened):
+    dec = open_decoder(opened, "fast", 64)
+    assert isinstance(dec, FastDecoder) and dec.max_sequences == 1
+    a, b = tokens(4, 6), tokens(5, 6)
+    with pytest.raises(SmoeError, match="at most 1 sequence"):
+        dec.forward([SequenceStep("a", a, 0), SequenceStep("b", b, 0)])
+    dec.forward([SequenceStep("a", a, 0)])
+    with pytest.raises(SmoeError, match="at most 1 sequence"):
+        dec.forward([SequenceStep("b", b, 0)])
+    dec.release("a")
+    fast_b = dec.forward([SequenceStep("b", b, 0)])[0]
+    generic_b = GenericDecoder(opened).forward([SequenceStep("b", b, 0)])[0]
+    torch.testing.assert_close(fast_b, generic_b, rtol=1e-3, atol=1e-3)
+
+
+def test_generic_decoder_refuses_more_sequences_than_it_holds(opened):
+    dec = GenericDecoder(opened, max_sequences=2)
+    dec.forward([SequenceStep(i, [1, 2], 0) for i in range(2)])
+    with pytest.raises(SmoeError, match="at most 2 sequence"):
+        dec.forward([SequenceStep(2, [1], 0)])
+    dec.release(0)
+    assert dec.forward([SequenceStep(2, [1], 0)])[0].shape[0] == 1
+
+
+def test_a_batch_names_each_sequence_once_and_gives_it_tokens(opened):
+    dec = GenericDecoder(opened)
+    with pytest.raises(SmoeError, match="one step per sequence"):
+        dec.forward([SequenceStep("s", [1], 0), SequenceStep("s", [2], 1)])
+    with pytest.raises(SmoeError, match="at least one token"):
+        dec.forward([SequenceStep("s", [], 0)])
