@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from smoe.errors import SmoeError
+from smoe.quality.evaluate import load_reference
 from smoe.runtime.decoder import FastDecoder, GenericDecoder, SequenceStep, open_decoder
 from smoe.runtime.model import OpenedVault
 from smoe.testing import vaults
+from smoe.testing.tiny_models import tiny_families
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +79,19 @@ def test_a_batch_names_each_sequence_once_and_gives_it_tokens(opened):
         dec.forward([SequenceStep("s", [1], 0), SequenceStep("s", [2], 1)])
     with pytest.raises(SmoeError, match="at least one token"):
         dec.forward([SequenceStep("s", [], 0)])
+
+
+@pytest.mark.parametrize("family", tiny_families())
+def test_generic_decoder_continues_every_family_as_the_reference_recomputes(family, tmp_path):
+    """Prefill, then one-token steps on the KV cache the family's model builds for itself (MiniMax and
+    the hybrid models keep caches of their own kind): each step's logits are the dequantised
+    reference's over the whole prefix."""
+    vault, reference = vaults.tiny_vault_and_reference(tmp_path, family, seed=2)
+    sm = OpenedVault(vault, dtype="float32", decoder="generic")
+    ids, ref = tokens(6, 14), load_reference(reference)
+    dec = open_decoder(sm, "auto", 64)
+    got = [dec.forward([SequenceStep("s", ids[:10], 0)])[0][-1]]
+    got += [dec.forward([SequenceStep("s", [t], 10 + i)])[0][-1] for i, t in enumerate(ids[10:])]
+    want = ref(torch.tensor([ids]))[0, 9:]
+    sm.close()
+    assert float((torch.stack(got) - want).abs().max() / want.abs().max()) < 1e-4

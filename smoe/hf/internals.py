@@ -52,8 +52,9 @@ INTERNALS = (
 # `_keys_to_ignore_on_load_missing` on models, `all_tied_weights_keys` on models, the
 # experts modules' `has_gate`/`has_bias`/`is_transposed`/`is_concatenated`/`_apply_gate`, and the class
 # names `DbrxExperts` and `Llama4TextMoe` of the MoE blocks the registry does not reach
-# (smoe.hf.experts.replace_unregistered_moe_blocks). The tests of smoe.hf.model and the runtime
-# exercise each against transformers.
+# (smoe.hf.experts.replace_unregistered_moe_blocks), and the KV cache's name in forward keywords and
+# outputs (`cache`, `past_key_values` before 5.2x; smoe.hf.model.forward_with_cache). The tests of
+# smoe.hf.model and the runtime exercise each against transformers.
 
 
 def resolve(path: str):

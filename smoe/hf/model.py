@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -172,11 +172,13 @@ def rebuild_meta_buffers(model) -> None:
 
 
 
-def kv_cache_arguments(model) -> dict:
-    """A fresh KV cache as the model's forward takes it: transformers renamed `past_key_values` to
-    `cache` (5.2x); accept either release."""
+def forward_with_cache(model, input_ids: torch.Tensor, cache=None):
+    """(logits, cache): the model's forward continuing `cache` (None: a new sequence, for which the model
+    builds the cache of its own kind, e.g. MiniMax's or a hybrid model's). transformers renamed
+    `past_key_values` to `cache` (5.2x), in the forward's keywords and in its outputs; either release works."""
     keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {keyword: DynamicCache(config=model.config)}
+    out = model(input_ids=input_ids, use_cache=True, **({keyword: cache} if cache is not None else {}))
+    return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def random_model(config: dict, dtype: torch.dtype, device: str):

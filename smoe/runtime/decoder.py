@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from smoe.errors import SmoeError
-from smoe.hf.model import kv_cache_arguments
+from smoe.hf.model import forward_with_cache
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class GenericDecoder(Decoder):
         if sm.store is None:  # the GPU's fast decoder holds the one expert cache: the generic one has none
             raise SmoeError("this vault was opened for the fast GPU decoder; open it with --decoder generic")
         self.sm, self.max_sequences = sm, max_sequences
-        self.caches: dict[Hashable, dict] = {}
+        self.caches: dict[Hashable, object] = {}  # sequence -> the model's KV cache object
         self.lengths: dict[Hashable, int] = {}
 
     @torch.inference_mode()
@@ -77,11 +77,10 @@ class GenericDecoder(Decoder):
         self.check(steps, self.lengths)
         out = []
         for s in steps:
-            if s.start == 0:
-                self.caches[s.sequence] = kv_cache_arguments(self.sm.model)
             ids = torch.tensor([s.tokens], device=self.sm.device)
-            out.append(self.sm.model(input_ids=ids, use_cache=True, **self.caches[s.sequence]).logits[0].float().cpu())
-            self.lengths[s.sequence] = s.start + len(s.tokens)
+            logits, cache = forward_with_cache(self.sm.model, ids, self.caches.get(s.sequence) if s.start else None)
+            self.caches[s.sequence], self.lengths[s.sequence] = cache, s.start + len(s.tokens)
+            out.append(logits[0].float().cpu())
         return out
 
     def release(self, sequence: Hashable) -> None:

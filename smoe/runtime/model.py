@@ -156,10 +156,16 @@ class OpenedVault:
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits [B, T, V] in fp32 (on the CPU)."""
-        if self.gpu is not None:
-            return torch.stack([self.gpu.decoder(row.numel()).forward(row.tolist()).cpu() for row in input_ids])
-        return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits.float().cpu()
+        """Teacher-forced logits [B, T, V] in fp32 (on the CPU), each row a sequence run by the decoder
+        the vault was opened with (the one describe() names), through the decoder contract."""
+        from smoe.runtime.decoder import SequenceStep, open_decoder
+
+        decoder = open_decoder(self, "auto", input_ids.shape[-1])
+        rows = []
+        for i, row in enumerate(input_ids.tolist()):
+            rows.append(decoder.forward([SequenceStep(i, row, 0)])[0])
+            decoder.release(i)
+        return torch.stack(rows)
 
     def cache_stats(self) -> dict:
         """The counters of the one expert cache (smoe.runtime.blobs.CacheStats) and its capacity."""
@@ -199,8 +205,6 @@ class GpuRuntime:
         current = self._decoder
         if current is None or current.max_positions < positions:
             capacity = kv_capacity(current, positions, self.sm.max_positions)
-            if capacity < positions:
-                raise SmoeError(f"sequence of {positions} tokens exceeds the model's context of {capacity}")
             stats = current.cache.stats if current else None
             if current is not None:
                 current.close()
@@ -224,9 +228,10 @@ class GpuRuntime:
 
 def kv_capacity(current, positions: int, limit: int | None) -> int:
     """KV-cache positions for a decoder that must hold `positions`: at least 1024, doubling the
-    current decoder's, never past the model's context `limit`."""
+    current decoder's, not past the model's context `limit` unless `positions` itself is (teacher-forced
+    rows may be longer, as the generic decoder allows; generation refuses them first)."""
     capacity = max(positions, 2 * current.max_positions if current else 1024)
-    return min(capacity, limit or capacity)
+    return min(capacity, max(limit or capacity, positions))
 
 
 def has_fast_decoder(sm: OpenedVault) -> bool:

@@ -1,4 +1,5 @@
-"""The fast CPU decoder: a forward pass for the common decoder layout (Qwen3-MoE, Mixtral): few Python-level ops per layer.
+"""The fast CPU decoder: a forward pass for the common decoder layout (the model descriptions
+smoe.runtime.weights.fast_decoder_gap admits: Qwen3-MoE and Mixtral checkpoints): few Python-level ops per layer.
 
 At batch 1 on a CPU, time per token is mostly per-op overhead, not arithmetic: transformers' modules
 spend ~1,000 small ops per token on a 6-layer model. This path reads the same trunk tensors from the

@@ -1,5 +1,5 @@
 """The decode path on an NVIDIA GPU: trunk resident on the GPU, routed experts in the GPU expert cache,
-computed by the Triton kernels straight from their blobs (Qwen3-MoE and Mixtral layouts).
+computed by the Triton kernels straight from their blobs (the descriptions fast_decoder_gap admits).
 
 One token is cut into segments at the points where the host must learn the routing:
 
