@@ -95,3 +95,31 @@ def test_generic_decoder_continues_every_family_as_the_reference_recomputes(fami
     want = ref(torch.tensor([ids]))[0, 9:]
     sm.close()
     assert float((torch.stack(got) - want).abs().max() / want.abs().max()) < 1e-4
+
+
+def test_fast_decoder_continues_a_sequence_as_the_generic_decoder_does(opened):
+    ids = tokens(7, 12)
+    fast, generic = open_decoder(opened, "fast", 64), GenericDecoder(opened)
+    for start, end in ((0, 6), (6, 7), (7, 12)):
+        a = fast.forward([SequenceStep("s", ids[start:end], start)])[0]
+        b = generic.forward([SequenceStep("s", ids[start:end], start)])[0]
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_fast_decoder_refuses_to_continue_after_another_user_ran_the_vault(opened):
+    first, second = open_decoder(opened, "fast", 64), open_decoder(opened, "fast", 64)
+    first.forward([SequenceStep("a", tokens(8, 5), 0)])
+    second.forward([SequenceStep("b", tokens(9, 5), 0)])  # the vault's one fast decoder now holds "b"
+    with pytest.raises(SmoeError, match="has run another sequence since"):
+        first.forward([SequenceStep("a", [1], 5)])
+    opened.logits(torch.tensor([tokens(10, 4)]))  # teacher-forced rows use it too
+    with pytest.raises(SmoeError, match="has run another sequence since"):
+        second.forward([SequenceStep("b", [1], 5)])
+
+
+def test_a_refused_batch_leaves_the_held_sequences_as_they_were(opened):
+    dec, ids = open_decoder(opened, "fast", 64), tokens(11, 6)
+    dec.forward([SequenceStep("a", ids[:5], 0)])
+    with pytest.raises(SmoeError, match="at most 1 sequence"):
+        dec.forward([SequenceStep("a", ids[:5], 0), SequenceStep("b", [1], 0)])
+    assert dec.forward([SequenceStep("a", ids[5:], 5)])[0].shape[0] == 1

@@ -28,7 +28,6 @@ CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a norm
 # group-limited families get two groups of two experts in their tiny model, so the groups matter
 GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "nemotron_h": {}, "mistral4": {},
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
-NO_SELF_ATTN = {"dbrx", "nemotron_h"}  # attention modules under other names
 FAST = {"qwen3_moe", "mixtral"}  # the tiny families the fast decoders cover
 
 
@@ -51,6 +50,7 @@ def captured_routing(family: str, tmp_path: Path):
     generator = torch.Generator().manual_seed(4)
     for block in set(parents.values()):
         _, _, correction = router_of(block)
+        assert (correction is not None) == sm.description.routing.correction_bias  # found where described
         if correction is not None:
             correction.copy_(torch.randn(correction.shape, generator=generator) * 0.05)
         block.register_forward_pre_hook(lambda m, args, kwargs: setattr(m, "smoe_input", (args or
@@ -128,11 +128,16 @@ def test_attention_geometry_matches_the_family_modules(family):
     model = tiny_model(family)
     d = describe_model(model.config.get_text_config().to_dict())
     a = d.attention
-    attention = [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "q_proj")]
+    attention = [m for m in model.modules() if isinstance(getattr(m, "q_proj", None), torch.nn.Linear)
+                 or hasattr(m, "kv_a_proj_with_mqa")]
     if a.kind == "mla":
-        assert all(hasattr(m, "kv_a_proj_with_mqa") for m in attention)
+        assert attention and all(hasattr(m, "kv_a_proj_with_mqa") for m in attention)
         return
-    assert attention or family in NO_SELF_ATTN
+    if family == "dbrx":  # one fused Wqkv projection
+        fused = [m.Wqkv for m in model.modules() if hasattr(m, "Wqkv")]
+        assert fused and all(w.out_features == (a.heads + 2 * a.kv_heads) * a.head_dim for w in fused)
+        return
+    assert attention
     for m in attention:
         gated = 2 if "attention_gate" in d.extras and not hasattr(m, "gate_proj") else 1  # the gate rides on q_proj
         assert m.q_proj.out_features == gated * a.heads * a.head_dim

@@ -1,9 +1,11 @@
 """The one token->expert loop, and the one way to split a layer's experts into groups that fit a cache.
 
-Every path that runs a layer's routed experts for several tokens goes through `routed_sum`: the
-generic decoder (transformers modules, experts from the store), the fast CPU decoder's prefill,
-calibration (the source model's own experts) and the GPU kernels' reference. Only the fused kernels
-(the compiled CPU step, the Triton kernels) keep their own loop, and tests hold them to this one.
+The paths that run a layer's routed experts expert by expert go through `routed_sum`: the generic
+decoder (transformers modules, experts from the store), the fast CPU decoder's prefill, calibration
+(the source model's own experts) and the GPU kernels' reference. The fused kernels (the compiled CPU
+step, the Triton kernels) run all of a token's experts in one call instead; the GPU decoder's prefill
+splits a layer with `expert_groups` too, and runs each group's (token, slot) pairs in one kernel call.
+Tests hold the fused paths to the reference.
 """
 
 from __future__ import annotations

@@ -35,9 +35,10 @@ def route(routing: Routing, logits: torch.Tensor, correction_bias: torch.Tensor 
 
 
 def group_limited(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """`choice` with every expert outside the best `topk_group` groups set to `outside_groups` (-inf,
-    or 0 as DeepSeek-V2's and Mistral 4's routers do). A group scores its best two experts summed
-    ("top2") or its best ("max")."""
+    """`choice` with every expert outside the best `topk_group` groups set to -inf, so never chosen: the
+    config check (families.check_model_config) makes those groups hold at least top_k experts.
+    DeepSeek-V2's and Mistral 4's routers fill 0 instead, which with their positive softmax scores
+    chooses the same experts. A group scores its best two experts summed ("top2") or its best ("max")."""
     t, e = choice.shape
     grouped = choice.view(t, routing.n_group, e // routing.n_group)
     if routing.group_score == "top2":
@@ -46,4 +47,4 @@ def group_limited(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
         group_scores = grouped.amax(dim=-1)
     best = torch.topk(group_scores, routing.topk_group, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    return grouped.masked_fill(~keep[..., None], routing.outside_groups).reshape(t, e)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).reshape(t, e)

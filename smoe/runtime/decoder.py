@@ -89,7 +89,11 @@ class GenericDecoder(Decoder):
 
 
 class FastDecoder(Decoder):
-    """The device's fast decoder (OpenedVault.fast_decoder): one sequence at a time."""
+    """The device's fast decoder (OpenedVault.fast_decoder): one sequence at a time.
+
+    That decoder belongs to the opened vault, and any user of it (another FastDecoder, OpenedVault.logits)
+    may reset it; a step continues a sequence only while the decoder is still at that sequence's end
+    with this FastDecoder's mark on it, else it is refused."""
 
     name = "fast"
     max_sequences = 1
@@ -101,18 +105,25 @@ class FastDecoder(Decoder):
 
     @torch.inference_mode()
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        if any(s.start == 0 for s in steps):  # a sequence begun again from 0 gives its cache up first
-            for s in steps:
-                if s.start == 0:
-                    self.held.pop(s.sequence, None)
-        self.check(steps, self.held)
-        out = []
+        restarted = {s.sequence for s in steps if s.start == 0}  # a sequence begun again gives its cache up
+        held = {name: n for name, n in self.held.items() if name not in restarted}
+        self.check(steps, held)
+        for s in steps:
+            if s.start and not self.continues(s):
+                raise SmoeError(f"sequence {s.sequence!r}: the vault's fast decoder has run another sequence since; "
+                                "begin this one again from position 0")
+        self.held, out = held, []
         for s in steps:
             if s.start == 0:
                 self.decoder = self.sm.fast_decoder(max(self.positions, len(s.tokens)))  # reset for a new sequence
+                self.decoder.smoe_owner = (self, s.sequence)
             out.append(self.decoder.forward(s.tokens).float().cpu())
             self.held[s.sequence] = s.start + len(s.tokens)
         return out
+
+    def continues(self, s: SequenceStep) -> bool:
+        d = self.decoder
+        return d is not None and getattr(d, "smoe_owner", None) == (self, s.sequence) and d.pos == s.start
 
     def release(self, sequence: Hashable) -> None:
         self.held.pop(sequence, None)
@@ -124,6 +135,6 @@ def open_decoder(sm, decoder: str, positions: int) -> Decoder:
     decoder = sm.decoder if decoder == "auto" else decoder
     if decoder == "generic":
         return GenericDecoder(sm)
-    if sm.fast_decoder(positions) is None:
+    if sm.decoder != "fast":
         raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family (use --decoder generic)")
     return FastDecoder(sm, positions)

@@ -191,9 +191,6 @@ class GpuRuntime:
 
     def __init__(self, sm: OpenedVault, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
                  direct_io: bool):
-        if not has_fast_decoder(sm):
-            raise SmoeError(f"no fast GPU decoder for the {sm.vault.meta['family']} family: it has "
-                            f"{fast_decoder_gap(sm.description)} (use --decoder generic)")
         self.sm, self.host_cache_bytes, self.threads, self.direct_io = sm, host_cache_bytes, threads, direct_io
         self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
         self._decoder = None

@@ -20,7 +20,6 @@ class LayerWeights:
     o: torch.Tensor
     post_norm: torch.Tensor
     router: torch.Tensor | None  # None: a dense layer
-    correction_bias: torch.Tensor | None = None  # the routing's correction bias, when it has one
     dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
 
     def map(self, fn) -> LayerWeights:
@@ -40,13 +39,12 @@ def layer_weights(layer, description: ModelDescription) -> LayerWeights:
     fuse_qkv(attn)
     moe = hasattr(mlp, "experts")
     qk_norm = description.attention.qk_norm == "head"
-    router, _, correction = router_of(mlp) if moe else (None, None, None)
+    router = router_of(mlp)[0] if moe else None
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(), qkv=attn.smoe_qkv,
         q_norm=attn.q_norm.weight.detach() if qk_norm else None, k_norm=attn.k_norm.weight.detach() if qk_norm else None,
         o=attn.o_proj.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
         router=router.detach() if moe else None,
-        correction_bias=correction if description.routing.correction_bias else None,
         dense=None if moe else tuple(p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)),
     )
 

@@ -796,14 +796,16 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
     warn_if_exposed(sock)
     print(f"smoe: serving {worker.model_id} at {url_of(sock)} (web chat at /, OpenAI API at /v1, "
           f"Anthropic API at /v1/messages)", flush=True)
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous, stopped = signal.signal(signal.SIGTERM, terminated), False
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except Terminated:
-        print("smoe: stopped (SIGTERM); the vault is closed", file=sys.stderr, flush=True)
+        stopped = True
     finally:
         signal.signal(signal.SIGTERM, previous)
         worker.sm.close()
+    if stopped:
+        print("smoe: stopped (SIGTERM); the vault is closed", file=sys.stderr, flush=True)
     return 0
 
 

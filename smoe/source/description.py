@@ -3,7 +3,8 @@
 `smoe.source.families` says where a checkpoint's tensors are; this module says what the model does
 with them: the attention kind, the routing kind, the experts' activation, shared experts and dense
 layers, plus the trunk features outside the common decoder layout. The two are the only modules that
-read config keys. A fast decoder states the descriptions it covers (`covers`), the generic decoder
+read config keys. The fast decoders state the descriptions they cover
+(smoe.runtime.weights.fast_decoder_gap), the generic decoder
 runs them all through the family's transformers modules, and the one routing function
 (smoe.moe.routing.route) computes every routing kind stated here but a family's own (`custom`).
 """
@@ -65,7 +66,6 @@ class Routing:
     n_group: int = 1  # group-limited choice: experts in n_group groups, only the best topk_group used
     topk_group: int = 1
     group_score: str = "top2"  # a group's score: its best two scores summed ("top2") or its best ("max")
-    outside_groups: float = float("-inf")  # the choice score of experts outside the chosen groups
     scale: float = 1.0  # routed scaling factor on the weights
     router_bias: bool = False  # the router's linear layer has a bias
     weight_input: bool = False  # the weight scales the expert's input instead of its output
@@ -106,10 +106,6 @@ class ModelDescription:
 #
 # Each family's facts follow its transformers modeling code (the generic decoder runs that code, and
 # tests compare `route` with its routers on a tiny model of every family).
-
-NO_GROUPS = float("-inf")  # experts outside the chosen groups: never chosen (DeepSeek-V3 and most)
-ZERO = 0.0  # ... or scored 0 (DeepSeek-V2's group_limited_greedy, Mistral 4)
-
 
 def describe_model(config: dict) -> ModelDescription:
     """The description of the model a config (config.json's dict) defines; SmoeError when the
@@ -186,9 +182,9 @@ def _scale(c: _Config, key: str = "routed_scaling_factor", default: float = 1.0)
     return float(c.get(key, default=default))
 
 
-def _groups(c: _Config, group_score: str = "top2", outside: float = NO_GROUPS) -> dict:
+def _groups(c: _Config, group_score: str = "top2") -> dict:
     return dict(n_group=int(c.get("n_group", default=1) or 1), topk_group=int(c.get("topk_group", default=1) or 1),
-                group_score=group_score, outside_groups=outside)
+                group_score=group_score)
 
 
 def _sigmoid_biased(c: _Config, normalise_default: bool = True, eps: float = 1e-20, groups: bool = True,
@@ -232,7 +228,7 @@ def _olmoe(c, n):
 
 def _deepseek_v2(c, n):
     grouped = c.get("topk_method", default="greedy") == "group_limited_greedy"
-    return dict(routing=dict(normalise=False, scale=_scale(c), **(_groups(c, "max", ZERO) if grouped else {})),
+    return dict(routing=dict(normalise=False, scale=_scale(c), **(_groups(c, "max") if grouped else {})),
                 attention_kind="mla", shared_experts=c.get("n_shared_experts", default=2) or 0,
                 extras=("interleaved_rotary",))
 
@@ -244,7 +240,7 @@ def _deepseek_v3(c, n):
 
 def _mistral4(c, n):
     return dict(routing=dict(normalise=_normalise(c, True), normalise_eps=1e-20, scale=_scale(c),
-                             **_groups(c, "top2", ZERO)),
+                             **_groups(c, "top2")),
                 attention_kind="mla", shared_experts=c.get("n_shared_experts", default=1) or 0,
                 extras=("interleaved_rotary", "temperature_tuning"))
 

@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from smoe.errors import SmoeError
+from smoe.moe.activation import activate
 from smoe.moe.dispatch import routed_sum
 from smoe.moe.routing import route
 from smoe.runtime.buckets import bucket
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu import kernels_numba as kn
-from smoe.runtime.weights import LayerWeights, fast_decoder_gap, layer_weights
+from smoe.runtime.weights import LayerWeights, layer_weights
 from smoe.switches import CPU_COMPILED, PREFETCH
 
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
@@ -37,10 +38,6 @@ from smoe.switches import CPU_COMPILED, PREFETCH
 # are held in fp32 (an exact upcast of the bf16 source), larger ones stay in the model's dtype.
 SMALL_MATRIX = 1 << 20
 ACT = torch.float32
-
-
-def supports(sm) -> bool:
-    return fast_decoder_gap(sm.description) is None
 
 
 class FastCpuDecoder:
@@ -51,9 +48,9 @@ class FastCpuDecoder:
         self.sm, self.store = sm, sm.store
         self.dtype = sm.dtype
         self.eps = cfg.rms_norm_eps
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.routing = sm.description.routing
+        attention = sm.description.attention
+        self.heads, self.kv_heads, self.head_dim = attention.heads, attention.kv_heads, attention.head_dim
+        self.routing, self.kind = sm.description.routing, sm.description.experts
         self.top_k = self.routing.top_k
         self.normalize = self.routing.normalise
         base = sm.model.model
@@ -130,13 +127,13 @@ class FastCpuDecoder:
         if h.shape[0] == 1:  # decode: one token, k experts: stack their outputs, weight them in one matmul
             ids = top_i[0].tolist()
             prepared = self.store.get(i, ids)
-            return (top_w @ torch.cat([expert_mlp(prepared[e], h) for e in ids])).to(ACT)
+            return (top_w @ torch.cat([expert_mlp(prepared[e], h, self.kind) for e in ids])).to(ACT)
         return self.experts_batched(i, h, top_i, top_w).to(ACT)
 
     def experts_batched(self, i: int, h, top_i, top_w):
         def fetch(group):
             prepared = self.store.get(i, group)
-            return {e: (lambda rows, p=prepared[e]: expert_mlp(p, rows)) for e in group}
+            return {e: (lambda rows, p=prepared[e]: expert_mlp(p, rows, self.kind)) for e in group}
 
         return routed_sum(h, top_i, top_w, fetch, per_group=self.sm.routed.experts_per_group())
 
@@ -171,10 +168,10 @@ def dense_mlp(weights, x):
     return matmul(F.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
-def expert_mlp(expert, x):
-    """One expert on rows x; SiLU-gated, the one activation fast_decoder_gap admits."""
+def expert_mlp(expert, x, kind):
+    """One expert on rows x, with the activation of the description's experts (`kind`)."""
     gate, up = kernels_cpu.gate_and_up(x, expert)
-    return kernels_cpu.linear(F.silu(gate) * up, expert, "down")
+    return kernels_cpu.linear(activate(kind, gate, up), expert, "down")
 
 
 def rotate(x, cos, sin):
@@ -290,7 +287,7 @@ class CompiledStep:
     def eager_experts(self, chosen: list) -> None:
         """Experts in another form (dequant, int4, or a tensor the codes kernels cannot read)."""
         h = torch.from_numpy(self.h)[None].to(self.dec.dtype)
-        y = sum(float(w) * expert_mlp(p, h).float() for w, p in zip(self.top_w, chosen))
+        y = sum(float(w) * expert_mlp(p, h, self.dec.kind).float() for w, p in zip(self.top_w, chosen))
         self.x += y[0].numpy()
 
 

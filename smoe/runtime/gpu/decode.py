@@ -131,11 +131,11 @@ class GpuDecoder:
         groups = expert_groups(torch.unique(top_i).tolist(), self.cache.n_slots)
         if len(groups) == 1:
             return self.run_experts(i, h, top_i, top_w)
-        out = torch.zeros_like(h)
+        out = torch.zeros(h.shape, dtype=ACT, device=h.device)  # a token's k experts summed in fp32, as one call does
         for group in groups:
             tokens, slots = torch.where(torch.isin(top_i, torch.tensor(group, device=top_i.device)))
             pairs = self.run_experts(i, h[tokens], top_i[tokens, slots, None], top_w[tokens, slots, None])
-            out.index_add_(0, tokens, pairs.to(out.dtype))
+            out.index_add_(0, tokens, pairs.to(ACT))
         return out
 
     def run_experts(self, i: int, h, top_i, top_w):

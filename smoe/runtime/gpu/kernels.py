@@ -49,8 +49,10 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.format import codec
+from smoe.moe.activation import activate
 from smoe.moe.dispatch import routed_sum
 from smoe.runtime.buckets import bucket
+from smoe.source.description import Experts
 
 GROUP = codec.GROUP_SIZE
 SLOT_ALIGNMENT = 64  # blob offsets in the pool must be multiples of this (the kernels read 32-bit words)
@@ -600,8 +602,11 @@ def reference_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torc
     return y.to(x.dtype).view(x.shape)
 
 
+SILU_GATED = Experts(intermediate_size=None)  # the experts the kernels compute
+
+
 def swiglu(x, gate, up, down):
-    return (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    return activate(SILU_GATED, x @ gate.t(), x @ up.t()) @ down.t()
 
 
 @functools.cache
