@@ -21,8 +21,7 @@ from smoe.source.description import EXTRAS, Routing, describe_model
 from smoe.testing import vaults
 from smoe.testing.tiny_models import tiny_config, tiny_families, tiny_model
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "real-checkpoints"
-SHARED_FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "real-checkpoints"
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "real-checkpoints"  # beside a checkout
 # routings only the family's own module computes (route refuses them, the generic decoder runs them)
 CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a normalised router input"}
 # group-limited families get two groups of two experts in their tiny model, so the groups matter
@@ -163,11 +162,10 @@ def test_fast_decoder_refuses_a_family_it_does_not_cover_with_the_reason(tmp_pat
 
 
 def real_config(name: str) -> dict:
-    for root in (FIXTURES, SHARED_FIXTURES):
-        path = root / name / "config.json"
-        if path.exists():
-            return json.loads(path.read_text())
-    pytest.skip(f"fixture {name} not present")
+    path = FIXTURES / name / "config.json"
+    if not path.exists():
+        pytest.skip(f"fixture {name} not present: the tiny models above check the same routing kinds")
+    return json.loads(path.read_text())
 
 
 def test_released_deepseek_v3_style_config_describes_sigmoid_group_limited_routing():
