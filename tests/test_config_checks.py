@@ -43,7 +43,7 @@ KEYS = {
                      "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_d_state", "mamba_d_conv",
                      "mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_chunk_size",
                      "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size", "conv_kernel",
-                     "block_size"), NOT_A_COUNT),
+                     "block_size", "attn_layer_period", "full_attention_interval"), NOT_A_COUNT),
     **dict.fromkeys(("num_global_key_value_heads", "q_lora_rank", "kv_lora_rank", "moe_latent_size",
                      "attention_chunk_size"), NOT_A_COUNT[:-1]),  # null: none
     **dict.fromkeys(("head_dim", "global_head_dim"), NOT_AN_EVEN_SIZE[:-1]),  # null: hidden / heads
@@ -51,7 +51,8 @@ KEYS = {
     **dict.fromkeys(("qk_nope_head_dim", "v_head_dim", "shared_expert_intermediate_size",
                      "moe_shared_expert_intermediate_size", "shared_intermediate_size", "n_shared_experts",
                      "num_shared_experts", "moe_num_shared_experts", "num_shared_expert", "first_k_dense_replace",
-                     "num_dense_layers", "expert_layer_offset", "moe_layer_start_index"), NOT_A_SIZE),
+                     "num_dense_layers", "expert_layer_offset", "moe_layer_start_index", "max_window_layers",
+                     "attn_layer_offset"), NOT_A_SIZE),
     **dict.fromkeys(("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers", "sliding_window"),
                     NOT_A_SIZE[:-1]),
     "moe_layer_end_index": [-2, 1.5, True, "x"],
@@ -59,7 +60,7 @@ KEYS = {
     **dict.fromkeys(("mlp_only_layers", "moe_layers"), NOT_LAYERS),
     # routing, norms, rotary embeddings, scales
     **dict.fromkeys(("norm_topk_prob", "attention_bias", "tie_word_embeddings"), NOT_A_FLAG),
-    **dict.fromkeys(("routed_scaling_factor", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
+    **dict.fromkeys(("routed_scaling_factor", "route_scale", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
                      "rope_theta", "attn_config.rope_theta", "embedding_multiplier", "attention_multiplier",
                      "residual_multiplier", "logits_scaling", "swiglu_limit", "rope_parameters.rope_theta",
                      "rope_parameters.factor", "rope_scaling.factor", "rope_parameters.full_attention.rope_theta"),

@@ -20,6 +20,7 @@ from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
 from smoe.moe.dispatch import routed_sum
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes
+from smoe.runtime.decoder import SequenceStep, open_decoder
 from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.description import describe_model
 
@@ -158,8 +159,6 @@ class OpenedVault:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits [B, T, V] in fp32 (on the CPU), each row a sequence run by the decoder
         the vault was opened with (the one describe() names), through the decoder contract."""
-        from smoe.runtime.decoder import SequenceStep, open_decoder
-
         decoder = open_decoder(self, "auto", input_ids.shape[-1])
         rows = []
         for i, row in enumerate(input_ids.tolist()):

@@ -131,8 +131,8 @@ def describe_model(config: dict) -> ModelDescription:
     if attention.sliding_window is None:
         attention = replace(attention, sliding_layers=())
     routing = Routing(num_experts=int(c.get(*families.CONFIG_KEYS["num_experts"], default=0)),
-                      top_k=int(_largest(c.get(*families.CONFIG_KEYS["top_k"], default=1))), **facts.pop("routing"))
-    experts = Experts(intermediate_size=_largest(c.get(*family.intermediate_keys)), **facts.pop("experts", {}))
+                      top_k=families._int(c.get(*families.CONFIG_KEYS["top_k"], default=1)), **facts.pop("routing"))
+    experts = Experts(intermediate_size=families._int(c.get(*family.intermediate_keys)), **facts.pop("experts", {}))
     return ModelDescription(
         family=family.name, model_type=str(model_type), hidden_size=hidden, num_layers=n_layers,
         vocab_size=int(c.get("vocab_size", default=0)), attention=attention, routing=routing, experts=experts,
@@ -166,12 +166,6 @@ def _sliding(c: _Config, n: int, default=None) -> tuple[int, ...]:
     if default is not None:
         return default(n)
     return tuple(range(n)) if c.get("sliding_window") else ()
-
-
-def _largest(value):
-    if isinstance(value, list):  # hunyuan: per-layer lists
-        value = max(value) if value else None
-    return int(value) if value is not None else None
 
 
 def _normalise(c: _Config, default: bool) -> bool:

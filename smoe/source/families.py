@@ -414,6 +414,10 @@ CONFIG_VALUES = {
     "moe_num_shared_experts": "size0", "num_shared_expert": "size0",
     # routing
     "n_group": "count", "topk_group": "count", "routed_scaling_factor": "positive", "norm_topk_prob": "flag",
+    "route_scale": "positive",
+    # which layers attend within a window or through another mixer (smoe.source.description)
+    "max_window_layers": "size0", "attn_layer_period": "count", "attn_layer_offset": "size0",
+    "full_attention_interval": "count",
     # which layers are MoE (_config_moe_layers)
     "decoder_sparse_step": "count", "moe_layer_freq": "frequency", "first_k_dense_replace": "size0",
     "num_dense_layers": "size0", "interleave_moe_layer_step": "count", "expert_layer_period": "count",
