@@ -1,14 +1,21 @@
-"""Picking the torch device from a user's --device choice."""
+"""Picking the torch device from a user's --device choice, and how many CPU threads torch may run."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import resource
+import sys
 
 import torch
 
 from smoe.errors import SmoeError
 
 MIN_CAPABILITY = (8, 0)  # the Triton expert kernels use bf16 and Ampere-or-later instructions
+# Some of torch's CPU kernels (index_add_, say) keep about 4 KiB per thread on the calling thread's stack: 2,046
+# threads overflow the default 8 MiB stack and the process dies with SIGSEGV. Twice that leaves room for the rest.
+STACK_BYTES_PER_TORCH_THREAD = 8 << 10
+UNLIMITED_STACK = 8 << 20  # what glibc gives a new thread when the stack limit is unlimited is no more than this
 
 
 def resolve_device(device: str) -> torch.device:
@@ -33,3 +40,28 @@ def cuda_problem() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "the GPU kernels need the triton package"
     return None
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def torch_thread_limit() -> int:
+    """The most CPU threads torch can run here: no more than the cores this process may use (more only
+    wait for one), nor than a thread's stack can hold."""
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = UNLIMITED_STACK if stack == resource.RLIM_INFINITY else stack
+    return max(1, min(usable_cores(), stack // STACK_BYTES_PER_TORCH_THREAD))
+
+
+def torch_threads(requested: int, option: str = "--torch-threads") -> int:
+    """`requested`, or as many CPU threads as torch can run on this machine when that is fewer (with a warning)."""
+    allowed = torch_thread_limit()
+    if requested > allowed:
+        print(f"smoe: warning: {option} {requested} is more than this machine can use; using {allowed} (the cores "
+              f"this process may run on, and at most one thread per 8 KiB of the stack limit, ulimit -s)",
+              file=sys.stderr)
+    return min(requested, allowed)

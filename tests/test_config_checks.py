@@ -21,7 +21,11 @@ NAN, INF = math.nan, math.inf
 NOT_A_COUNT = [0, -3, 2.0, True, "2", None]
 NOT_A_SIZE = [-1, 1.5, False, "0", None]  # sizes that may be 0 (no shared expert, no MLA)
 NOT_AN_EVEN_SIZE = [0, 15, 16.0, True, "16", None]
-NOT_POSITIVE = [0, -1e-6, NAN, INF, True, "1e-6", None]
+NOT_AN_EPSILON = [0, -1e-6, 1e300, NAN, True, "1e-6"]  # null: LayerNorm models (the tiny Qwen3-MoE's class refuses it)
+NOT_A_BASE = [0.5, 1e-300, 1e13, NAN, True, "1e4", None]
+NOT_A_SCALE = [0, 1e-7, 1e7, NAN, INF, True, "1", None]
+NOT_A_TOKEN = [-1, 1.5, "eos", [], [1, "2"], True]
+NOT_A_NAME = ["", 3, ["silu"]]
 NOT_A_FRACTION = [0, 1.5, NAN, True, "0.5", None]
 NOT_A_FLAG = [0, 1, "false", None]
 NOT_LAYERS = [[-1], [1.0], [True], 3, None]
@@ -37,8 +41,8 @@ KEYS = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "num_hidden_layers", "n_layers", "num_layers", "n_layer",
                      "vocab_size", "max_position_embeddings", "max_seq_len", "num_attention_heads", "n_heads",
                      "num_key_value_heads", "attn_config.kv_n_heads", "intermediate_size", "moe_intermediate_size",
-                     "intermediate_size_mlp", "ffn_config.ffn_hidden_size", "moe.expert_inner_dim", "n_group",
-                     "topk_group", "decoder_sparse_step", "interleave_moe_layer_step", "expert_layer_period",
+                     "intermediate_size_mlp", "ffn_config.ffn_hidden_size", "moe.expert_inner_dim",
+                     "decoder_sparse_step", "interleave_moe_layer_step", "expert_layer_period",
                      "moe_layer_interval", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_d_state", "mamba_d_conv",
                      "mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_chunk_size",
@@ -46,7 +50,9 @@ KEYS = {
                      "block_size", "attn_layer_period", "full_attention_interval"), NOT_A_COUNT),
     **dict.fromkeys(("num_global_key_value_heads", "q_lora_rank", "kv_lora_rank", "moe_latent_size",
                      "attention_chunk_size"), NOT_A_COUNT[:-1]),  # null: none
-    **dict.fromkeys(("head_dim", "global_head_dim"), NOT_AN_EVEN_SIZE[:-1]),  # null: hidden / heads
+    **dict.fromkeys(("n_group", "topk_group"), NOT_A_COUNT[:-1]),  # null: no group routing
+    "head_dim": [-2, 15, 16.0, True, "16"],  # null: hidden / heads; 0: no rotary heads (MLA without rope)
+    "global_head_dim": NOT_AN_EVEN_SIZE[:-1],
     "qk_rope_head_dim": [-2, 15, 16.0, True, "16", None],
     **dict.fromkeys(("qk_nope_head_dim", "v_head_dim", "shared_expert_intermediate_size",
                      "moe_shared_expert_intermediate_size", "shared_intermediate_size", "n_shared_experts",
@@ -60,16 +66,21 @@ KEYS = {
     **dict.fromkeys(("mlp_only_layers", "moe_layers"), NOT_LAYERS),
     # routing, norms, rotary embeddings, scales
     **dict.fromkeys(("norm_topk_prob", "attention_bias", "tie_word_embeddings"), NOT_A_FLAG),
-    **dict.fromkeys(("routed_scaling_factor", "route_scale", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
-                     "rope_theta", "attn_config.rope_theta", "embedding_multiplier", "attention_multiplier",
-                     "residual_multiplier", "logits_scaling", "swiglu_limit", "rope_parameters.rope_theta",
-                     "rope_parameters.factor", "rope_scaling.factor", "rope_parameters.full_attention.rope_theta"),
-                    NOT_POSITIVE),
+    **dict.fromkeys(("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"), NOT_AN_EPSILON),
+    **dict.fromkeys(("rope_theta", "attn_config.rope_theta", "rope_parameters.rope_theta",
+                     "rope_parameters.full_attention.rope_theta"), NOT_A_BASE),
+    **dict.fromkeys(("routed_scaling_factor", "route_scale", "embedding_multiplier", "attention_multiplier",
+                     "residual_multiplier", "logits_scaling", "swiglu_limit", "rope_parameters.factor",
+                     "rope_scaling.factor"), NOT_A_SCALE),
     **dict.fromkeys(("clip_qkv", "attn_config.clip_qkv", "final_logit_softcapping", "attn_logit_softcapping",
                      "rope_parameters.beta_fast", "rope_parameters.beta_slow", "rope_parameters.attention_factor",
-                     "rope_parameters.low_freq_factor", "rope_parameters.high_freq_factor"), NOT_POSITIVE[:-1]),
+                     "rope_parameters.low_freq_factor", "rope_parameters.high_freq_factor"), NOT_A_SCALE[:-1]),
     **dict.fromkeys(("rope_parameters.mscale", "rope_parameters.mscale_all_dim",
-                     "rope_parameters.llama_4_scaling_beta"), [NAN, INF, True, "1"]),
+                     "rope_parameters.llama_4_scaling_beta"), [NAN, INF, 1e7, True, "1"]),
+    **dict.fromkeys(("eos_token_id", "bos_token_id", "pad_token_id"), NOT_A_TOKEN),
+    "hidden_act": NOT_A_NAME[1:],  # null: the class's default
+    **dict.fromkeys(("hidden_activation", "mlp_hidden_act", "rope_parameters.rope_type"), NOT_A_NAME),
+    **dict.fromkeys(("layer_types", "mlp_layer_types", "layers_block_type"), [3, [3], [""]]),
     "rope_parameters.original_max_position_embeddings": NOT_A_COUNT[:-1],
     "partial_rotary_factor": NOT_A_FRACTION,
     "rope_parameters.partial_rotary_factor": NOT_A_FRACTION[:-1],  # in a rope table, null: unused
@@ -90,8 +101,6 @@ RELATION_CASES = {
     "heads not a multiple of global key/value heads": ({"num_global_key_value_heads": 3}, "num_global_key_value_heads"),
     "linear value heads not a multiple of key heads": ({"linear_num_key_heads": 3, "linear_num_value_heads": 4},
                                                        "linear_num_key_heads"),
-    "hidden not splitting into heads": ({"head_dim": None, "num_attention_heads": 6, "num_key_value_heads": 2},
-                                        "head_dim"),
     "hidden splitting into odd heads": ({"head_dim": None, "num_attention_heads": 64, "num_key_value_heads": 2},
                                         "head_dim"),
     "a window of no token": ({"sliding_window": 0, "use_sliding_window": True}, "sliding_window"),
@@ -99,6 +108,14 @@ RELATION_CASES = {
     "a dense layer past the last": ({"mlp_only_layers": [4]}, "mlp_only_layers"),
     "an expert layer offset past its period": ({"expert_layer_period": 2, "expert_layer_offset": 2},
                                                "expert_layer_offset"),
+    "a padding token past the vocabulary": ({"pad_token_id": 128}, "pad_token_id"),
+    # values of the right kind only transformers' modules and configuration class can tell are wrong
+    "an activation transformers does not know": ({"hidden_act": "bogus"}, "hidden_act"),
+    "a rope type transformers does not know": ({"rope_parameters": {"rope_type": "bogus", "rope_theta": 1e4}},
+                                               "rope_parameters.rope_type"),
+    "layer kinds transformers does not know": ({"layer_types": ["bogus"] * 4}, "layer_types"),
+    "null where the configuration class wants an epsilon": ({"rms_norm_eps": None}, "rms_norm_eps"),
+    "no rotary heads where the family needs them": ({"head_dim": 0}, "head_dim"),
 }
 CASES = [pytest.param({key: value}, key, id=f"{key}={json.dumps(value)}") for key, value in VALUE_CASES] + [
     pytest.param(overrides, word, id=name) for name, (overrides, word) in RELATION_CASES.items()]
@@ -168,8 +185,7 @@ def one_line_error(err: str) -> str:
 
 
 @pytest.mark.parametrize("overrides, word", CASES)
-def test_a_bad_config_value_is_refused_when_quantizing_before_anything_is_written(built, tmp_path, capsys,
-                                                                                    overrides, word):
+def test_every_config_value_the_model_reads_is_checked_at_quantize(built, tmp_path, capsys, overrides, word):
     model = model_with(built, tmp_path, overrides)
     out = tmp_path / "vault"
     assert main(["quantize", str(model), "-o", str(out), "-q"]) == 2
@@ -178,7 +194,7 @@ def test_a_bad_config_value_is_refused_when_quantizing_before_anything_is_writte
 
 
 @pytest.mark.parametrize("overrides, word", CASES)
-def test_a_bad_config_value_in_a_vault_is_refused_when_it_is_opened(built, tmp_path, overrides, word):
+def test_a_vault_with_a_bad_config_value_is_refused_at_open(built, tmp_path, overrides, word):
     from smoe.runtime.model import OpenedVault
 
     vault = vault_with(built, tmp_path, overrides)
@@ -238,3 +254,127 @@ def test_the_configs_of_every_tiny_family_pass_the_checks():
 
     for family in tiny_families():
         check_model_config(tiny_config(family).to_dict())
+
+
+# Null or zero values that mean "absent" where the family's configuration class takes them: (family of
+# smoe.testing.tiny_models, overrides, whether the pinned transformers builds the model from them too).
+ABSENT_VALUES = {
+    "no group routing (deepseek_v3)": ("deepseek_v3", {"n_group": None, "topk_group": None}, True),
+    "no group routing (deepseek_v2)": ("deepseek_v2", {"n_group": None, "topk_group": None}, True),
+    "LayerNorm instead of RMSNorm (dbrx)": ("dbrx", {"rms_norm_eps": None}, True),
+    "no padding token, said as -1": ("qwen3_moe", {"pad_token_id": -1}, True),
+    "no rotary heads, no MLA (deepseek-ocr)": ("deepseek_v2", {"head_dim": 0, "qk_rope_head_dim": 0,
+                                                                "kv_lora_rank": None}, False),
+}
+
+
+@pytest.mark.parametrize("family, overrides, builds", ABSENT_VALUES.values(), ids=list(ABSENT_VALUES))
+def test_absent_values_that_the_config_class_accepts_stay_valid(family, overrides, builds):
+    from smoe.hf.model import check_buildable
+    from smoe.source.description import describe_model
+    from smoe.source.families import check_model_config
+    from smoe.testing.tiny_models import tiny_config
+
+    config = tiny_config(family).to_dict() | overrides
+    check_model_config(config)
+    assert describe_model(config).family == family
+    if builds:
+        check_buildable(config, {}, "config.json")
+
+
+def default_and_fixture_configs() -> dict[str, dict]:
+    """The default configuration of every MoE family the pinned transformers has (those that route: a
+    default without an expert count or top-k is a dense stand-in), and every config in ../shared/fixtures."""
+    from transformers import CONFIG_MAPPING
+
+    from smoe.source.families import CONFIG_KEYS, FAMILIES, _lookup, _resolve
+
+    configs = {}
+    for model_type in sorted({t for f in FAMILIES for t in f.model_types} & set(CONFIG_MAPPING)):
+        config = CONFIG_MAPPING[model_type]().to_dict()
+        scopes = _resolve(config)[2]
+        if all(_lookup(scopes, CONFIG_KEYS[k]) is not None for k in ("num_experts", "top_k")):
+            configs[f"default {model_type}"] = config
+    fixtures = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    for path in sorted(fixtures.glob("**/config.json")):
+        configs[str(path.relative_to(fixtures))] = json.loads(path.read_text())
+    return configs
+
+
+def test_ranges_admit_every_family_default_and_fixture_config():
+    from smoe.source.description import describe_model
+    from smoe.source.families import check_model_config
+
+    configs = default_and_fixture_configs()
+    assert len(configs) >= 20
+    refused = {}
+    for name, config in configs.items():
+        try:
+            check_model_config(config)
+            if _resolve_family(config):
+                describe_model(config)
+        except SmoeError as e:
+            refused[name] = str(e)
+    assert refused == {}
+
+
+def _resolve_family(config: dict):
+    from smoe.source.families import _resolve
+
+    return _resolve(config)[0]
+
+
+def index_edited(built, tmp: Path, edit) -> Path:
+    """A copy of the vault whose index.json is edited by `edit(index)` and sealed again into the header."""
+    vault = tmp / "vault"
+    vault.mkdir()
+    for f in built["vault"].iterdir():
+        shutil.copyfile(f, vault / f.name)
+    index = json.loads((vault / INDEX_FILE).read_text())
+    edit(index)
+    raw = json.dumps(index).encode()
+    (vault / INDEX_FILE).write_bytes(raw)
+    reseal_header(vault / DATA_FILE, raw)
+    return vault
+
+
+def swap_shapes(index: dict) -> None:
+    """gate and up [out, in] swapped to [in, out] everywhere: the same element count, so the same blob layout."""
+    for role in ("gate", "up"):
+        index["expert_shapes"][role] = index["expert_shapes"][role][::-1]
+    for entry in index["experts"]:
+        for t in entry["tensors"]:
+            t["shape"] = index["expert_shapes"][t["role"]]
+
+
+# index edits that keep the index self-consistent but disagree with config.json (tiny Qwen3-MoE: 6 experts, top-2)
+INDEX_EDITS = {
+    "expert shapes transposed": (swap_shapes, "expert_shapes['gate'] is [64, 24]"),
+    "top-k other than the config's": (lambda index: index.update(top_k=1), "top_k is 1; config.json says 2"),
+    "no top-k where the config has one": (lambda index: index.update(top_k=None), "top_k is null"),
+    "another model type": (lambda index: index.update(model_type="olmoe"), "model_type is \"olmoe\""),
+}
+
+
+@pytest.mark.parametrize("edit, word", INDEX_EDITS.values(), ids=list(INDEX_EDITS))
+def test_index_shapes_and_counts_must_agree_with_config_and_trunk(built, tmp_path, capsys, edit, word):
+    vault = index_edited(built, tmp_path, edit)
+    assert main(["generate", str(vault), "-p", "the sea", "--max-tokens", "2", "--device", "cpu"]) == 2
+    err = one_line_error(capsys.readouterr().err)
+    assert "index.json" in err and word in err
+
+
+def test_a_router_whose_rows_disagree_with_the_experts_is_refused_at_quantize(built, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = model_with(built, tmp_path, {})
+    weights = next(model.glob("*.safetensors"))
+    tensors = load_file(weights)
+    router = next(n for n in tensors if n.endswith("mlp.gate.weight"))
+    tensors[router] = torch.cat([tensors[router], tensors[router][:1]])  # 7 rows for 6 experts
+    save_file(tensors, weights, metadata={"format": "pt"})
+    out = tmp_path / "vault"
+    assert main(["quantize", str(model), "-o", str(out), "-q"]) == 2
+    assert f"trunk tensor {router}: shape (7, 64)" in one_line_error(capsys.readouterr().err)
+    assert not out.exists() and not list(tmp_path.glob("vault.*"))

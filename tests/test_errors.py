@@ -76,7 +76,7 @@ def test_a_disk_that_fills_during_export_is_one_line_and_leaves_nothing(tiny, tm
                                      ("dequantize", "{vault}", "-o", "{out}"),
                                      ("export", "{vault}", "--to", "mlx", "-o", "{out}", "-q")])
 def test_a_second_writer_of_one_output_is_refused_naming_the_holder(tiny, tmp_path, command):
-    from smoe.format.paths import output_lock
+    from smoe.format.output import output_lock
 
     out = tmp_path / "out"
     args = [a.format(model=tiny / "model", vault=tiny / "vault", out=out) for a in command]

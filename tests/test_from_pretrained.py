@@ -1,6 +1,7 @@
 """`import smoe`, then `AutoModelForCausalLM.from_pretrained(VAULT)` loads a vault through transformers'
-quantizer registry, and its greedy tokens are `smoe generate`'s."""
+quantizer registry, and its greedy tokens are `smoe generate`'s; without `import smoe`, transformers refuses it."""
 
+import json
 import subprocess
 import sys
 
@@ -49,12 +50,45 @@ def test_from_pretrained_refuses_a_vault_whose_trunk_changed(tmp_path):
 @pytest.mark.parametrize("order", ["import smoe; import transformers.modeling_utils",
                                    "import transformers.modeling_utils; import smoe"])
 def test_import_smoe_registers_the_method_whichever_is_imported_first(order):
-    code = f"{order}\nfrom transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING\nprint('smoe' in AUTO_QUANTIZER_MAPPING)"
+    code = (f"{order}\nfrom transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING\n"
+            "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+            "print('smoe' in AUTO_QUANTIZER_MAPPING, 'smoe_vault' in CONFIG_MAPPING)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout.strip() == "True True", proc.stderr[-2000:]
 
 
 def test_import_smoe_alone_does_not_import_transformers():
     proc = subprocess.run([sys.executable, "-c", "import smoe, sys; print('transformers' in sys.modules)"],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+# transformers' own entry points in a process that never imports smoe: each result, or the error it raised
+WITHOUT_SMOE = """
+import json, sys, torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, pipeline
+loaders = {
+    "AutoModelForCausalLM": lambda v: AutoModelForCausalLM.from_pretrained(v).generate(torch.tensor([[1, 2, 3]])),
+    "AutoModel": lambda v: AutoModel.from_pretrained(v)(torch.tensor([[1, 2, 3]])),
+    "pipeline": lambda v: pipeline("text-generation", model=v)([1, 2, 3]),
+    "AutoConfig": lambda v: AutoConfig.from_pretrained(v),
+}
+results = {}
+for name, load in loaders.items():
+    try:
+        results[name] = "loaded: " + repr(load(sys.argv[1]))[:200]
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}"
+print(json.dumps(results | {"smoe imported": "smoe" in sys.modules}))
+"""
+
+
+def test_transformers_without_smoe_never_loads_a_vault_silently(tiny_qwen_vault):
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_SMOE, str(tiny_qwen_vault["vault"])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert results.pop("smoe imported") is False
+    for name, result in results.items():
+        assert result.startswith("ValueError: The checkpoint you are trying to load has model type `smoe_vault`"), \
+            (name, result)

@@ -109,3 +109,26 @@ def test_resume_of_unchanged_sources_reuses_every_journalled_blob(model, tmp_pat
     finish(model, tmp_path / "fresh", **encoder)
     assert report.resumed_experts == WRITTEN
     assert_same_vault(tmp_path / "vault", tmp_path / "fresh")
+
+
+# what changes in the source between the interrupted run and the resume: (tensor or None for the config, change)
+SOURCE_CHANGES = {
+    "an expert's weights, headers unchanged": (expert(1, 3), torch.neg),
+    "the trunk's weights": ("model.layers.0.self_attn.o_proj.weight", lambda t: t * 3),
+    "the config": (None, lambda config: config | {"rms_norm_eps": config["rms_norm_eps"] * 2}),
+}
+
+
+@pytest.mark.parametrize("change", SOURCE_CHANGES, ids=lambda c: c.replace(" ", "-").replace(",", ""))
+def test_a_stale_resume_after_the_source_changed_matches_a_fresh_sculpt(model, tmp_path, change):
+    interrupt(model, tmp_path / "vault")
+    name, how = SOURCE_CHANGES[change]
+    if name is None:
+        (model / "config.json").write_text(json.dumps(how(json.loads((model / "config.json").read_text()))))
+    else:
+        rewrite_in_place(model, name, how)
+    finish(model, tmp_path / "vault")
+    finish(model, tmp_path / "fresh")
+    files = lambda d: {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    assert files(tmp_path / "vault") == files(tmp_path / "fresh")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "fresh", "model", "vault"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 from test_runtime import TOLERANCE, relative_error
 
 from smoe.convert.dequantize import is_dequantizable
@@ -23,7 +23,7 @@ from smoe.hf.model import causal_lm_class, is_experts_param
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.model import OpenedVault
 from smoe.testing.tiny_models import save_tiny_model, tiny_families, tiny_model
-from smoe.testing.vaults import dequantised_reference, tiny_model_dir, vault_of
+from smoe.testing.vaults import dequantised_reference, reseal, tiny_model_dir, vault_of
 
 DEQUANTIZE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -114,15 +114,27 @@ def rewrite_source(tmp_path: Path, change) -> Path:
     return vault_of(path.parent, tmp_path / "vault")
 
 
-def test_trunk_tensor_of_another_shape_than_the_config_is_an_error_naming_it_and_both_shapes(tmp_path):
-    vault = rewrite_source(tmp_path, lambda t: t | {"model.norm.weight": torch.ones(65)})
-    with pytest.raises(SmoeError, match=r"trunk tensor model\.norm\.weight: shape \(65,\) .* \(64,\)"):
-        OpenedVault(vault, dtype="float32")
+BAD_TRUNKS = {  # a change to the trunk's tensors -> what the refusal names
+    "another shape than the config's": ({"model.norm.weight": torch.ones(65)},
+                                        r"trunk tensor model\.norm\.weight: shape \(65,\) .* \(64,\)"),
+    "a tensor the model lacks": ({"model.layers.0.mlp.extra.weight": torch.ones(4)},
+                                 r"model\.layers\.0\.mlp\.extra\.weight"),
+}
 
 
-def test_trunk_tensor_the_model_lacks_is_an_error_naming_it(tmp_path):
-    vault = rewrite_source(tmp_path, lambda t: t | {"model.layers.0.mlp.extra.weight": torch.ones(4)})
-    with pytest.raises(SmoeError, match=r"model\.layers\.0\.mlp\.extra\.weight"):
+@pytest.mark.parametrize("case", BAD_TRUNKS)
+def test_a_trunk_tensor_the_model_cannot_take_is_refused_at_quantize_and_at_open(tmp_path, case):
+    extra, message = BAD_TRUNKS[case]
+    source = tiny_model_dir(tmp_path, "deepseek_v3", seed=2)
+    vault = vault_of(source, tmp_path / "vault")
+    path = source / "model.safetensors"
+    save_file(load_file(path) | extra, path, metadata={"format": "pt"})
+    with pytest.raises(SmoeError, match=message):
+        vault_of(source, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    trunk = load_file(vault / "model.safetensors") | extra  # a sealed vault crafted with the same trunk
+    reseal(vault, "model.safetensors", save(trunk, metadata={"format": "pt"}))
+    with pytest.raises(SmoeError, match=message):
         OpenedVault(vault, dtype="float32")
 
 

@@ -9,7 +9,19 @@ import pytest
 import torch
 
 from smoe.errors import SmoeError
-from smoe.format.vault import CONFIG_FILE, INDEX_FILE, TRUNK_FILE, Vault, verify
+from smoe.format.vault import (
+    CONFIG_FILE,
+    DATA_FILE,
+    FORMAT_VERSION,
+    HEADER,
+    INDEX_FILE,
+    TRUNK_FILE,
+    Vault,
+    checksum,
+    verify,
+    version_notice,
+)
+from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
 from smoe.testing import vaults
 
@@ -38,7 +50,7 @@ def test_every_file_but_the_blobs_is_listed_with_its_checksum(tiny_vault):
 
 def test_config_names_smoe_as_its_quantization_method_and_the_model_sees_the_source_config(tiny_vault):
     raw = json.loads((tiny_vault / CONFIG_FILE).read_text())
-    assert raw["quantization_config"]["quant_method"] == "smoe" and raw["quantization_config"]["version"] == 2
+    assert raw["quantization_config"]["quant_method"] == "smoe" and raw["quantization_config"]["version"] == FORMAT_VERSION
     with Vault(tiny_vault) as v:
         assert "quantization_config" not in v.config and v.config["num_experts_per_tok"] == raw["num_experts_per_tok"]
 
@@ -122,3 +134,45 @@ def test_a_model_opens_from_a_sound_vault_and_runs(tiny_vault):
         assert torch.isfinite(sm.logits(torch.tensor([[1, 2, 3]]))).all()
     finally:
         sm.close()
+
+
+def as_version_2(vault):
+    """The vault as format version 2 wrote it: config.json keeps the source's model_type; index and header say 2."""
+    import struct
+
+    import xxhash
+
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    config["model_type"] = config["quantization_config"].pop("model_type")
+    config["quantization_config"]["version"] = 2
+    raw = (json.dumps(config, indent=2) + "\n").encode()
+    (vault / CONFIG_FILE).write_bytes(raw)
+    index = json.loads((vault / INDEX_FILE).read_text())
+    index["version"], index["files"][CONFIG_FILE] = 2, {"size": len(raw), "xxh3_64": checksum(raw)}
+    raw_index = json.dumps(index, indent=1).encode()
+    (vault / INDEX_FILE).write_bytes(raw_index)
+    with open(vault / DATA_FILE, "r+b") as f:
+        fields = list(HEADER.unpack(f.read(HEADER.size)))
+        fields[1], fields[-1] = 2, xxhash.xxh64_intdigest(raw_index)
+        packed = HEADER.pack(*fields)
+        f.seek(0)
+        f.write(packed + struct.pack("<Q", xxhash.xxh64_intdigest(packed)))
+    return vault
+
+
+def test_a_version_2_vault_still_opens_and_verify_names_its_format(tiny_vault, tmp_path):
+    old = as_version_2(copy_vault(tiny_vault, tmp_path / "v2"))
+    with Vault(old) as v2, Vault(tiny_vault) as v3:
+        assert v2.config == v3.config and v3.config["model_type"] == "qwen3_moe"
+    tokens = {}
+    for name, vault in (("v2", old), ("v3", tiny_vault)):
+        model = open_model(vault)
+        try:
+            tokens[name] = generate(model, [1, 2, 3, 4], max_tokens=6)[0]
+        finally:
+            model.close()
+    assert tokens["v2"] == tokens["v3"]
+    assert version_notice(tiny_vault) is None
+    proc = subprocess.run([sys.executable, "-m", "smoe.cli", "verify", str(old)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "vault OK" in proc.stdout, proc.stdout + proc.stderr
+    assert f"NOTE format version 2 (still read; quantize again for {FORMAT_VERSION}:" in proc.stdout

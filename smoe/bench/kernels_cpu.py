@@ -14,6 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from smoe.devices import torch_threads
 from smoe.format import codec
 from smoe.format.vault import QuantisedTensor
 from smoe.runtime.cpu.kernels import (
@@ -125,7 +126,7 @@ def bench_cpu_kernels(json_out: bool = False, threads: int | None = None) -> dic
     small VM one thread gives repeatable figures (waiting for a second one can stall for a tick).
     The numba packer and unpacker are single-threaded whatever this says."""
     if threads:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(torch_threads(threads, "--threads"))
     result = {
         "machine": machine_description(),
         "matmul_bf16": bench_matmul(torch.bfloat16),

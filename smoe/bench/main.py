@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from smoe.devices import resolve_device
+from smoe.devices import resolve_device, torch_threads
 from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.safetensors_io import write_safetensors
@@ -46,7 +46,8 @@ def bench_runtime_main(args) -> int:
     budgets = parse_budgets(args.budgets)
     if args.bench == "runtime":
         result = bench_runtime.bench_model(args.vault, args.ref, args.gguf, budgets, args.tokens, args.dtype,
-                                           args.threads, args.decoder, args.memory_limit_gb)
+                                           torch_threads(args.threads, "--threads"), args.decoder,
+                                           args.memory_limit_gb)
     else:
         result = bench_runtime.bench_synthetic(args.workdir, args.layers, args.tokens, budgets)
     result["machine"] = machine_description("cpu")

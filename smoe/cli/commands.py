@@ -26,7 +26,8 @@ def cmd_quantize(args) -> int:
     depths, encoder, stats, planned = planning.quantize_inputs(args, progress)
     report = sculpt(args.model, args.output, bits=args.bits, device=args.device, force=args.force,
                     num_experts=args.num_experts, progress=progress, alignment=args.alignment,
-                    encoder=encoder, calib=args.calib, plan=depths, calib_tokens=args.calib_tokens, stats=stats)
+                    encoder=encoder, calib=args.calib, plan=depths, calib_tokens=args.calib_tokens, stats=stats,
+                    reads=[args.plan])
     measured = planning.after_quantize(args, planned)
     if args.json:
         print(json.dumps(vars(report) | {"expert_share": report.expert_share, "depth": report.depth} | measured, indent=1))
@@ -55,16 +56,19 @@ def print_sculpt_summary(r, out) -> None:
 
 
 def cmd_verify(args) -> int:
-    from smoe.format.vault import verify
+    from smoe.format.vault import verify, version_notice
     from smoe.progress import bar as progress_bar
 
     bar = None if args.json else (lambda xs: progress_bar(xs, unit="blob", desc="verify"))
     problems = verify(args.vault, progress=bar)
+    notes = [] if problems or not (notice := version_notice(args.vault)) else [notice]
     if args.json:
-        print(json.dumps({"vault": args.vault, "ok": not problems, "problems": problems}, indent=1))
+        print(json.dumps({"vault": args.vault, "ok": not problems, "problems": problems, "notes": notes}, indent=1))
     else:
         for p in problems:
             print(f"FAIL {p}")
+        for note in notes:
+            print(f"NOTE {note}")
         print("vault OK" if not problems else f"{len(problems)} problem(s) found")
     return 0 if not problems else 1
 
@@ -95,9 +99,10 @@ def cmd_test_quant(args) -> int:
 def open_model(args):
     import torch
 
+    from smoe.devices import torch_threads
     from smoe.runtime.model import OpenedVault
 
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(torch_threads(args.torch_threads))
     cache = None if args.cache_gb is None else int(args.cache_gb * 1e9)
     gpu_cache = None if args.gpu_cache_gb is None else int(args.gpu_cache_gb * 1e9)
     return OpenedVault(args.vault, dtype=args.dtype, cache_bytes=cache, threads=args.threads,
@@ -474,8 +479,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resumable(args) -> str:
-    """What an interrupted or failed write leaves: only quantize keeps a partial vault to resume."""
-    return " (the partial vault is kept; the same command resumes it)" if args.command == "quantize" else ""
+    """What an interrupted or failed write leaves: only quantize keeps a partial vault to resume, and
+    only once it holds a blob."""
+    from smoe.format.output import kept_partial
+
+    if args.command != "quantize" or kept_partial(args.output) is None:
+        return ""
+    return " (the partial vault is kept; the same command resumes it)"
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 
 from smoe.errors import SmoeError
-from smoe.format.paths import check_outputs, output_lock, publish
+from smoe.format.output import writing
 from smoe.format.vault import COPIED_FILES, Vault
 from smoe.hf.experts import is_experts_module
 from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
@@ -70,21 +70,11 @@ def save_config_dtype(config, dtype: torch.dtype, directory: Path) -> None:
 
 
 def dequantize(vault_dir, out_dir, dtype: torch.dtype = torch.bfloat16, force: bool = False) -> Path:
-    check_outputs([out_dir], [vault_dir])
-    out = Path(out_dir)
-    with output_lock(out, "dequantize"):
-        if out.exists() and not force:
-            raise SmoeError(f"{out}: already exists (use --force to replace it)")
-        with Vault(vault_dir) as vault:
-            model = dequantized_model(vault, dtype)
-            partial = out.parent / f"{out.name}.partial-dequantize"
-            shutil.rmtree(partial, ignore_errors=True)
-            try:  # nothing half-written stays: a full disk leaves no partial checkpoint behind
-                save_checkpoint(model, vault, dtype, partial)
-                publish(partial, out)
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
-    return out
+    with writing(out_dir, "dequantize", [vault_dir], force) as out, Vault(vault_dir) as vault:
+        model = dequantized_model(vault, dtype)
+        save_checkpoint(model, vault, dtype, out.begin(make="dir"))  # a failure (a full disk) leaves no partial
+        out.publish()
+    return out.path
 
 
 def dequantized_model(vault: Vault, dtype: torch.dtype):

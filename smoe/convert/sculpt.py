@@ -21,9 +21,11 @@ from smoe.convert import calibrate, encoders
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.format import codec
-from smoe.format.paths import check_outputs, output_lock, publish
+from smoe.format.jsonfile import parse_json
+from smoe.format.output import Output, writing
 from smoe.format.safetensors_io import WRITABLE, read_header, write_safetensors
 from smoe.format.vault import COPIED_FILES, DEFAULT_ALIGNMENT, TRUNK_FILE, QuantisedTensor, VaultWriter, align
+from smoe.hf.model import check_buildable
 from smoe.progress import bar as progress_bar
 from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
 from smoe.source.families import ExpertMap, load_bias, load_projection, map_experts
@@ -69,19 +71,18 @@ def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int
     return h.hexdigest()[:16]
 
 
-def sculpt(model_dir: str | Path, out_dir: str | Path, **options) -> SculptReport:
-    """Write the vault of `model_dir` at `out_dir` (options: those of `write_vault`), one writer at a time."""
-    check_outputs([out_dir], [model_dir, options.get("calib")])
-    with output_lock(Path(out_dir), "quantize"):
-        return write_vault(model_dir, out_dir, **options)
+def sculpt(model_dir: str | Path, out_dir: str | Path, force: bool = False, reads=(), **options) -> SculptReport:
+    """Write the vault of `model_dir` at `out_dir` (options: those of `write_vault`), one writer at a time;
+    `reads`: other files the command read (a plan), which --force must not remove either."""
+    with writing(out_dir, "quantize", [model_dir, options.get("calib"), *reads], force) as output:
+        return write_vault(model_dir, output, **options)
 
 
 def write_vault(
     model_dir: str | Path,
-    out_dir: str | Path,
+    output: Output,
     bits: int = 4,
     device: str = "auto",
-    force: bool = False,
     num_experts: int | None = None,
     progress: bool = True,
     alignment: int = DEFAULT_ALIGNMENT,
@@ -112,16 +113,14 @@ def write_vault(
         raise SmoeError(f"{ckpt.dir}: no config.json")
     expert_map = map_experts(ckpt.config, ckpt.names(), num_experts=num_experts)
     check_sources(ckpt, expert_map)
-    out = Path(out_dir)
-    if out.exists() and not force:
-        raise SmoeError(f"{out}: already exists (use --force to replace it)")
+    check_buildable(ckpt.config, {n: tuple(ckpt.shape(n)) for n in trunk_names(ckpt, expert_map)}, str(ckpt.dir / "config.json"))
     check_plan_matches(depths, expert_map)
     calib_tokens = calib_tokens or calibrate.DEFAULT_TOKENS
     calib_id = f"|{calibrate.file_hash(calib)}|{calib_tokens}" if calib is not None and encoder != "grid" else ""
     plan_id = f"|{sorted(depths.items())}" if depths else ""
-    partial = out.parent / f"{out.name}.partial-{source_fingerprint(ckpt, bits, encoder, alignment, calib_id + plan_id)}"
-    check_disk_space(ckpt, expert_map, max(depths.values()) if depths else bits, partial)
-    prepare_partial(out, partial, force)
+    fingerprint = source_fingerprint(ckpt, bits, encoder, alignment, calib_id + plan_id)
+    check_disk_space(ckpt, expert_map, max(depths.values()) if depths else bits, output.partial_path(fingerprint))
+    partial = output.begin(tag=fingerprint, keep=holds_blobs)
     if encoder in encoders.NEEDS_CALIBRATION and stats is None:
         stats = calibrate.collect(ckpt.dir, calib, calib_tokens, progress=progress)
 
@@ -138,10 +137,10 @@ def write_vault(
     finally:
         if not writer.data.closed:
             writer.close()
-    publish(partial, out)
+    output.publish()
     return SculptReport(
         family=expert_map.family, experts=len(expert_map.experts), expert_bytes_in=expert_source_bytes(ckpt, expert_map),
-        trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(out),
+        trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(output.path),
         seconds=time.perf_counter() - start, snr_db=snr, bits=bits, resumed_experts=resumed,
         weights_by_bits=weights_by_bits(expert_map, depths, bits),
     )
@@ -158,12 +157,10 @@ def weights_by_bits(expert_map: ExpertMap, depths: dict | None, bits: int) -> di
     return counts
 
 
-def prepare_partial(out: Path, partial: Path, force: bool) -> None:
-    """Create the work directory; stale partials of the same target (other inputs, or --force) go."""
-    for other in out.parent.glob(f"{out.name}.partial-*"):
-        if other != partial or force:
-            shutil.rmtree(other)
-    partial.mkdir(parents=True, exist_ok=True)
+def holds_blobs(partial: Path) -> bool:
+    """Whether a partial vault left by a failure has a journalled blob to resume from (else it goes)."""
+    journal = partial / VaultWriter.JOURNAL
+    return journal.is_file() and journal.stat().st_size > 0
 
 
 def check_disk_space(ckpt: Checkpoint, expert_map: ExpertMap, bits: int, partial: Path) -> None:
@@ -323,7 +320,9 @@ def check_sources(ckpt: Checkpoint, expert_map: ExpertMap) -> None:
         check_trunk_source(ckpt, name)
     for name in COPIED_FILES:
         if (ckpt.dir / name).exists():
-            ckpt.inside(name)
+            path = ckpt.inside(name)
+            if name.endswith(".json"):  # as the vault's reader will check it: a key given twice is refused
+                parse_json(path.read_bytes(), path)
 
 
 def check_trunk_source(ckpt: Checkpoint, name: str) -> None:

@@ -22,6 +22,7 @@ from smoe.errors import SmoeError
 from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
 from smoe.format import codec
 from smoe.format.dtypes import FLOAT_NAMES
+from smoe.format.jsonfile import read_json
 
 TRUNK_TYPES = ("bf16", "f16", "f32", "q8_0")
 Q4_1_BLOCK = 32
@@ -138,7 +139,7 @@ def write_tokenizer(writer, directory: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (GPT-2 style) as llama.cpp's "gpt2" model, with its pre-tokenizer."""
     path = directory / "tokenizer.json"
     require(path.exists(), f"{directory}: no tokenizer.json (GGUF export writes the tokenizer into the file)")
-    spec = json.loads(path.read_text())
+    spec = read_json(path)
     model = spec.get("model", {})
     require(model.get("type") == "BPE" and not model.get("byte_fallback") and is_byte_level(spec.get("decoder")),
             f"{path}: GGUF export supports byte-level BPE tokenizers (GPT-2 style) only; this one is "

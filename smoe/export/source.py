@@ -10,19 +10,20 @@ codes unpacked, and the atomic write of the output.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from smoe.errors import SmoeError
 from smoe.format import codec
-from smoe.format.dtypes import FLOATS, SAFETENSORS_NAMES
+from smoe.format.dtypes import FLOATS, SAFETENSORS, SAFETENSORS_NAMES
+from smoe.format.safetensors_io import read_tensor
 from smoe.format.vault import Vault
-from smoe.source.families import check_model_config
+from smoe.source.families import check_index_agrees, check_model_config
 
 TRUNK_DTYPES = {SAFETENSORS_NAMES[t]: t for t in FLOATS.values()}
 
@@ -73,8 +74,12 @@ class ExportSource:
         if self.vault.config is None:
             raise SmoeError(f"{self.vault.dir}: no config.json")
         check_model_config(self.vault.config, self.num_experts, str(self.vault.dir / "config.json"))
-        self.vault.check_trunk()
-        self._trunk = safe_open(self.vault.trunk_path, "pt")
+        check_index_agrees(self.vault.config, self.vault.meta, str(self.vault.dir / "index.json"))
+        self._trunk = self.vault.check_trunk()
+        for name, stored in self._trunk.items():  # every exported trunk tensor is a weight: an int8 norm is damage
+            require(SAFETENSORS[stored.dtype].is_floating_point,
+                    f"trunk tensor {name}: {stored.dtype} in the vault, the exports take floating trunk tensors only")
+        self._trunk_fd = os.open(self.vault.trunk_path, os.O_RDONLY)
 
     @property
     def dir(self) -> Path:
@@ -84,13 +89,13 @@ class ExportSource:
         return list(self._trunk.keys())
 
     def trunk_tensor(self, name: str) -> torch.Tensor:
-        return self._trunk.get_tensor(name)
+        return read_tensor(self._trunk_fd, self._trunk[name])
 
     def trunk_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._trunk.get_slice(name).get_shape())
+        return self._trunk[name].shape
 
     def trunk_dtype(self, name: str) -> torch.dtype | None:
-        return TRUNK_DTYPES.get(self._trunk.get_slice(name).get_dtype())
+        return TRUNK_DTYPES.get(self._trunk[name].dtype)
 
     def experts(self, layer: int, role: str) -> list[ExpertTensor]:
         """Every expert's `role` projection in `layer`; a layer's blobs are read once for all roles."""
@@ -111,6 +116,7 @@ class ExportSource:
 
     def close(self) -> None:
         self._layer = None
+        os.close(self._trunk_fd)
         self.vault.close()
 
 

@@ -3,48 +3,32 @@ built beside the output under a partial name, published by one rename."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from smoe.errors import SmoeError
 from smoe.export.source import ExportSource
-from smoe.format.paths import check_outputs, output_lock, publish
+from smoe.format.output import writing
 
 FORMATS = ("gguf", "mlx")
 
 
 def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     """Write VAULT as `to` ("gguf": one file, "mlx": a directory) at `output`, atomically."""
-    check_outputs([output], [vault_dir])
     if to not in FORMATS:
         raise SmoeError(f"unknown export format {to!r} (gguf, mlx)")
-    out = Path(output)
-    with output_lock(out, "export"):
-        if out.exists() and not force:
-            raise SmoeError(f"{out}: already exists (use --force to replace it)")
+    with writing(output, "export", [vault_dir], force) as out:
         write_export(vault_dir, to, out, options)
-    return out
+    return out.path
 
 
-def write_export(vault_dir, to: str, out: Path, options: dict) -> None:
+def write_export(vault_dir, to: str, out, options: dict) -> None:
     source = ExportSource(vault_dir)
     if to == "gguf":
         from smoe.export.gguf import write_gguf as write
     else:
         from smoe.export.mlx import write_mlx as write
-    partial = out.parent / f"{out.name}.partial-{os.getpid()}"
-    remove(partial)
     try:
-        write(source, partial, **options)
-        publish(partial, out)
+        write(source, out.begin(make="file" if to == "gguf" else None), **options)  # write_mlx makes its directory
+        out.publish()
     finally:
-        remove(partial)
         source.close()
-
-
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()

@@ -16,11 +16,15 @@ import xxhash
 
 from smoe.errors import SmoeError
 from smoe.format import codec
-from smoe.format.dtypes import FLOAT_NAMES, FLOATS
+from smoe.format.dtypes import FLOAT_NAMES, FLOATS, SAFETENSORS
+from smoe.format.jsonfile import parse_json
+from smoe.format.safetensors_io import WRITABLE, Stored, load_tensors, read_entries
 from smoe.format.vault_index import SECTION_ALIGNMENT, align, blob_layout, check_index
 
 MAGIC = b"SMOEVLT\x00"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)  # version 2: config.json keeps the source's model_type (docs/vault.md)
+READS = " and ".join(map(str, READ_VERSIONS))
 HEADER = struct.Struct("<8sIIIIQQQQ")  # magic, version, group, bits, alignment, data_offset, data_end, blobs, index hash
 HEADER_SIZE = HEADER.size + 8  # + xxh64 of the header fields
 DEFAULT_ALIGNMENT = 4096
@@ -36,6 +40,7 @@ COPIED_FILES = (
 # files a runtime or transformers would read if present: each must be covered by the index
 READ_FILES = frozenset(COPIED_FILES) | {TRUNK_FILE, "model.safetensors.index.json"}
 QUANT_METHOD = "smoe"  # config.json's quantization_config.quant_method in a vault
+VAULT_MODEL_TYPE = "smoe_vault"  # config.json's model_type from version 3: unknown to transformers without smoe
 MAX_INDEX_BYTES_PER_BLOB = 4096  # a generous bound on one entry of index.json (bounded memory on open)
 
 
@@ -173,9 +178,9 @@ def unpack_header(raw: bytes, path: Path) -> dict:
         raise SmoeError(f"{path}: header checksum mismatch (corrupt header)")
     if version == 1:
         raise SmoeError(f"{path}: vault format version 1, whose trunk and config files carry no checksum; "
-                        "this smoe reads version 2: quantize the model again")
-    if version != FORMAT_VERSION:
-        raise SmoeError(f"{path}: vault format version {version}, this smoe reads version {FORMAT_VERSION}")
+                        f"this smoe reads versions {READS}: quantize the model again")
+    if version not in READ_VERSIONS:
+        raise SmoeError(f"{path}: vault format version {version}, this smoe reads versions {READS}")
     if group != codec.GROUP_SIZE:
         raise SmoeError(f"{path}: group size {group} unsupported (expected {codec.GROUP_SIZE})")
     aligned = SECTION_ALIGNMENT <= alignment <= MAX_ALIGNMENT and not alignment & (alignment - 1)
@@ -310,12 +315,15 @@ def layout_meta(entries: list[ExpertEntry]) -> dict:
 
 def seal_config(directory: Path, bits: int) -> None:
     """Mark config.json as a vault's: `quantization_config` names smoe, as transformers' quantizers expect
-    (a source's own quantization_config no longer applies: the vault holds its tensors decoded)."""
+    (a source's own quantization_config no longer applies: the vault holds its tensors decoded), and the
+    model type is `smoe_vault`, the source's kept in quantization_config: transformers without smoe
+    refuses the vault, naming that type, instead of loading the trunk with random experts."""
     path = directory / CONFIG_FILE
     if path.exists():
-        config = json.loads(path.read_bytes())
-        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": "smoe-vault",
-                                         "version": FORMAT_VERSION, "bits": bits}
+        config = parse_json(path.read_bytes(), path)
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": "smoe-vault", "version": FORMAT_VERSION,
+                                         "bits": bits, "model_type": config.get("model_type")}
+        config["model_type"] = VAULT_MODEL_TYPE
         path.write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -354,7 +362,7 @@ class Vault:
             raise SmoeError(f"{data_path}: truncated ({size} bytes, header says {self.header['data_end']})")
         self.meta = read_index(self.dir / INDEX_FILE, self.header)
         self.entries = {(e["layer"], e["expert"]): ExpertEntry.from_json(e) for e in self.meta["experts"]}
-        self.config = check_files(self.dir, self.meta["files"])
+        self.config = check_files(self.dir, self.meta["files"], self.header["version"])
 
     @property
     def bits(self) -> int:
@@ -368,14 +376,20 @@ class Vault:
     def trunk_path(self) -> Path:
         return self.dir / TRUNK_FILE
 
-    def check_trunk(self) -> None:
+    def check_trunk(self) -> dict[str, Stored]:
         """The trunk file against its checksum: one sequential read (measured in BENCHMARKS.md), made
-        once when a model is opened, never per token."""
+        once when a model is opened, never per token; then its safetensors header, every tensor in a
+        dtype a vault's trunk holds. Returns the trunk's tensors by name, as the header places them."""
         record = self.meta["files"].get(TRUNK_FILE)
         if record is None:
             raise SmoeError(f"{self.dir}: no {TRUNK_FILE} (the trunk) in the vault")
         if file_checksum(self.trunk_path) != record["xxh3_64"]:
             raise SmoeError(f"{self.trunk_path}: checksum mismatch (corrupt trunk)")
+        entries = read_entries(self.trunk_path)
+        for name, stored in entries.items():
+            if SAFETENSORS[stored.dtype] not in WRITABLE:
+                raise SmoeError(f"{self.trunk_path}: trunk tensor {name} is {stored.dtype}, a dtype no vault's trunk holds")
+        return entries
 
     def entry(self, layer: int, expert: int) -> ExpertEntry:
         try:
@@ -430,15 +444,12 @@ def read_index(path: Path, header: dict) -> dict:
     raw = path.read_bytes()
     if xxhash.xxh64_intdigest(raw) != header["index_hash"]:
         raise SmoeError(f"{path}: does not match {DATA_FILE} (index hash mismatch)")
-    try:
-        index = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise SmoeError(f"{path}: not valid JSON ({str(e)[:80]})") from None
+    index = parse_json(raw, path)
     check_index(index, header, str(path))
     return index
 
 
-def check_files(directory: Path, files: dict) -> dict | None:
+def check_files(directory: Path, files: dict, version: int = FORMAT_VERSION) -> dict | None:
     """Every listed file is present at its size and every one but the trunk matches its checksum;
     no file a reader would pick up is unlisted. Returns config.json as the model's configuration
     (without the vault's quantization_config), or None when the vault has none."""
@@ -455,20 +466,44 @@ def check_files(directory: Path, files: dict) -> dict | None:
         raw = path.read_bytes()
         if checksum(raw) != record["xxh3_64"]:
             raise SmoeError(f"{path}: checksum mismatch (changed or corrupt since quantizing)")
+        if name.endswith(".json") and name != CONFIG_FILE:
+            parse_json(raw, path)  # before transformers reads it: a key given twice is refused here
         if name == CONFIG_FILE:
-            config = parse_config(raw, path)
+            config = parse_config(raw, path, version)
     return config
 
 
-def parse_config(raw: bytes, path: Path) -> dict:
-    try:
-        config = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise SmoeError(f"{path}: not valid JSON") from None
-    if not isinstance(config, dict) or config.get("quantization_config", {}).get("quant_method") != QUANT_METHOD:
-        raise SmoeError(f"{path}: not a vault's config (no smoe quantization_config)")
+def parse_config(raw: bytes, path: Path, version: int = FORMAT_VERSION) -> dict:
+    """The model's configuration: config.json without the vault's quantization_config, its model type the source's."""
+    config = parse_json(raw, path)
+    config = source_model_config(config, path, version)
     config.pop("quantization_config")
     return config
+
+
+def source_model_config(config, path, version: int = FORMAT_VERSION) -> dict:
+    """A vault's config.json (parsed) as the source model's: from version 3 the model type is
+    quantization_config's (config.json's own is `smoe_vault`); version 2 kept the source's in place."""
+    sealed = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(sealed, dict) or sealed.get("quant_method") != QUANT_METHOD:
+        raise SmoeError(f"{path}: not a vault's config (no smoe quantization_config)")
+    if version == 2:
+        return dict(config)
+    if config.get("model_type") != VAULT_MODEL_TYPE or not isinstance(sealed.get("model_type"), str):
+        raise SmoeError(f"{path}: a version-{version} vault's config has model_type {VAULT_MODEL_TYPE!r} and the "
+                        f"source's in quantization_config.model_type (found {config.get('model_type')!r}, "
+                        f"{sealed.get('model_type')!r})")
+    return config | {"model_type": sealed["model_type"]}
+
+
+def version_notice(path: str | Path) -> str | None:
+    """A line on the format of a vault whose header is sound when that format is an older one still read."""
+    with open(Path(path) / DATA_FILE, "rb") as f:
+        version = unpack_header(f.read(HEADER_SIZE), Path(path) / DATA_FILE)["version"]
+    if version == FORMAT_VERSION:
+        return None
+    return (f"format version {version} (still read; quantize again for {FORMAT_VERSION}: transformers without "
+            f"`import smoe` loads a version-{version} vault with random experts, version {FORMAT_VERSION} it refuses)")
 
 
 # --- verification --------------------------------------------------------------------------------
@@ -491,9 +526,21 @@ def verify(path: str | Path, progress=None) -> list[str]:
                 problems.append(str(err))
         problems += check_padding(vault, entries)
         try:
-            vault.check_trunk()
+            problems += nonfinite_trunk_tensors(vault.trunk_path, vault.check_trunk())
         except SmoeError as err:
             problems.append(str(err))
+    return problems
+
+
+def nonfinite_trunk_tensors(path: Path, entries: dict[str, Stored]) -> list[str]:
+    """A NaN or infinity in a trunk tensor (a norm weight, say) runs without a word and emits nonsense:
+    name each one. Read one tensor at a time."""
+    problems = []
+    for name, stored in entries.items():
+        (tensor,) = load_tensors(path, {name: stored}).values()
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            problems.append(f"{path}: trunk tensor {name} holds {bad} non-finite values (NaN or infinity)")
     return problems
 
 

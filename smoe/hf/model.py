@@ -7,20 +7,21 @@ trunk tensor is checked to be held by the model afterwards (a load hook or tie t
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from smoe.errors import SmoeError
+from smoe.format.safetensors_io import load_tensors
 from smoe.format.vault import Vault
 from smoe.hf.experts import EXPERTS_IMPLEMENTATION, is_experts_module, layer_of, replace_unregistered_moe_blocks
-from smoe.source.families import check_model_config
+from smoe.source.families import check_index_agrees, check_model_config, show_value
 
 
 def model_config(vault: Vault):
@@ -29,16 +30,70 @@ def model_config(vault: Vault):
     config = vault.config
     if config is None:
         raise SmoeError(f"{vault.dir}: no config.json")
-    check_model_config(config, vault.meta["num_experts"], str(vault.dir / "config.json"))
+    where = str(vault.dir / "config.json")
+    check_model_config(config, vault.meta["num_experts"], where)
+    check_index_agrees(config, vault.meta, str(vault.dir / "index.json"))
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        raise SmoeError(f"{vault.dir / 'config.json'}: model_type {model_type!r} is unknown to transformers "
-                        f"{transformers.__version__}")
-    config_class = CONFIG_MAPPING[model_type]
-    try:  # as from_pretrained reads a file: {"__float__": "Infinity"} back to a float first
+        raise SmoeError(f"{where}: model_type {model_type!r} is unknown to transformers {transformers.__version__}")
+    return read_config(config, where)
+
+
+def read_config(config: dict, where: str):
+    """transformers' configuration of a config dict, as from_pretrained reads a file ({"__float__": "Infinity"}
+    back to a float first); what transformers refuses is one line naming the key."""
+    config_class = CONFIG_MAPPING[config["model_type"]]
+    try:
         return config_class.from_dict(config_class._decode_special_floats(config))
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise SmoeError(f"{vault.dir / 'config.json'}: transformers cannot read it ({str(e)[:120]})") from None
+    except Exception as e:  # strict dataclass validators raise their own types
+        raise refusal(e, config, where, lambda c: config_class.from_dict(config_class._decode_special_floats(c))) from None
+
+
+KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*_[A-Za-z0-9_]+\Z")  # names a message may quote: rms_norm_eps, not "0"
+
+
+def refusal(error: Exception, config: dict, where: str, attempt) -> SmoeError:
+    """transformers' refusal of a config as one line naming the key it is about: the key its message names,
+    else the key holding the value it names (an ACT2FN or rope KeyError), else the one key without which
+    `attempt(config)` succeeds."""
+    if isinstance(error, SmoeError):
+        return error
+    text = " ".join(str(error).split())
+    leaves = dict(config_leaves(config))
+    named = [k for k in leaves if KEY_NAME.match(k.rsplit(".", 1)[-1]) and re.search(rf"\b{k.rsplit('.', 1)[-1]}\b", text)]
+    valued = [k for k, v in leaves.items() if isinstance(v, str) and error.args and error.args[0] == v]
+    key = max(named, key=len) if named else valued[0] if valued else culprit(config, attempt)
+    said = f"{key} is {show_value(leaves[key])}: " if key else ""
+    return SmoeError(f"{where}: {said}transformers {transformers.__version__} cannot build the model from it "
+                     f"({type(error).__name__}: {text[:160]})")
+
+
+def config_leaves(config: dict, prefix: str = ""):
+    """("a.b", value) of every value in a config dict and the dicts nested in it."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            yield from config_leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def culprit(config: dict, attempt) -> str | None:
+    """The key whose removal (the class's default instead) lets `attempt` succeed; only on an error's path."""
+    for key, _ in config_leaves(config):
+        if key in ("model_type", "architectures"):
+            continue
+        *parents, leaf = key.split(".")
+        trial = json.loads(json.dumps(config))
+        scope = trial
+        for part in parents:
+            scope = scope[part]
+        del scope[leaf]
+        try:
+            attempt(trial)
+        except Exception:
+            continue
+        return key
+    return None
 
 
 def causal_lm_class(config):
@@ -47,22 +102,37 @@ def causal_lm_class(config):
     return model_class if model_class is not None else AutoModelForCausalLM
 
 
-def build_model(config, dtype: torch.dtype, streaming: bool = True):
+def build_model(config, dtype: torch.dtype, streaming: bool = True, where: str = "config.json"):
     """The transformers model with every parameter on the meta device (nothing allocated yet); with
-    `streaming`, MoE blocks outside the experts registry are swapped for streaming ones."""
-    model_class = causal_lm_class(config)
-    kwargs = {"experts_implementation": EXPERTS_IMPLEMENTATION, "dtype": dtype}
+    `streaming`, MoE blocks outside the experts registry are swapped for streaming ones. A value its
+    modules cannot use (an unknown activation or rope type, a head size of 0) is one line naming the key."""
     try:
-        with torch.device("meta"):
-            if model_class is AutoModelForCausalLM:
-                model = model_class.from_config(config, **kwargs)
-            else:
-                model = model_class._from_config(config, **kwargs)  # what the Auto classes call
-    except ValueError as e:
-        raise SmoeError(f"cannot build a {config.model_type} model with transformers: {e}") from None
+        model = skeleton(config, dtype)
+    except Exception as e:  # a value transformers looks up or divides by: one line naming the key
+        source = config.to_dict()
+        raise refusal(e, source, where, lambda c: skeleton(read_config(c, where), dtype)) from None
     if streaming:
         replace_unregistered_moe_blocks(model)
     return model.eval()
+
+
+def skeleton(config, dtype: torch.dtype):
+    model_class = causal_lm_class(config)
+    kwargs = {"experts_implementation": EXPERTS_IMPLEMENTATION, "dtype": dtype}
+    with torch.device("meta"):
+        if model_class is AutoModelForCausalLM:
+            return model_class.from_config(config, **kwargs)
+        return model_class._from_config(config, **kwargs)  # what the Auto classes call
+
+
+def check_buildable(config: dict, trunk: dict[str, tuple[int, ...]], where: str) -> None:
+    """Before quantizing: transformers builds the model of `config` (on the meta device, nothing allocated)
+    and holds every trunk tensor (name -> shape) at that shape, as opening the vault will require. A model
+    type transformers does not know is left to the family checks (an export may still take it)."""
+    if config.get("model_type") not in CONFIG_MAPPING:
+        return
+    model = build_model(read_config(config, where), torch.float32, where=where)
+    place_trunk(model, trunk, "the checkpoint")
 
 
 def load_trunk(model, vault: Vault, dtype: torch.dtype | None, is_experts=is_experts_module) -> None:
@@ -85,26 +155,46 @@ def load_trunk(model, vault: Vault, dtype: torch.dtype | None, is_experts=is_exp
 def read_trunk(model, vault: Vault, cast: bool) -> dict[str, torch.Tensor]:
     """The vault's trunk under the model's names. A tensor of another shape than the model's, or one the
     model lacks (beyond those transformers itself leaves out on load), is an error."""
+    tensors = load_tensors(vault.trunk_path)
+    names = place_trunk(model, {key: tuple(t.shape) for key, t in tensors.items()}, "the vault")
+    expected = model.state_dict()
+    for key, name in names.items():
+        check_loadable(key, tensors[key], expected[name])
+    return {name: cast_as(tensors[key], expected[name]) if cast else tensors[key] for key, name in names.items()}
+
+
+def place_trunk(model, shapes: dict[str, tuple[int, ...]], holder: str) -> dict[str, str]:
+    """trunk key -> the model's name for it (transformers' renamings); a tensor of another shape than the
+    model's (a router with more rows than the config's experts), or one the model lacks beyond those
+    transformers itself leaves out on load (another model type's trunk), is an error."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     expected, ignorable = model.state_dict(), ignored_on_load(model)
-    trunk, sources, unknown = {}, {}, []
-    for key, tensor in load_file(vault.trunk_path).items():
+    names, sources, unknown = {}, {}, []
+    for key, shape in shapes.items():
         name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
         if name not in expected:
             unknown += [] if ignorable(name) else [key]
             continue
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise SmoeError(f"trunk tensor {key}: shape {tuple(tensor.shape)} in the vault, "
+        if tuple(shape) != tuple(expected[name].shape):
+            raise SmoeError(f"trunk tensor {key}: shape {tuple(shape)} in {holder}, "
                             f"{tuple(expected[name].shape)} in the model config.json builds")
-        if name in trunk:
+        if name in sources:
             raise SmoeError(f"trunk tensors {sources[name]} and {key} both load into {name}")
-        trunk[name], sources[name] = cast_as(tensor, expected[name]) if cast else tensor, key
+        names[key], sources[name] = name, key
     if unknown:
         raise SmoeError(f"the trunk has {len(unknown)} tensors the {type(model).__name__} built from config.json "
-                        f"lacks (first: {unknown[:3]}): a checkpoint of another layout or version?")
-    return trunk
+                        f"lacks (first: {unknown[:3]}): a checkpoint of another model type, layout or version?")
+    return names
+
+
+def check_loadable(key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
+    """A float tensor where the model holds a float one, else the model's own dtype: an int8 norm weight
+    would be assigned as it is and fail inside the first matmul."""
+    if tensor.is_floating_point() != like.is_floating_point() or not (tensor.is_floating_point() or tensor.dtype == like.dtype):
+        raise SmoeError(f"trunk tensor {key}: {str(tensor.dtype).removeprefix('torch.')} in the vault, the model "
+                        f"holds it as {str(like.dtype).removeprefix('torch.')}")
 
 
 def cast_as(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

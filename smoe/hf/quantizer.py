@@ -1,6 +1,7 @@
 """`AutoModelForCausalLM.from_pretrained(VAULT)`: the vault's quantisation method in transformers' registry.
 
-A vault's config.json carries `quantization_config: {quant_method: "smoe", ...}` and its trunk is
+A vault's config.json carries `quantization_config: {quant_method: "smoe", ...}` (its model type, `smoe_vault`,
+reads as the source's through smoe.hf.vault_config) and its trunk is
 `model.safetensors`, so transformers loads a vault as any pre-quantised checkpoint (bitsandbytes, GPTQ,
 HQQ): it builds the model on the meta device, lets this quantizer adjust the skeleton, loads the trunk,
 and calls the quantizer again. Before loading, the routed experts' parameters become empty placeholders (they are in
@@ -17,7 +18,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from smoe.errors import SmoeError
-from smoe.format.vault import FORMAT_VERSION, QUANT_METHOD, Vault
+from smoe.format.vault import FORMAT_VERSION, QUANT_METHOD, READ_VERSIONS, READS, Vault
 
 METHOD = QUANT_METHOD
 _attach = None  # attach(model, vault_dir) -> None, set by the runtime
@@ -52,9 +53,9 @@ class SmoeQuantizer(HfQuantizer):
     def validate_environment(self, *args, **kwargs):
         if not self.pre_quantized:
             raise SmoeError("smoe quantises with `smoe quantize MODEL -o VAULT`, not from_pretrained")
-        if self.quantization_config.version != FORMAT_VERSION:
+        if self.quantization_config.version not in READ_VERSIONS:
             raise SmoeError(f"vault format version {self.quantization_config.version}; this smoe reads "
-                            f"{FORMAT_VERSION} (quantize again)")
+                            f"versions {READS} (quantize again)")
 
     def update_device_map(self, device_map):
         return device_map

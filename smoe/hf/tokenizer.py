@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from smoe.errors import SmoeError
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
 ROLE_LABELS = {"user": "User", "system": "System"}
 
 
@@ -11,10 +14,13 @@ def load_tokenizer(path, purpose: str = ""):
     """The tokenizer saved with a model or vault; `purpose` ("for calibration") completes the error message."""
     from transformers import AutoTokenizer
 
+    for_what = purpose and " " + purpose
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise SmoeError(f"{path}: no tokenizer{for_what} (none of {', '.join(TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise SmoeError(f"{path}: no usable tokenizer{purpose and ' ' + purpose} ({e})") from None
+    except (OSError, ValueError) as e:  # transformers' reasons run over several lines: keep one
+        raise SmoeError(f"{path}: no usable tokenizer{for_what} ({' '.join(str(e).split())[:300]})") from None
 
 
 def check_text(text: str, what: str) -> str:

@@ -14,12 +14,12 @@ layer's blobs take in experts.bin, 64-byte sections and blob alignment included.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 
 from smoe.errors import SmoeError
 from smoe.format import codec
+from smoe.format.jsonfile import read_json
 from smoe.format.paths import check_outputs
 from smoe.format.vault import DEFAULT_ALIGNMENT, align
 from smoe.format.vault_index import blob_layout
@@ -156,13 +156,10 @@ def load_plan(source: str | Path | dict) -> dict:
     if isinstance(source, dict):
         return source
     path = Path(source)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SmoeError(f"{path}: no such plan file") from None
-    except (OSError, ValueError) as e:
-        raise SmoeError(f"{path}: unreadable plan ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT or not isinstance(doc.get("tensors"), dict):
+    if not path.is_file():
+        raise SmoeError(f"{path}: no such plan file")
+    doc = read_json(path)
+    if doc.get("format") != PLAN_FORMAT or not isinstance(doc.get("tensors"), dict):
         raise SmoeError(f"{path}: not an smoe plan (written by `smoe plan`)")
     return doc
 

@@ -24,6 +24,7 @@ from smoe.convert.calibrate import CalibrationStats, load_source_model
 from smoe.convert.dequantize import expert_parameters
 from smoe.errors import SmoeError
 from smoe.format import codec
+from smoe.format.jsonfile import read_json
 from smoe.progress import bar as progress_bar
 from smoe.source.checkpoint import Checkpoint
 from smoe.source.families import load_bias, load_projection, map_experts
@@ -130,10 +131,7 @@ def fingerprint(model_dir, encoder: str, calib_hash: str, tokens: int) -> str:
 def load_table(path: Path, fp: str) -> dict:
     if not path.exists():
         return {"fingerprint": fp, "kl": {}}
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SmoeError(f"{path}: unreadable sensitivity table ({e})") from None
+    table = read_json(path)
     if table.get("fingerprint") != fp:
         raise SmoeError(f"{path}: measured for another model, encoder or calibration "
                         "(remove it or pass another --sensitivity path)")

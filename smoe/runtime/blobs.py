@@ -15,6 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from smoe import numeric
 from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE, ExpertEntry, Vault, align
 
@@ -52,6 +53,9 @@ class BlobReader:
     """Checked reads of a vault's expert blobs on `threads` reader threads."""
 
     def __init__(self, vault: Vault, threads: int = 16, direct_io: bool = False, name: str = "smoe-read"):
+        problem = numeric.THREADS.problem(threads)  # the CLI checked --threads; the Python API passes it here
+        if problem:
+            raise SmoeError(f"threads (parallel expert reads): {problem}")
         self.vault = vault
         self.direct_fd = open_direct(vault) if direct_io else None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)

@@ -99,7 +99,7 @@ class OpenedVault:
         self.config = model_config(self.vault)
         self.description = describe_model(self.vault.config)
         if model is None:
-            self.model = build_model(self.config, self.dtype)
+            self.model = build_model(self.config, self.dtype, where=str(self.vault.dir / "config.json"))
             self.vault.check_trunk()
             load_trunk(self.model, self.vault, self.dtype)
         else:  # from_pretrained built it and loaded the trunk (checked by the quantizer)
@@ -132,8 +132,8 @@ class OpenedVault:
         top_k = self.vault.meta.get("top_k") or 1
         need = self.store.min_budget(top_k)
         if self.store.cache_bytes < need:
-            raise SmoeError(f"--cache-gb {self.store.cache_bytes / 1e9:.4g} is smaller than one token's {top_k} experts "
-                            f"of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
+            raise SmoeError(f"an expert cache of {self.store.cache_bytes:,} bytes (--cache-gb) is smaller than one "
+                            f"token's {top_k} experts of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
 
     def fast_decoder(self, positions: int):
         """The fast CPU decoder when this family has one (else None), with a KV cache of at least

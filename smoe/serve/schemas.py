@@ -7,15 +7,24 @@ that only tune delivery are accepted and ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from smoe import numeric
 
 MAX_STOPS = 16
 MAX_PROMPTS = 32  # prompts of one /v1/completions request, run one after another
 Stop = Annotated[str, Field(min_length=1)]
+# What each union-typed field accepts, for its one-line error: pydantic reports a union once per member,
+# under names of its own ("stop.constrained-str: Input should be a valid string")
+ACCEPTS = {
+    "stop": f"a non-empty string or a list of up to {MAX_STOPS} of them",
+    "prompt": f"a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either",
+    "content": 'a string or a list of content parts ({"type": "text", "text": ...})',
+    "system": 'a string or a list of text parts ({"type": "text", "text": ...})',
+}
 
 
 class Strict(BaseModel):
@@ -137,3 +146,28 @@ class MessagesRequest(AnthropicPrompt):
     top_k: int | None = numeric.TOP_K.field(None)
     stop_sequences: list[Stop] | None = Field(None, max_length=MAX_STOPS)
     stream: bool = False
+
+
+def first_error(error: ValidationError, data: dict) -> tuple[str, str]:
+    """(location, message) of the first problem in a request body `data`; a union-typed field is named
+    with what it accepts and what it got."""
+    loc = error.errors()[0]["loc"]
+    for i, key in enumerate(loc[:-1]):
+        if key in ACCEPTS and isinstance(loc[i + 1], str):  # loc[i + 1] names one of the union's members
+            return dotted(loc[:i + 1]), f"expected {ACCEPTS[key]}, got {shown(value_at(data, loc[:i + 1]))}"
+    return dotted(loc), error.errors()[0]["msg"]
+
+
+def dotted(loc) -> str:
+    return ".".join(map(str, loc))
+
+
+def value_at(data, loc):
+    for key in loc:
+        data = data[key]
+    return data
+
+
+def shown(value, limit: int = 40) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "…"

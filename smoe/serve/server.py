@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import json
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -40,8 +41,16 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from smoe.errors import SmoeError
+from smoe.format.vault import DATA_FILE
 from smoe.serve.logprobs import Pieces, chat_content, chat_logprobs, completion_logprobs
-from smoe.serve.schemas import AnthropicPrompt, ChatCompletionRequest, CompletionRequest, MessagesRequest, image_at
+from smoe.serve.schemas import (
+    AnthropicPrompt,
+    ChatCompletionRequest,
+    CompletionRequest,
+    MessagesRequest,
+    first_error,
+    image_at,
+)
 from smoe.serve.worker import REQUEST_JOBS, Outcome, Overloaded, Sampling, Worker
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -51,7 +60,10 @@ ANTHROPIC_TYPES = {404: "not_found_error", 408: "timeout_error", 413: "request_t
 OPENAI_FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "stop"}
 ANTHROPIC_STOP = {"eos": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens", "cancelled": "end_turn"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DRAIN_BYTES = 16 << 20  # how far past the body limit a request is still read (and dropped)
+DRAIN_BYTES = 16 << 20  # how much of an unread request body a closing connection still reads (and drops)
+LINGER = 2.0  # seconds it may take to do so
+READ_METHODS = ["GET", "HEAD"]  # HEAD is answered wherever GET is (uvicorn leaves out the body)
+JSON_TYPES = ("application/json", "application/x-www-form-urlencoded")  # the latter is what `curl -d` declares
 HEAD_PREFIX = 4096  # bytes of a request's start kept to find its path for an error before uvicorn parses it
 REFUSE_WAIT = 1.0  # seconds a connection over the limit may take to send its request line, to be told why
 MAX_REFUSED = 32  # connections over the limit kept waiting for that at once; more are answered straight away
@@ -124,15 +136,17 @@ def error_body(path: str, status: int, message: str, param: str | None = None) -
 
 
 def error_response(request: Request, status: int, message: str, param: str | None = None,
-                   close: bool = False) -> JSONResponse:
-    headers = {"Connection": "close"} if close else None
+                   close: bool = False, headers: dict | None = None) -> JSONResponse:
+    headers = (headers or {}) | ({"Connection": "close"} if close else {})
     return JSONResponse(error_body(request.url.path, status, message, param), status_code=status, headers=headers)
 
 
 # --- request bodies -------------------------------------------------------------------------------
 
 async def read_body(request: Request, limits: Limits) -> bytes:
-    """The body, or a 413 when it exceeds the limit, or a 408 when it takes over request_timeout to arrive."""
+    """The body, or a 415 when its Content-Type is not JSON, a 413 when it exceeds the limit, or a 408
+    when it takes over request_timeout to arrive."""
+    check_content_type(request)
     try:
         with anyio.fail_after(limits.request_timeout):
             return await read_body_within(request, limits.max_body_bytes)
@@ -141,25 +155,28 @@ async def read_body(request: Request, limits: Limits) -> bytes:
                        close=True) from None
 
 
-async def read_body_within(request: Request, limit: int) -> bytes:
-    """The body, or a 413 when it exceeds `limit`.
+def check_content_type(request: Request) -> None:
+    """Bodies are read as JSON when they say so, say nothing, or carry curl's default form type; any
+    other type is refused before the body is read."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media and media not in JSON_TYPES and not media.endswith("+json"):
+        raise ApiError(415, f"Content-Type {media} is not supported: the body must be JSON (application/json)",
+                       close=True)
 
-    A body somewhat over the limit is read to its end and dropped, so that the client, still
-    sending, gets the 413 instead of a connection reset; past DRAIN_BYTES more, the connection is
-    closed at once."""
-    too_large = f"request body is over the limit of {limit:,} bytes"
+
+async def read_body_within(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `limit`: from its Content-Length, before any
+    of it is read, or once the bytes counted (a chunked body) pass it. The connection is then closed
+    (GuardedH11.linger lets the client read the answer)."""
+    over = f"over the limit of {limit:,} bytes (--max-body-mb)"
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit + DRAIN_BYTES:
-        raise ApiError(413, f"request body of {int(declared):,} bytes is over the limit of {limit:,}", close=True)
-    body, size = bytearray(), 0
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {int(declared):,} bytes is {over}", close=True)
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit + DRAIN_BYTES:
-            raise ApiError(413, too_large, close=True)
-        if size <= limit:
-            body += chunk
-    if size > limit:
-        raise ApiError(413, too_large)
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body is {over}", close=True)
     return bytes(body)
 
 
@@ -176,12 +193,31 @@ def parse(body: bytes, schema):
         raise ApiError(400, f"body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "body must be a JSON object")
+    at = lone_surrogate_at(data) if b"\\u" in body else None  # only a \u escape can write one
+    if at is not None:
+        raise ApiError(400, f"{at}: the text has a lone surrogate (a \\ud800-\\udfff escape without its pair), "
+                       "which is not a character", param=at)
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(map(str, first["loc"]))
-        raise ApiError(400, f"{loc}: {first['msg']}" if loc else first["msg"], param=loc or None) from None
+        loc, message = first_error(e, data)
+        raise ApiError(400, f"{loc}: {message}" if loc else message, param=loc or None) from None
+
+
+def lone_surrogate_at(data) -> str | None:
+    """The location ("messages.0.content") of the first string in `data` that holds a lone surrogate,
+    which no encoding can write (the tokenizer fails on it), or None."""
+    stack = [("", data)]
+    while stack:
+        at, value = stack.pop()
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        stack.extend((f"{at}.{key}" if at else str(key), item) for key, item in reversed(list(items)))
+    return None
 
 
 # --- prompts and limits ---------------------------------------------------------------------------
@@ -545,8 +581,11 @@ def create_app(worker: Worker, limits: Limits = Limits()) -> FastAPI:
         return error_response(request, e.status, e.message, e.param, e.close)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):  # unknown routes (404), wrong methods (405)
-        return error_response(request, e.status_code, str(e.detail))
+    async def http_error(request: Request, e: HTTPException):  # unknown routes (404), wrong methods (405, with Allow)
+        headers = dict(e.headers or {})
+        if "Allow" in headers:
+            headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
+        return error_response(request, e.status_code, str(e.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
@@ -560,23 +599,23 @@ def create_app(worker: Worker, limits: Limits = Limits()) -> FastAPI:
     async def client_left(request: Request, e: ClientDisconnect):  # while sending its body
         return Response(status_code=499)
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", response_class=HTMLResponse, methods=READ_METHODS)
     async def index():
         return HTMLResponse(page)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health():
         return {"status": "ok", "model": worker.model_id, "context": worker.context, "max_tokens": limits.max_tokens}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def metrics():
         return worker.metrics_snapshot()
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models():
         return {"object": "list", "data": [model_card]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=READ_METHODS)
     async def model(model_id: str):
         if model_id != worker.model_id:
             raise ApiError(404, f"model {model_id!r} is not served here (this server serves {worker.model_id!r})",
@@ -640,20 +679,42 @@ class Connections:
         return True
 
 
+class LingeringTransport:
+    """The connection's transport as uvicorn sees it, with close() left to GuardedH11.linger."""
+
+    def __init__(self, transport, protocol: GuardedH11):
+        self.real, self.protocol = transport, protocol
+
+    def close(self) -> None:
+        self.protocol.linger()
+
+    def is_closing(self) -> bool:
+        return self.protocol.lingering or self.real.is_closing()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
 class GuardedH11(H11Protocol):
     """uvicorn's HTTP/1.1 connection with deadlines on the client's side and a cap on their number.
 
     With no request in flight (a new connection, or kept alive after a response), the client must
     send a first byte within idle_timeout, and the rest of the request head within request_timeout
     of that byte; the body's deadline is read_body's. A connection that runs out of time is closed,
-    with a 408 if part of a request had come. uvicorn alone times out only kept-alive connections."""
+    with a 408 if part of a request had come. uvicorn alone times out only kept-alive connections.
+
+    A socket closed while the client is still sending a body it did not read (after a 413 or 415) makes
+    the kernel send a reset, which can destroy the answer before the client reads it; so such a close
+    lingers: the answer is sent, our side shut, and what still comes is dropped (up to DRAIN_BYTES,
+    for up to LINGER seconds) until the client closes."""
 
     def __init__(self, registry: Connections, **kwargs):
         super().__init__(**kwargs)
         self.registry, self.limits = registry, registry.limits  # uvicorn has self.connections
         self.timer: asyncio.TimerHandle | None = None
         self.head = b""  # the start of a request whose head has not all arrived
-        self.refused = False
+        self.refused = self.lingering = False
+        self.drained = 0
 
     def in_request(self) -> bool:
         """Whether a request head has arrived and its answer is not yet sent."""
@@ -661,6 +722,7 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.transport = LingeringTransport(transport, self)
         self.refused = not self.registry.admit(self)
         if not self.refused:
             self.arm(self.limits.idle_timeout, 408, "no request came")
@@ -677,6 +739,11 @@ class GuardedH11(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self.drained += len(data)
+            if self.drained > DRAIN_BYTES:
+                self.transport.real.close()
+            return
         if self.refused:  # answered once its request line is in
             self.head = (self.head + data)[:HEAD_PREFIX]
             if request_path(self.head) or len(self.head) == HEAD_PREFIX:
@@ -697,6 +764,20 @@ class GuardedH11(H11Protocol):
         if not self.in_request() and not self.transport.is_closing():
             self.head = b""
             self.arm(self.limits.idle_timeout, 408, "no request came")
+
+    def linger(self) -> None:
+        """Closes the connection, lingering when an answer was sent before the request's body had all come."""
+        real = self.transport.real
+        if self.lingering or real.is_closing():
+            return
+        if self.conn.our_state is not h11.CLOSED or self.conn.their_state is not h11.SEND_BODY:
+            real.close()
+            return
+        self.lingering = True
+        real.write_eof()  # after the answer: the client reads it, then sees the end
+        self.flow.resume_reading()
+        self.disarm()
+        self.timer = self.loop.call_later(LINGER, real.close)
 
     def send_400_response(self, msg: str) -> None:  # h11 could not parse the request
         self.disarm()
@@ -785,6 +866,7 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
     limits = fit_connections(limits)
     sock = listen(host, port)
     worker = Worker(open_model(), load_tokenizer(vault), Path(vault).resolve().name, limits.max_queue)
+    check_still_there(worker.sm)
     # no limit_concurrency: uvicorn's counts idle connections and answers in plain text; GuardedH11 caps them
     protocol = functools.partial(GuardedH11, Connections(limits))
     logging.basicConfig(level=limits.log_level.upper(), format="smoe: %(message)s", stream=sys.stderr)
@@ -807,6 +889,19 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
     if stopped:
         print("smoe: stopped (SIGTERM); the vault is closed", file=sys.stderr, flush=True)
     return 0
+
+
+def check_still_there(sm) -> None:
+    """The files are opened one by one at start-up and then held open, so what is served stays the vault
+    opened whatever becomes of its directory; a directory replaced while they were opened could have
+    mixed two vaults' files, so that start is refused."""
+    try:
+        same = os.path.samestat(os.fstat(sm.vault.fd), os.stat(sm.vault.dir / DATA_FILE))
+    except OSError:
+        same = False
+    if not same:
+        sm.close()
+        raise SmoeError(f"{sm.vault.dir} was replaced while the server was opening it: start it again")
 
 
 class Terminated(Exception):

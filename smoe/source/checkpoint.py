@@ -9,7 +9,6 @@ Quantised sources are presented under their logical names (see names()) and dequ
 through smoe.source.quantised.
 """
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,8 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.format.dtypes import SAFETENSORS, SAFETENSORS_NAMES, TORCH_NAMES
-from smoe.format.safetensors_io import corrupt_header, read_header
+from smoe.format.jsonfile import read_json
+from smoe.format.safetensors_io import Stored, pread_exact, read_entries
 from smoe.source import quantised as source_quant
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -32,7 +32,6 @@ REAL_DTYPES = {"BF16", "F16", "F32", "F64"}
 PLAIN_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64", "F8_E4M3": "fp8_e4m3"}
 CONFIG_DTYPES = {name: PLAIN_FORMATS[SAFETENSORS_NAMES[t]] for name, t in TORCH_NAMES.items()}
 
-READ_CHUNK = 1 << 30  # one read(2) returns at most ~2 GiB on Linux
 
 # Tensor-name endings of quantisation formats we cannot dequantise, and what to call them.
 UNSUPPORTED_PARTS = {
@@ -59,17 +58,6 @@ PART_DTYPES = {
 
 
 @dataclass(frozen=True)
-class _Stored:
-    """One tensor as stored: which file, and where its bytes are in it."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class _Logical:
     """One logical tensor: its format (None = stored as is) and stored parts by role."""
 
@@ -82,14 +70,14 @@ class Checkpoint:
 
     def __init__(self, path: str | Path):
         self._fds: dict[Path, int] = {}
-        self._stored: dict[str, _Stored] = {}
+        self._stored: dict[str, Stored] = {}
         self._index_total: int | None = None
         self._bin_weights = False
         self._shapes: dict[str, tuple[int, ...]] = {}
         path = Path(path)
         if path.is_file():
             self.dir = path.parent
-            self.config = _read_json(path)
+            self.config = read_json(path)
             stored_names: list[str] = []
         elif path.is_dir():
             self.dir = path
@@ -105,7 +93,7 @@ class Checkpoint:
 
     def _read_config(self) -> dict:
         if (self.dir / CONFIG).is_file():
-            return _read_json(self.inside(CONFIG))
+            return read_json(self.inside(CONFIG))
         if (self.dir / SAFETENSORS_INDEX).is_file() or (self.dir / BIN_INDEX).is_file():
             return {}
         raise SmoeError(f"{self.dir}: no {CONFIG} (expected a Hugging Face model directory)")
@@ -116,7 +104,7 @@ class Checkpoint:
         if (d / SAFETENSORS_INDEX).is_file():
             return self._scan_sharded()
         if (d / SAFETENSORS_SINGLE).is_file():
-            self._stored = _read_header(self.inside(SAFETENSORS_SINGLE))
+            self._stored = read_entries(self.inside(SAFETENSORS_SINGLE))
             return list(self._stored)
         if (d / BIN_INDEX).is_file():
             self._bin_weights = True
@@ -137,7 +125,7 @@ class Checkpoint:
         if missing:
             raise SmoeError(f"{self.dir}: {len(missing)} of {len(shards)} shards listed in {SAFETENSORS_INDEX} "
                             f"are missing (first: {missing[0]})")
-        headers = {s: _read_header(self.dir / s) for s in shards}
+        headers = {s: read_entries(self.dir / s) for s in shards}
         for name, shard in weight_map.items():
             if name not in headers[shard]:
                 raise SmoeError(f"{self.dir / shard}: has no tensor {name!r} "
@@ -337,15 +325,7 @@ class Checkpoint:
             if kept != fd:
                 os.close(fd)
                 fd = kept
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:done + READ_CHUNK]], start + done)
-            if got == 0:
-                raise SmoeError(f"{file}: truncated: file ends before byte {start + nbytes}")
-            done += got
-        return buf
+        return pread_exact(fd, start, nbytes, file)
 
     def _get(self, name: str) -> _Logical:
         try:
@@ -503,61 +483,11 @@ def _in_hub_blobs(link: Path, real: Path) -> bool:
     return link.is_symlink() and real.parent.name == "blobs" and real.parent.parent.name.startswith("models--")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SmoeError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise SmoeError(f"{path}: expected a JSON object")
-    return data
-
-
 def _read_index(path: Path) -> tuple[dict[str, str], int | None]:
     """weight_map and metadata total_size of a *.index.json."""
-    index = _read_json(path)
+    index = read_json(path)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise SmoeError(f"{path}: no weight_map mapping tensor names to files")
     total = (index.get("metadata") or {}).get("total_size")
     return weight_map, int(total) if total is not None else None
-
-
-def _read_header(path: Path) -> dict[str, _Stored]:
-    """Parse and validate a safetensors header: 8-byte little-endian length, then a JSON object."""
-
-    def corrupt(reason: str) -> SmoeError:
-        return corrupt_header(path, reason)
-
-    raw, size = read_header(path)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(f"invalid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise corrupt("header is not a JSON object")
-    header.pop("__metadata__", None)
-    data_start = 8 + len(raw)
-    return {name: _stored_entry(path, name, entry, data_start, size, corrupt) for name, entry in header.items()}
-
-
-def _stored_entry(path: Path, name: str, entry, data_start: int, size: int, corrupt) -> _Stored:
-    """Check one header entry: known dtype, sane shape, offsets inside the file and matching dtype x shape."""
-    try:
-        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-    except (TypeError, KeyError, ValueError):
-        raise corrupt(f"malformed entry for {name!r}") from None
-    if dtype not in SAFETENSORS:
-        raise corrupt(f"unknown dtype {dtype!r} for {name!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise corrupt(f"bad shape {shape!r} for {name!r}")
-    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-        raise corrupt(f"bad data_offsets for {name!r}")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if end - begin != numel * SAFETENSORS[dtype].itemsize:
-        raise corrupt(f"{name!r} has {end - begin} bytes, {dtype} {shape} needs {numel * SAFETENSORS[dtype].itemsize}")
-    if data_start + end > size:
-        raise corrupt(f"{name!r} ends at byte {data_start + end}, beyond the {size}-byte file")
-    return _Stored(path, dtype, tuple(shape), data_start + begin, end - begin)

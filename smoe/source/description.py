@@ -109,10 +109,12 @@ class ModelDescription:
 
 def describe_model(config: dict) -> ModelDescription:
     """The description of the model a config (config.json's dict) defines; SmoeError when the
-    family is unknown."""
+    family is unknown or a value it reads is out of its range (families.check_model_config: a decoder
+    built from the description alone trusts them as the generic decoder's transformers modules do)."""
     family, model_type, configs = families._resolve(config or {})
     if family is None:
         raise SmoeError("config has no model_type: cannot tell the model family")
+    families.check_model_config(config)
     c = _Config(configs)
     n_layers = families._num_layers(configs) or 0
     moe_layers = tuple(families._config_moe_layers(configs, n_layers))
@@ -132,7 +134,8 @@ def describe_model(config: dict) -> ModelDescription:
         attention = replace(attention, sliding_layers=())
     routing = Routing(num_experts=int(c.get(*families.CONFIG_KEYS["num_experts"], default=0)),
                       top_k=families._int(c.get(*families.CONFIG_KEYS["top_k"], default=1)), **facts.pop("routing"))
-    experts = Experts(intermediate_size=families._int(c.get(*family.intermediate_keys)), **facts.pop("experts", {}))
+    experts = Experts(intermediate_size=families._int(c.get(*family.intermediate_keys)),
+                      **({"activation": str(c.get("hidden_act", default="silu"))} | facts.pop("experts", {})))
     return ModelDescription(
         family=family.name, model_type=str(model_type), hidden_size=hidden, num_layers=n_layers,
         vocab_size=int(c.get("vocab_size", default=0)), attention=attention, routing=routing, experts=experts,

@@ -381,7 +381,20 @@ _KINDS = {
               "an even integer >= 0 (rotary embeddings turn pairs of its dimensions)"),
     "end": (lambda v: _is_int(v) and v >= -1, "a layer number, or -1 for the last layer"),
     "positive": (lambda v: _is_real(v) and v > 0, "a positive finite number"),
-    "real": (_is_real, "a finite number"),
+    # ranges of the numbers that reach arithmetic, far outside every released config, far inside what
+    # overflows or underflows: a norm epsilon of 1e300 flattens every activation, a rope base of 1e-300
+    # divides by zero
+    "epsilon": (lambda v: _is_real(v) and 0 < v <= 0.1, "a number in (0, 0.1]"),
+    "epsilon0": (lambda v: _is_real(v) and 0 <= v <= 0.1, "a number in [0, 0.1]"),
+    "base": (lambda v: _is_real(v) and 1 <= v <= 1e12, "a number in [1, 1e12]"),
+    "scale": (lambda v: _is_real(v) and 1e-6 <= v <= 1e6, "a number in [1e-6, 1e6]"),
+    "real": (lambda v: _is_real(v) and abs(v) <= 1e6, "a number in [-1e6, 1e6]"),
+    # -1 is how older converted configs say "none" (nn.Embedding takes padding_idx=-1 as the last row)
+    "token": (lambda v: (_is_int(v) and v >= -1) or (isinstance(v, list) and bool(v) and all(_is_int(i) and i >= -1
+                                                                                          for i in v)),
+              "a token id (-1 for none), or a list of token ids"),
+    "name": (lambda v: isinstance(v, str) and bool(v), "a name (a non-empty string)"),
+    "names": (lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v), "a list of names"),
     "fraction": (lambda v: _is_real(v) and 0 < v <= 1, "a number in (0, 1]"),
     "factors": (lambda v: isinstance(v, list) and all(_is_real(x) and x > 0 for x in v),
                 "a list of positive finite numbers"),
@@ -404,7 +417,7 @@ CONFIG_VALUES = {
     # attention heads (MLA ranks and head sizes included)
     "num_attention_heads": "count", "n_heads": "count", "num_key_value_heads": "count",
     "attn_config.kv_n_heads": "count", "num_global_key_value_heads": "count",
-    "head_dim": "even", "global_head_dim": "even", "q_lora_rank": "count", "kv_lora_rank": "count",
+    "head_dim": "even0", "global_head_dim": "even", "q_lora_rank": "count", "kv_lora_rank": "count",  # head_dim 0: no rope
     "qk_rope_head_dim": "even0", "qk_nope_head_dim": "size0", "v_head_dim": "size0",  # 0 without MLA (deepseek-ocr)
     # MLP widths; shared experts may be absent (0)
     "intermediate_size": "count", "moe_intermediate_size": "count", "intermediate_size_mlp": "count",
@@ -413,8 +426,8 @@ CONFIG_VALUES = {
     "shared_intermediate_size": "size0", "n_shared_experts": "size0", "num_shared_experts": "size0",
     "moe_num_shared_experts": "size0", "num_shared_expert": "size0",
     # routing
-    "n_group": "count", "topk_group": "count", "routed_scaling_factor": "positive", "norm_topk_prob": "flag",
-    "route_scale": "positive",
+    "n_group": "count", "topk_group": "count", "routed_scaling_factor": "scale", "norm_topk_prob": "flag",
+    "route_scale": "scale",
     # which layers attend within a window or through another mixer (smoe.source.description)
     "max_window_layers": "size0", "attn_layer_period": "count", "attn_layer_offset": "size0",
     "full_attention_interval": "count",
@@ -431,28 +444,37 @@ CONFIG_VALUES = {
     "ssm_state_size": "count", "n_groups": "count", "chunk_size": "count", "conv_kernel": "count",
     "block_size": "count",
     # norms, positions, attention windows and scales
-    "rms_norm_eps": "positive", "layer_norm_eps": "positive", "layer_norm_epsilon": "positive", "norm_eps": "positive",
-    "rope_theta": "positive", "attn_config.rope_theta": "positive", "partial_rotary_factor": "fraction",
+    "rms_norm_eps": "epsilon", "layer_norm_eps": "epsilon", "layer_norm_epsilon": "epsilon", "norm_eps": "epsilon",
+    "rope_theta": "base", "attn_config.rope_theta": "base", "partial_rotary_factor": "fraction",
     "sliding_window": "size0", "attention_chunk_size": "count", "attention_bias": "flag",
-    "tie_word_embeddings": "flag", "clip_qkv": "positive", "attn_config.clip_qkv": "positive",
-    "final_logit_softcapping": "positive", "attn_logit_softcapping": "positive", "embedding_multiplier": "positive",
-    "attention_multiplier": "positive", "residual_multiplier": "positive", "logits_scaling": "positive",
-    "swiglu_limit": "positive",
+    "tie_word_embeddings": "flag", "clip_qkv": "scale", "attn_config.clip_qkv": "scale",
+    "final_logit_softcapping": "scale", "attn_logit_softcapping": "scale", "embedding_multiplier": "scale",
+    "attention_multiplier": "scale", "residual_multiplier": "scale", "logits_scaling": "scale",
+    "swiglu_limit": "scale",
+    # token ids the sampler stops at or the embedding pads with (pad_token_id checked against vocab_size)
+    "eos_token_id": "token", "bos_token_id": "token", "pad_token_id": "token",
+    # activations and per-layer kinds: transformers looks each up in its own tables (checked by building the
+    # model when quantizing, smoe.hf.model.check_buildable)
+    "hidden_act": "name", "hidden_activation": "name", "mlp_hidden_act": "name", "layer_types": "names",
+    "layers_block_type": "names", "mlp_layer_types": "names",
 }
 # null means "none" or "derive it" for these (no low-rank q or kv, no window, head_dim = hidden / heads)
 NULLABLE = frozenset({
     "q_lora_rank", "kv_lora_rank", "sliding_window", "head_dim", "global_head_dim", "moe_latent_size",
     "attention_chunk_size", "clip_qkv", "attn_config.clip_qkv", "final_logit_softcapping", "attn_logit_softcapping",
     "moe_layer_end_index", "num_global_key_value_heads", *CONFIG_KEYS["mtp_layers"],
+    # null where the family's configuration class accepts it: no group routing, LayerNorm instead of RMSNorm
+    "n_group", "topk_group", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps",
+    "eos_token_id", "bos_token_id", "pad_token_id", "hidden_act", "layer_types", "mlp_layer_types",
 })
 PER_LAYER = frozenset({"moe_topk", "num_experts", "moe_intermediate_size", "num_shared_expert"})  # hunyuan: lists
 ROPE_DICTS = ("rope_parameters", "rope_scaling")  # each may hold one dict per attention type (gemma)
 ROPE_VALUES = {
-    "rope_theta": "positive", "factor": "positive", "original_max_position_embeddings": "count",
-    "beta_fast": "positive", "beta_slow": "positive", "mscale": "real", "mscale_all_dim": "real",
-    "attention_factor": "positive", "low_freq_factor": "positive", "high_freq_factor": "positive",
+    "rope_theta": "base", "factor": "scale", "original_max_position_embeddings": "count",
+    "beta_fast": "scale", "beta_slow": "scale", "mscale": "real", "mscale_all_dim": "real",
+    "attention_factor": "scale", "low_freq_factor": "scale", "high_freq_factor": "scale",
     "partial_rotary_factor": "fraction", "short_factor": "factors", "long_factor": "factors",
-    "llama_4_scaling_beta": "real",
+    "llama_4_scaling_beta": "real", "rope_type": "name",
 }
 ROPE_REQUIRED = frozenset({"rope_theta", "factor"})  # the other rope values may be null (unused)
 # routers that score an expert group by its two best experts (torch.topk(2) within the group)
@@ -472,7 +494,7 @@ def check_model_config(config: dict, num_experts: int | None = None, where: str 
 def _check_config(config: dict, configs: list[dict], family: str | None, num_experts: int | None, where: str) -> None:
     problem = _bad_value(config)
     get = lambda *keys: _lookup(configs, keys)
-    for relation in (_top_k_fits, _groups_fit, _heads_fit, _attention_fits, _layer_numbers_fit):
+    for relation in (_top_k_fits, _groups_fit, _heads_fit, _attention_fits, _layer_numbers_fit, _tokens_fit):
         problem = problem or relation(get, family, num_experts)
     if problem:
         raise SmoeError(f"{where}: {problem}")
@@ -514,6 +536,66 @@ def _get(scope: dict, key: str):
             return _ABSENT
         value = value[part]
     return value
+
+
+def check_index_agrees(config: dict, meta: dict, where: str = "index.json") -> None:
+    """The vault index's model type, roles, experts, top-k, MoE layers and expert shapes are those config.json
+    gives (a reader sizes blobs by the index and the model by the config): a SmoeError naming the first
+    index field that differs. Values the config leaves out are not compared."""
+    family, model_type, configs = _resolve(config or {})
+    if family is None:
+        return
+    problem = next(filter(None, (check(meta, family, str(model_type), configs) for check in _INDEX_AGREES)), None)
+    if problem:
+        raise SmoeError(f"{where}: {problem}")
+
+
+def _index_names(meta, family, model_type, configs) -> str | None:
+    if meta.get("model_type") not in (None, model_type):
+        return f"model_type is {_show(meta['model_type'])}; config.json's is {_show(model_type)}"
+    if meta["roles"] != list(family.roles):
+        return f"roles are {_show(meta['roles'])}; {family.name} experts have {_show(list(family.roles))}"
+    return None
+
+
+def _index_counts(meta, family, model_type, configs) -> str | None:
+    for name, keys in (("num_experts", CONFIG_KEYS["num_experts"]), ("top_k", CONFIG_KEYS["top_k"])):
+        value = _lookup(configs, keys)
+        if _is_int(value) and meta.get(name) != value:
+            return f"{name} is {_show(meta.get(name))}; config.json says {value}"
+    return None
+
+
+def _index_layers(meta, family, model_type, configs) -> str | None:
+    n = _num_layers(configs)
+    if n is None or any(layout.marker for layout in family.layouts):
+        return None  # MoE blocks told apart only by names (moondream): the names decided
+    mtp = int(_lookup(configs, CONFIG_KEYS["mtp_layers"]) or 0)
+    promised, stored = set(_config_moe_layers(configs, n)), set(meta["moe_layers"])
+    odd = sorted((promised - stored) | {layer for layer in stored - promised if not n <= layer < n + mtp})
+    if odd:
+        return f"moe_layers {_ranges(sorted(stored))} differ from config.json's MoE layers at layer {odd[0]}"
+    return None
+
+
+def _index_shapes(meta, family, model_type, configs) -> str | None:
+    inner = _lookup(configs, family.intermediate_keys)
+    hidden = _lookup(configs, CONFIG_KEYS["hidden_size"])
+    outer = _lookup(configs, CONFIG_KEYS["latent_size"]) or hidden
+    if not (_is_int(inner) and _is_int(outer)):
+        return None  # per-layer widths, or no widths in the config: the checkpoint's shapes decided
+    shapes = {"gate": [inner, outer], "up": [inner, outer], "down": [outer, inner]}
+    for role, shape in meta["expert_shapes"].items():
+        if shape != shapes[role]:
+            return f"expert_shapes[{role!r}] is {shape}; config.json's sizes make it {shapes[role]} ([out, in])"
+    return None
+
+
+_INDEX_AGREES = (_index_names, _index_counts, _index_layers, _index_shapes)
+
+
+def show_value(value) -> str:
+    return _show(value)
 
 
 def _show(value) -> str:
@@ -566,11 +648,11 @@ def _heads_fit(get, family, num_experts) -> str | None:
     key_heads, value_heads = get("linear_num_key_heads"), get("linear_num_value_heads")
     if key_heads is not None and value_heads is not None and value_heads % key_heads:
         return f"linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads {key_heads}"
-    # MLA families map head_dim to qk_rope_head_dim
+    # MLA families map head_dim to qk_rope_head_dim; transformers derives hidden // heads (glm4_moe's default: 42)
     derived = get("head_dim", "qk_rope_head_dim") is None and heads is not None and hidden is not None
-    if derived and (hidden % heads or hidden // heads % 2):
-        return (f"no head_dim, and hidden size {hidden} does not split into {heads} heads of an even size "
-                f"(head_dim = hidden size / num_attention_heads)")
+    if derived and (hidden // heads < 2 or hidden // heads % 2):
+        return (f"no head_dim, and hidden size {hidden} over {heads} heads is not an even head size "
+                f"(head_dim = hidden size // num_attention_heads)")
     return None
 
 
@@ -594,6 +676,15 @@ def _layer_numbers_fit(get, family, num_experts) -> str | None:
     period, offset = get("expert_layer_period"), get("expert_layer_offset")
     if period is not None and offset is not None and offset >= period:
         return f"expert_layer_offset {offset} is not below expert_layer_period {period}"
+    return None
+
+
+def _tokens_fit(get, family, num_experts) -> str | None:
+    """The padding token is a row of the embedding (an end-of-text id past the vocabulary is never sampled:
+    harmless, and tiny test models keep their family's)."""
+    vocab, pad = get("vocab_size"), get("pad_token_id")
+    if _is_int(vocab) and _is_int(pad) and pad >= vocab:
+        return f"pad_token_id is {pad}: past the vocabulary of {vocab} (the embedding's padding row)"
     return None
 
 

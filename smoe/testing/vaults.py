@@ -83,3 +83,30 @@ def kernel_sized_vault(tmp: Path, family: str, bits: int = 4) -> tuple[Path, Pat
     save_tiny_tokenizer(tmp / "model", config.vocab_size)
     vault = vault_of(tmp / "model", tmp / "vault", bits)
     return vault, dequantised_reference(vault, tmp)
+
+
+def reseal(vault: Path, name: str, data: bytes | None) -> None:
+    """Write `data` as the vault's file `name` (None removes it) and seal it again: its size and checksum
+    into index.json, index.json's hash into the header. A vault whose checksums all match, for tests of
+    what the readers check beyond them (index.json itself: `data` is the new index)."""
+    import xxhash
+
+    from smoe.format.vault import DATA_FILE, HEADER_SIZE, INDEX_FILE, file_checksum, pack_header, unpack_header
+
+    vault = Path(vault)
+    if name == INDEX_FILE:
+        raw = data
+    else:
+        index = json.loads((vault / INDEX_FILE).read_bytes())
+        if data is None:
+            (vault / name).unlink()
+            index["files"].pop(name)
+        else:
+            (vault / name).write_bytes(data)
+            index["files"][name] = {"size": len(data), "xxh3_64": file_checksum(vault / name)}
+        raw = json.dumps(index).encode()
+    (vault / INDEX_FILE).write_bytes(raw)
+    with open(vault / DATA_FILE, "r+b") as f:
+        h = unpack_header(f.read(HEADER_SIZE), vault / DATA_FILE)
+        f.seek(0)
+        f.write(pack_header(h["bits"], h["alignment"], h["data_end"], h["blobs"], xxhash.xxh64_intdigest(raw)))

@@ -89,3 +89,11 @@ def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_facto
     print("\n" + figures_line(f"llama.cpp {family} Q4, F32 trunk and decoded experts", a))
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
     assert a["mean_kl"] < 1e-5 and a["top1"] == 1.0
+
+
+@pytest.mark.parametrize("name", [".", "model.safetensors", "experts.bin"])
+def test_llama_cpp_refuses_a_vault_and_its_files(tmp_path_factory, name):
+    """llama.cpp reads GGUF files only: a vault directory or a file in it fails to load, never runs."""
+    vault = integration_vault(tmp_path_factory, "qwen3_moe", 4)
+    with pytest.raises(ValueError, match="Failed to load model from file"):
+        load(vault / name)

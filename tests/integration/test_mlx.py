@@ -52,3 +52,10 @@ def test_mlx_lm_generates_smoe_greedy_tokens(tmp_path_factory, tmp_path):
     assert share == 1.0
     text = generate(model, tokenizer, tokenizer.decode(prompt), max_tokens=8)
     assert text.strip() == tokenizer.decode(generated[:8]).strip()  # mlx-lm's detokenizer drops a leading space
+
+
+def test_mlx_lm_refuses_a_vault_directory_naming_its_model_type(tmp_path_factory):
+    """A vault is not an MLX model (its experts are in experts.bin): mlx-lm stops at config.json's model type."""
+    vault = integration_vault(tmp_path_factory, "qwen3_moe", 4)
+    with pytest.raises(ValueError, match="Model type smoe_vault not supported"):
+        load(str(vault))

@@ -85,8 +85,8 @@ class GpuExpertCache:
         self.n_slots = min(int(gpu_bytes) // self.slot_bytes, len(vault.entries))
         if self.n_slots < top_k:
             need = min_gpu_budget(vault, top_k)
-            raise SmoeError(f"--gpu-cache-gb {gpu_bytes / 1e9:.4g} is smaller than one token's {top_k} experts of a "
-                            f"layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
+            raise SmoeError(f"a GPU expert cache of {int(gpu_bytes):,} bytes (--gpu-cache-gb) is smaller than one "
+                            f"token's {top_k} experts of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
         self.cuda = self.device.type == "cuda"
         self.pool = allocate(self.n_slots * self.slot_bytes, self.device, "GPU expert cache", "--gpu-cache-gb")
         self.gpu = SlotLRU(self.n_slots)
