@@ -112,20 +112,25 @@ def _check_layout(path: Path, entries: dict[str, Stored], data_start: int, size:
 def pread_exact(fd: int, start: int, nbytes: int, path: Path) -> bytearray:
     """`nbytes` from `start`, in reads the kernel takes whole (one read stops near 2 GiB)."""
     buf = bytearray(nbytes)
-    view, done = memoryview(buf), 0
+    pread_into(fd, memoryview(buf), start, path)
+    return buf
+
+
+def pread_into(fd: int, view: memoryview, start: int, path: Path) -> None:
+    done, nbytes = 0, len(view)
     while done < nbytes:
         got = os.preadv(fd, [view[done:done + READ_CHUNK]], start + done)
         if got == 0:
             raise SmoeError(f"{path}: truncated: file ends before byte {start + nbytes}")
         done += got
-    return buf
 
 
 def read_tensor(fd: int, stored: Stored) -> torch.Tensor:
-    dtype = SAFETENSORS[stored.dtype]
-    if stored.nbytes == 0:
-        return torch.empty(stored.shape, dtype=dtype)
-    return torch.frombuffer(pread_exact(fd, stored.start, stored.nbytes, stored.file), dtype=dtype).reshape(stored.shape)
+    """The stored tensor in torch's own (SIMD-aligned) memory, as safetensors' loader gives it."""
+    data = torch.empty(stored.nbytes, dtype=torch.uint8)
+    if stored.nbytes:
+        pread_into(fd, memoryview(data.numpy()).cast("B"), stored.start, stored.file)
+    return data.view(SAFETENSORS[stored.dtype]).reshape(stored.shape)
 
 
 def load_tensors(path: Path, entries: dict[str, Stored] | None = None) -> dict[str, torch.Tensor]:
