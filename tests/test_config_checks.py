@@ -362,6 +362,9 @@ def test_index_shapes_and_counts_must_agree_with_config_and_trunk(built, tmp_pat
     assert main(["generate", str(vault), "-p", "the sea", "--max-tokens", "2", "--device", "cpu"]) == 2
     err = one_line_error(capsys.readouterr().err)
     assert "index.json" in err and word in err
+    assert main(["verify", str(vault)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "index.json" in out and word in out
 
 
 def test_a_router_whose_rows_disagree_with_the_experts_is_refused_at_quantize(built, tmp_path, capsys):

@@ -61,6 +61,7 @@ def cmd_verify(args) -> int:
 
     bar = None if args.json else (lambda xs: progress_bar(xs, unit="blob", desc="verify"))
     problems = verify(args.vault, progress=bar)
+    problems = problems or config_problems(args.vault)
     notes = [] if problems or not (notice := version_notice(args.vault)) else [notice]
     if args.json:
         print(json.dumps({"vault": args.vault, "ok": not problems, "problems": problems, "notes": notes}, indent=1))
@@ -71,6 +72,20 @@ def cmd_verify(args) -> int:
             print(f"NOTE {note}")
         print("vault OK" if not problems else f"{len(problems)} problem(s) found")
     return 0 if not problems else 1
+
+
+def config_problems(vault_dir) -> list[str]:
+    """What opening would refuse in a sound vault: its config's values, and the index against them."""
+    from smoe.format.vault import Vault
+    from smoe.source.families import check_index_agrees, check_model_config
+
+    try:
+        with Vault(vault_dir) as vault:
+            check_model_config(vault.config, vault.meta["num_experts"], str(vault.dir / "config.json"))
+            check_index_agrees(vault.config, vault.meta, str(vault.dir / "index.json"))
+    except SmoeError as e:
+        return [str(e)]
+    return []
 
 
 def cmd_inspect(args) -> int:
