@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check smoe tests scripts
 	$(PY) -m pytest -q --ignore=tests/integration
 
-# Slow tests against real outside programs (a browser, llama.cpp, mlx) and the server's HTTP edges: everything under tests/integration.
+# Slow tests against real outside programs (a browser, llama.cpp, mlx) the server's HTTP edges and the thread bounds: everything under tests/integration.
 test-integrations: $(INTEGRATIONS) browser
 	$(PY) -m pytest -q tests/integration
 
