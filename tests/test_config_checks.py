@@ -24,7 +24,7 @@ NOT_AN_EVEN_SIZE = [0, 15, 16.0, True, "16", None]
 NOT_AN_EPSILON = [0, -1e-6, 1e300, NAN, True, "1e-6"]  # null: LayerNorm models (the tiny Qwen3-MoE's class refuses it)
 NOT_A_BASE = [0.5, 1e-300, 1e13, NAN, True, "1e4", None]
 NOT_A_SCALE = [0, 1e-7, 1e7, NAN, INF, True, "1", None]
-NOT_A_TOKEN = [-1, 1.5, "eos", [], [1, "2"], True]
+NOT_A_TOKEN = [-2, 1.5, "eos", [], [1, "2"], True]  # -1 is "none" (nn.Embedding takes padding_idx=-1)
 NOT_A_NAME = ["", 3, ["silu"]]
 NOT_A_FRACTION = [0, 1.5, NAN, True, "0.5", None]
 NOT_A_FLAG = [0, 1, "false", None]
