@@ -13,7 +13,8 @@ import pytest
 
 from smoe.cli.commands import main
 from smoe.errors import SmoeError
-from smoe.format.vault import CONFIG_FILE, DATA_FILE, HEADER_SIZE, INDEX_FILE, file_checksum, pack_header, unpack_header
+from smoe.format.vault import CONFIG_FILE, INDEX_FILE
+from smoe.testing.vaults import reseal
 
 NAN, INF = math.nan, math.inf
 
@@ -152,31 +153,21 @@ def model_with(built, tmp: Path, overrides: dict) -> Path:
     return model
 
 
-def vault_with(built, tmp: Path, overrides: dict) -> Path:
-    """A copy of the vault whose config.json is edited and sealed again into the index and the header,
-    as a vault quantized by an older smoe (which checked nothing) holds it."""
+def vault_copy(built, tmp: Path) -> Path:
     vault = tmp / "vault"
     vault.mkdir()
     for f in built["vault"].iterdir():
         shutil.copyfile(f, vault / f.name)
-    config = json.loads((vault / CONFIG_FILE).read_text())
-    (vault / CONFIG_FILE).write_text(json.dumps(edited(config, overrides)))
-    index = json.loads((vault / INDEX_FILE).read_text())
-    index["files"][CONFIG_FILE] = {"size": (vault / CONFIG_FILE).stat().st_size,
-                                   "xxh3_64": file_checksum(vault / CONFIG_FILE)}
-    raw = json.dumps(index).encode()
-    (vault / INDEX_FILE).write_bytes(raw)
-    reseal_header(vault / DATA_FILE, raw)
     return vault
 
 
-def reseal_header(data: Path, raw_index: bytes) -> None:
-    import xxhash
-
-    with open(data, "r+b") as f:
-        h = unpack_header(f.read(HEADER_SIZE), data)
-        f.seek(0)
-        f.write(pack_header(h["bits"], h["alignment"], h["data_end"], h["blobs"], xxhash.xxh64_intdigest(raw_index)))
+def vault_with(built, tmp: Path, overrides: dict) -> Path:
+    """A copy of the vault whose config.json is edited and sealed again into the index and the header,
+    as a vault quantized by an older smoe (which checked nothing) holds it."""
+    vault = vault_copy(built, tmp)
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    reseal(vault, CONFIG_FILE, json.dumps(edited(config, overrides)).encode())
+    return vault
 
 
 def one_line_error(err: str) -> str:
@@ -326,15 +317,10 @@ def _resolve_family(config: dict):
 
 def index_edited(built, tmp: Path, edit) -> Path:
     """A copy of the vault whose index.json is edited by `edit(index)` and sealed again into the header."""
-    vault = tmp / "vault"
-    vault.mkdir()
-    for f in built["vault"].iterdir():
-        shutil.copyfile(f, vault / f.name)
+    vault = vault_copy(built, tmp)
     index = json.loads((vault / INDEX_FILE).read_text())
     edit(index)
-    raw = json.dumps(index).encode()
-    (vault / INDEX_FILE).write_bytes(raw)
-    reseal_header(vault / DATA_FILE, raw)
+    reseal(vault, INDEX_FILE, json.dumps(index).encode())
     return vault
 
 
