@@ -77,12 +77,11 @@ def cmd_verify(args) -> int:
 def config_problems(vault_dir) -> list[str]:
     """What opening would refuse in a sound vault: its config's values, and the index against them."""
     from smoe.format.vault import Vault
-    from smoe.source.families import check_index_agrees, check_model_config
+    from smoe.source.families import check_vault_config
 
     try:
         with Vault(vault_dir) as vault:
-            check_model_config(vault.config, vault.meta["num_experts"], str(vault.dir / "config.json"))
-            check_index_agrees(vault.config, vault.meta, str(vault.dir / "index.json"))
+            check_vault_config(vault.config, vault.meta, vault.dir)
     except SmoeError as e:
         return [str(e)]
     return []

@@ -23,7 +23,7 @@ from smoe.format import codec
 from smoe.format.dtypes import FLOATS, SAFETENSORS, SAFETENSORS_NAMES
 from smoe.format.safetensors_io import read_tensor
 from smoe.format.vault import Vault
-from smoe.source.families import check_index_agrees, check_model_config
+from smoe.source.families import check_vault_config
 
 TRUNK_DTYPES = {SAFETENSORS_NAMES[t]: t for t in FLOATS.values()}
 
@@ -73,8 +73,7 @@ class ExportSource:
             raise SmoeError(f"{self.vault.dir}: experts with biases ({self.family}) are not exported")
         if self.vault.config is None:
             raise SmoeError(f"{self.vault.dir}: no config.json")
-        check_model_config(self.vault.config, self.num_experts, str(self.vault.dir / "config.json"))
-        check_index_agrees(self.vault.config, self.vault.meta, str(self.vault.dir / "index.json"))
+        check_vault_config(self.vault.config, self.vault.meta, self.vault.dir)
         self._trunk = self.vault.check_trunk()
         for name, stored in self._trunk.items():  # every exported trunk tensor is a weight: an int8 norm is damage
             require(SAFETENSORS[stored.dtype].is_floating_point,

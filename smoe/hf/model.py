@@ -21,7 +21,7 @@ from smoe.errors import SmoeError
 from smoe.format.safetensors_io import load_tensors
 from smoe.format.vault import Vault
 from smoe.hf.experts import EXPERTS_IMPLEMENTATION, is_experts_module, layer_of, replace_unregistered_moe_blocks
-from smoe.source.families import check_index_agrees, check_model_config, show_value
+from smoe.source.families import check_vault_config, show_value
 
 
 def model_config(vault: Vault):
@@ -31,8 +31,7 @@ def model_config(vault: Vault):
     if config is None:
         raise SmoeError(f"{vault.dir}: no config.json")
     where = str(vault.dir / "config.json")
-    check_model_config(config, vault.meta["num_experts"], where)
-    check_index_agrees(config, vault.meta, str(vault.dir / "index.json"))
+    check_vault_config(config, vault.meta, vault.dir)
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise SmoeError(f"{where}: model_type {model_type!r} is unknown to transformers {transformers.__version__}")

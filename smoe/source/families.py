@@ -538,6 +538,12 @@ def _get(scope: dict, key: str):
     return value
 
 
+def check_vault_config(config: dict, meta: dict, vault_dir) -> None:
+    """What every reader of a vault checks before using it: config.json's values, and the index against them."""
+    check_model_config(config, meta["num_experts"], f"{vault_dir}/config.json")
+    check_index_agrees(config, meta, f"{vault_dir}/index.json")
+
+
 def check_index_agrees(config: dict, meta: dict, where: str = "index.json") -> None:
     """The vault index's model type, roles, experts, top-k, MoE layers and expert shapes are those config.json
     gives (a reader sizes blobs by the index and the model by the config): a SmoeError naming the first
