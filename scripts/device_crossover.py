@@ -11,6 +11,7 @@ import torch
 
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
+from smoe.runtime.sampling import GREEDY
 
 PROMPT, WARMUP, TOKENS = [1, 2, 3, 4, 5, 6, 7, 8], 16, 96
 
@@ -18,10 +19,10 @@ PROMPT, WARMUP, TOKENS = [1, 2, 3, 4, 5, 6, 7, 8], 16, 96
 def timed(vault: str, device: str, decoder: str) -> float:
     sm = OpenedVault(vault, dtype="bfloat16", device=device, decoder=decoder)
     try:
-        generate(sm, PROMPT, max_tokens=WARMUP)
+        generate(sm, PROMPT, max_tokens=WARMUP, params=GREEDY)
         if device == "cuda":
             torch.cuda.synchronize()
-        _, stats = generate(sm, PROMPT, max_tokens=TOKENS)
+        _, stats = generate(sm, PROMPT, max_tokens=TOKENS, params=GREEDY)
         return stats.decode_tok_s
     finally:
         sm.close()

@@ -1,4 +1,9 @@
-"""Picking the torch device from a user's --device choice, and how many CPU threads torch may run."""
+"""Picking the torch device from a user's --device choice, and how many CPU threads torch runs.
+
+`set_torch_threads` is the one thread rule of every entry point (the CLI's generate, chat, serve and eval,
+`smoe.load`, `from_pretrained`): a count the caller asks for, else the one OMP_NUM_THREADS / MKL_NUM_THREADS
+gave torch, else smoe's default (`default_torch_threads`). torch's thread count is process-wide.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ def cuda_problem() -> str | None:
         return (f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) is not supported; "
                 f"the GPU kernels need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later")
     if importlib.util.find_spec("triton") is None:
-        return "the GPU kernels need the triton package"
+        return "the GPU kernels need the triton package: pip install 'smoe[cuda]'"
     return None
 
 
@@ -55,6 +60,30 @@ def torch_thread_limit() -> int:
     stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
     stack = UNLIMITED_STACK if stack == resource.RLIM_INFINITY else stack
     return max(1, min(usable_cores(), stack // STACK_BYTES_PER_TORCH_THREAD))
+
+
+def default_torch_threads() -> int:
+    """1 thread on machines of 2 usable cores or fewer, where batch-1 ops are too small to split and a second
+    thread mostly waits (torch's own default, one per core, decodes several times slower there); else one per
+    usable core. Never more than torch can run here."""
+    cores = usable_cores()
+    return min(1 if cores <= 2 else cores, torch_thread_limit())
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # what torch reads at start for its count
+
+
+def set_torch_threads(requested: int | None = None, option: str = "torch_threads") -> int:
+    """Set torch's CPU thread count for this process, and return it: `requested` (lowered to what torch can
+    run here, with a warning naming `option`), else the count torch took from OMP_NUM_THREADS or
+    MKL_NUM_THREADS when either is set (left as it is), else `default_torch_threads()`."""
+    if requested is None and any(os.environ.get(name) for name in THREAD_VARIABLES):
+        return torch.get_num_threads()
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 1):
+        raise SmoeError(f"{option}: expected an integer ≥ 1, got {requested!r}")
+    count = default_torch_threads() if requested is None else torch_threads(requested, option)
+    torch.set_num_threads(count)
+    return count
 
 
 def torch_threads(requested: int, option: str = "--torch-threads") -> int:

@@ -31,5 +31,5 @@ GPU_INDUCTOR = Switch("SMOE_GPU_INDUCTOR", "1",
 PREFETCH = Switch("SMOE_PREFETCH", "0",
                   "1 guesses the next layer's experts from the current hidden state and reads them early")
 DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",
-                    "a model directory `smoe demo` runs on instead of the shared trained model")
+                    "a model directory `smoe demo` runs on instead of the shipped models/smoe-demo-6m")
 SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, PREFETCH, DEMO_MODEL)

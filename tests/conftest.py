@@ -21,19 +21,34 @@ def tiny_qwen_vault(tmp_path_factory) -> dict[str, Path]:
     return {"model": vault.parent / "model", "vault": vault}
 
 
+# Qwen3's generation_config.json sampling fields, and the defaults smoe takes from them (min_p: llama.cpp's)
+QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+@pytest.fixture(scope="session")
+def sampling_vaults(tiny_qwen_vault, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3-MoE's vault ("plain": its generation_config.json sets no sampling field, as
+    transformers' save_pretrained writes it) and a copy whose file sets QWEN3_SAMPLING ("qwen3"), sealed."""
+    import shutil
+
+    from smoe.testing.vaults import reseal
+
+    plain = tiny_qwen_vault["vault"]
+    qwen3 = tmp_path_factory.mktemp("sampling") / "qwen3"
+    shutil.copytree(plain, qwen3)
+    config = json.loads((plain / "generation_config.json").read_text())
+    reseal(qwen3, "generation_config.json", json.dumps(config | QWEN3_SAMPLING).encode())
+    return {"qwen3": qwen3, "plain": plain}
+
+
 @pytest.fixture(scope="session")
 def serve_vault(tmp_path_factory) -> Path:
-    """The shared trained model's vault at Q4, or a tiny random Qwen3-MoE's when ../shared is absent."""
-    from smoe.testing.vaults import SHARED_MODELS, tiny_model_dir, vault_of
+    """The Q4 vault of the trained model shipped in models/ (its 4,096 positions outlast a reply a test stops
+    mid-stream)."""
+    from smoe.cli.demo import MODEL
+    from smoe.testing.vaults import vault_of
 
-    out = tmp_path_factory.mktemp("serve")
-    model = SHARED_MODELS["qwen3_moe"]
-    if not model.exists():
-        print(f"{model} not present (the shared models live beside the repository): "
-              "serving a tiny random Qwen3-MoE instead")
-        # the tiny config's 128 positions end a reply before a test can stop it mid-stream
-        model = tiny_model_dir(out, "qwen3_moe", seed=2, max_position_embeddings=4096)
-    return vault_of(model, out / "vault")
+    return vault_of(MODEL, tmp_path_factory.mktemp("serve") / "vault")
 
 
 class Server:

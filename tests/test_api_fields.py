@@ -14,7 +14,7 @@ import torch
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
-from smoe.runtime.sampling import SamplingParams
+from smoe.runtime.sampling import GREEDY, SamplingParams
 
 PROMPT = "The sea was"
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -144,7 +144,7 @@ def test_chat_logprobs_are_the_models_log_softmax_of_each_token(server, local, o
     content = choice.logprobs.content
     assert len(content) == r.usage.completion_tokens
     prompt = list(chat_prompt(tok, CHAT))
-    generated, _ = generate(sm, prompt, 8)  # greedy: the server's tokens
+    generated, _ = generate(sm, prompt, 8, params=GREEDY)  # the server's tokens
     reference, _ = teacher_forced_logprobs(local, prompt + generated)
     assert len(content) == len(generated)
     for entry, ref in zip(content, reference[len(prompt) - 1:].tolist()):
@@ -184,7 +184,7 @@ def test_completion_echo_returns_the_prompt_and_its_logprobs_with_the_first_null
     assert status == 200 and choice["text"].startswith(PROMPT)
     assert len(lp["tokens"]) == len(ids) + r["usage"]["completion_tokens"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    generated, _ = generate(local[0], ids, 4)
+    generated, _ = generate(local[0], ids, 4, params=GREEDY)
     reference, _ = teacher_forced_logprobs(local, ids + generated)
     assert len(lp["token_logprobs"]) == len(reference) + 1
     for got, ref in zip(lp["token_logprobs"][1:], reference.tolist()):

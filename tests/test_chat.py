@@ -43,7 +43,8 @@ class Terminal:
     def __init__(self, vault: Path, cache: Path, *args: str):
         master, slave = os.openpty()
         env = os.environ | {"LC_ALL": "C.UTF-8", "TERM": "dumb", "XDG_CACHE_HOME": str(cache), "INPUTRC": "/dev/null"}
-        cmd = [sys.executable, "-m", "smoe.cli", "chat", str(vault), "--dtype", "float32", *args]
+        # greedy: a reply runs as long as on every run (a sampled one may meet the end of text early)
+        cmd = [sys.executable, "-m", "smoe.cli", "chat", str(vault), "--dtype", "float32", "--temperature", "0", *args]
         self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
                                      start_new_session=True, preexec_fn=take_terminal)
         os.close(slave)
@@ -203,8 +204,9 @@ def piped_chat(vault, monkeypatch, capsys, typed: bytes, *args: str) -> tuple[in
 
 
 def test_the_sampling_options_reach_the_replies(vault, monkeypatch, capsys):
-    plain = piped_chat(vault, monkeypatch, capsys, b"hello\n", "--max-tokens", "24")
-    penalised = piped_chat(vault, monkeypatch, capsys, b"hello\n", "--max-tokens", "24", "--repeat-penalty", "2")
+    greedy = ("--max-tokens", "24", "--temperature", "0")
+    plain = piped_chat(vault, monkeypatch, capsys, b"hello\n", *greedy)
+    penalised = piped_chat(vault, monkeypatch, capsys, b"hello\n", *greedy, "--repeat-penalty", "2")
     assert plain[0] == penalised[0] == 0 and plain[1] != penalised[1]
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime import SHARED_MODEL, TOLERANCE, relative_error, small_budget
+from test_runtime import TOLERANCE, TRAINED_MODEL, relative_error, small_budget
 
 from smoe.format.vault import Vault
 from smoe.runtime.cpu import compiled as fast_decode
@@ -65,10 +65,8 @@ def test_compiled_step_matches_the_eager_and_transformers_paths_on_tiny_models(f
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-def test_compiled_step_matches_the_eager_and_transformers_paths_on_the_shared_model(bits, tmp_path):
-    if not SHARED_MODEL.exists():
-        pytest.skip(f"{SHARED_MODEL} not present: the compiled step is checked on tiny models above")
-    vaults.vault_of(SHARED_MODEL, tmp_path / "vault", bits)
+def test_compiled_step_matches_the_eager_and_transformers_paths_on_the_trained_model(bits, tmp_path):
+    vaults.vault_of(TRAINED_MODEL, tmp_path / "vault", bits)
     check_steps(open_codes(tmp_path / "vault"))
 
 

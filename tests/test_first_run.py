@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from smoe.cli import demo
 from smoe.convert.sculpt import SculptReport, sculpt
 from smoe.errors import SmoeError
 from smoe.format import codec
@@ -29,42 +28,6 @@ def smoe_cli(*args, env=None, stderr=subprocess.PIPE):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("first-run"), "qwen3_moe").parent
-
-
-# --- the demo ------------------------------------------------------------------------------------
-
-
-def test_demo_times_generation_only_after_an_untimed_warm_up(tiny, monkeypatch, capsys):
-    from smoe.runtime import generate as gen
-
-    sculpt(tiny / "model", tiny / "q2", bits=2, progress=False)
-    calls = []
-    real = gen.generate
-
-    def recording(*args, on_token=None, **kw):
-        calls.append("timed" if on_token is not None else "warm-up")
-        return real(*args, on_token=on_token, **kw)
-
-    monkeypatch.setattr(gen, "generate", recording)
-    demo.show_generation(tiny / "q2")
-    assert calls == ["warm-up", "timed"]
-    assert "timed after a 4-token warm-up" in capsys.readouterr().out
-
-
-def test_demo_knows_when_its_model_is_random(tmp_path, monkeypatch):
-    monkeypatch.setattr(demo, "SHARED_MODEL", tmp_path / "absent")
-    monkeypatch.delenv("SMOE_DEMO_MODEL", raising=False)
-    assert demo.default_model(tmp_path)[2] is True
-    monkeypatch.setenv("SMOE_DEMO_MODEL", str(tmp_path / "mine"))
-    assert demo.default_model(tmp_path)[2] is False
-
-
-def test_demo_says_a_random_models_figures_mean_nothing(capsys):
-    demo.caveat(random_model=True)
-    line = capsys.readouterr().out
-    assert "random weights" in line and "says nothing about quality" in line and "SMOE_DEMO_MODEL" in line
-    demo.caveat(random_model=False)
-    assert capsys.readouterr().out == ""
 
 
 # --- the depth of a vault, in words --------------------------------------------------------------

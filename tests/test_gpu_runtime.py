@@ -216,7 +216,7 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(tiny_vault):
 @pytest.mark.skipif(CUDA, reason="checks the machine without a GPU")
 def test_device_auto_without_a_gpu_runs_on_the_cpu(tiny_vault):
     vault, _ = tiny_vault
-    r = smoe_cli("generate", vault, "-p", "the", "--max-tokens", "3", "--device", "auto", "--json")
+    r = smoe_cli("generate", vault, "-p", "the", "--max-tokens", "3", "--temperature", "0", "--device", "auto", "--json")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 3
 
@@ -254,7 +254,8 @@ def test_cuda_out_of_memory_is_a_one_line_error_naming_the_option():
 @needs_cuda
 def test_cuda_generate_cli_streams_text_and_reports_gpu_cache_stats(tmp_path):
     vault, _ = kernel_sized_vault(tmp_path, "qwen3_moe")
-    r = smoe_cli("generate", vault, "-p", "the sea", "--max-tokens", "8", "--device", "cuda", "--json")
+    r = smoe_cli("generate", vault, "-p", "the sea", "--max-tokens", "8", "--temperature", "0", "--device", "cuda",
+                 "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) == 8 and out["stats"]["hits"] + out["stats"]["misses"] > 0

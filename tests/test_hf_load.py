@@ -10,6 +10,7 @@ import smoe
 from smoe.errors import SmoeError
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
+from smoe.runtime.sampling import GREEDY
 from smoe.testing.vaults import tiny_vault
 
 PROMPT = "the old man rowed out before the sun"
@@ -23,7 +24,7 @@ def vault(request, tmp_path_factory):
 
 def runtime_greedy(vault, prompt_ids: list[int]) -> list[int]:
     sm = OpenedVault(vault, dtype="float32")
-    tokens, _ = generate(sm, prompt_ids, NEW_TOKENS)
+    tokens, _ = generate(sm, prompt_ids, NEW_TOKENS, params=GREEDY)
     sm.close()
     return tokens
 

@@ -9,7 +9,7 @@ import torch
 
 from smoe import numeric
 from smoe.cli.commands import build_parser, main
-from smoe.runtime.sampling import sample
+from smoe.runtime.sampling import SamplingParams, Sequence, sample_batch
 from smoe.serve.schemas import ChatCompletionRequest, CompletionRequest, MessagesRequest
 
 PLACEHOLDERS = {"-o": "out", "-p": "hi", "--ref": "ref", "--data": "data", "--to": "gguf", "--budget": "3"}
@@ -87,13 +87,13 @@ def test_an_unknown_option_shows_the_subcommands_usage(capsys):
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 1e-6, 0.5, 1.0, 2.0])
 @pytest.mark.parametrize("top_p", [0.0, 1e-12, 0.5, 1.0])
 def test_the_sampler_is_safe_for_every_value_in_range(temperature, top_p):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64) * 30
+    seq = Sequence(SamplingParams(temperature=temperature, top_p=top_p, seed=0))
+    logits = torch.randn(1, 64) * 30
     for _ in range(20):
-        token = sample(logits, temperature, top_p, g)
+        token = sample_batch(logits, [seq])[0]
         assert 0 <= token < 64
     if temperature < 1e-6 or top_p == 0.0:
-        assert sample(logits, temperature, top_p, g) == int(logits.argmax())
+        assert sample_batch(logits, [seq])[0] == int(logits.argmax())
 
 
 # --- the server ----------------------------------------------------------------------------------

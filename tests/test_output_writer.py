@@ -229,6 +229,11 @@ def smoe_process(*args) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+def remove_tree_entries(folder: Path) -> None:
+    for p in folder.iterdir():
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 def stop_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
     """SIGSTOP `proc` as soon as `ready()` holds; False if it ended first."""
     deadline = time.time() + timeout
@@ -280,10 +285,16 @@ def test_ctrl_c_before_any_blob_says_nothing_is_kept(inputs, tmp_path):
     """Interrupted while it holds the lock and has not journalled a blob, quantize keeps no partial
     and does not say it does."""
     out = tmp_path / "vault"
-    proc = smoe_process("quantize", inputs["model"], "-o", out, "-q")
     lock = tmp_path / "vault.lock"
-    assert stop_when(proc, lambda: lock.exists() and b"pid" in lock.read_bytes()), proc.stderr.read()
-    journals = [p for p in tmp_path.glob("vault.partial-*/journal.jsonl") if p.stat().st_size]
+    for _ in range(3):  # on a loaded machine the run can pass its first blob before SIGSTOP lands: start again
+        proc = smoe_process("quantize", inputs["model"], "-o", out, "-q")
+        assert stop_when(proc, lambda: lock.exists() and b"pid" in lock.read_bytes()), proc.stderr.read()
+        journals = [p for p in tmp_path.glob("vault.partial-*/journal.jsonl") if p.stat().st_size]
+        if not journals and not out.exists():
+            break
+        proc.kill()
+        proc.wait()
+        remove_tree_entries(tmp_path)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate()

@@ -6,11 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from smoe.cli.demo import MODEL as TRAINED_MODEL
 from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
+from smoe.runtime.sampling import GREEDY
 from smoe.testing.tiny_models import tiny_families
 from smoe.testing.vaults import (
     SHARED,
@@ -63,10 +65,8 @@ def greedy_reference(reference_logits, prompt: list[int], steps: int) -> tuple[l
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-def test_shared_model_greedy_output_matches_the_reference_with_a_cache_below_the_experts(bits, tmp_path):
-    if not SHARED_MODEL.exists():
-        pytest.skip(f"{SHARED_MODEL} not present (the shared models live beside the repository)")
-    dequantised_reference(vault_of(SHARED_MODEL, tmp_path / "vault", bits), tmp_path)
+def test_trained_model_greedy_output_matches_the_reference_with_a_cache_below_the_experts(bits, tmp_path):
+    dequantised_reference(vault_of(TRAINED_MODEL, tmp_path / "vault", bits), tmp_path)
     budget = small_budget(tmp_path / "vault")
     sm = OpenedVault(tmp_path / "vault", dtype="float32", cache_bytes=budget, kernel_path="dequant")
     from transformers import AutoTokenizer
@@ -74,7 +74,7 @@ def test_shared_model_greedy_output_matches_the_reference_with_a_cache_below_the
     prompt = AutoTokenizer.from_pretrained(tmp_path / "vault")("It was a dark and stormy night; the rain")["input_ids"]
     ref_logits = load_reference(tmp_path / "reference")
     assert relative_error(ref_logits(torch.tensor([prompt])), sm.logits(torch.tensor([prompt]))) < TOLERANCE
-    tokens, stats = generate(sm, prompt, max_tokens=24)
+    tokens, stats = generate(sm, prompt, max_tokens=24, params=GREEDY)
     expected, margins = greedy_reference(ref_logits, prompt, 24)
     for i, (got, want) in enumerate(zip(tokens, expected)):
         if got != want:
@@ -114,7 +114,7 @@ def test_generate_cli_prints_text_tokens_and_stats_as_json(tmp_path):
     proc = smoe_cli("generate", vault, "-p", "the old man", "--max-tokens", "5", "--json", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) == {"text", "tokens", "stats", "decoder", "device"} and len(out["tokens"]) <= 5
+    assert set(out) == {"text", "tokens", "sampling", "stats", "decoder", "device"} and len(out["tokens"]) <= 5
     assert {"prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "hits", "misses", "hit_rate", "bytes_read",
             "peak_rss_bytes"} <= set(out["stats"])
     assert (out["decoder"], out["device"]) == ("fast", "cpu")
@@ -135,10 +135,8 @@ def test_generate_json_names_the_decoder_that_ran_so_a_fallback_cannot_pass_for_
     assert proc.returncode == 2 and proc.stderr.strip().endswith("(use --decoder generic)")
 
 
-def test_generate_cli_streams_shared_model_text_and_a_stats_line(tmp_path):
-    if not SHARED_MODEL.exists():
-        pytest.skip(f"{SHARED_MODEL} not present (the shared models live beside the repository)")
-    vault_of(SHARED_MODEL, tmp_path / "vault")
+def test_generate_cli_streams_trained_model_text_and_a_stats_line(tmp_path):
+    vault_of(TRAINED_MODEL, tmp_path / "vault")
     proc = smoe_cli("generate", tmp_path / "vault", "-p", "The sea was", "--max-tokens", "16", "--cache-gb", "0.01")
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 10
@@ -167,10 +165,8 @@ def test_chat_answers_each_line_until_the_input_ends(tmp_path):
     assert proc.stderr.count("prompt tokens") == 2  # the empty line in between asked again, it did not quit
 
 
-def test_lean_decode_path_matches_the_transformers_path(tmp_path):
-    if not SHARED_MODEL.exists():
-        pytest.skip(f"{SHARED_MODEL} not present: the fast decoder is checked on tiny models below")
-    vault_of(SHARED_MODEL, tmp_path / "vault")
+def test_lean_decode_path_matches_the_transformers_path_on_the_trained_model(tmp_path):
+    vault_of(TRAINED_MODEL, tmp_path / "vault")
     check_lean_against_transformers(tmp_path / "vault")
 
 

@@ -133,13 +133,13 @@ def test_token_logprobs_are_the_models_log_softmax_with_the_top_n():
 
 # --- the command line ----------------------------------------------------------------------------
 
-def test_cli_sampling_options_reach_the_sampler():
+def test_cli_sampling_options_reach_the_sampler(tmp_path):
     from smoe.cli.commands import build_parser, sampling_params
 
     args = build_parser().parse_args(["generate", "v", "-p", "x", "--temperature", "0.5", "--top-k", "3", "--min-p",
                                       "0.2", "--repeat-penalty", "1.1", "--frequency-penalty", "-2",
                                       "--presence-penalty", "2", "--seed", "9"])
-    assert sampling_params(args) == SamplingParams(0.5, 1.0, 3, 0.2, 1.1, -2.0, 2.0, 9)
+    assert sampling_params(args, tmp_path) == SamplingParams(0.5, 0.95, 3, 0.2, 1.1, -2.0, 2.0, 9)  # top_p: llama.cpp's
 
 
 @pytest.mark.parametrize("option, value", [("--top-k", "-1"), ("--top-k", "1.5"), ("--min-p", "1.01"),

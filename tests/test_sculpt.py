@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from smoe.cli.demo import MODEL as TRAINED_MODEL
 from smoe.convert.sculpt import sculpt
 from smoe.errors import SmoeError
 from smoe.format import codec
@@ -55,14 +56,14 @@ def test_every_family_sculpts_to_a_vault_that_verifies(family, tmp_path):
     assert (tmp_path / "vault" / "config.json").exists()
 
 
-@pytest.mark.parametrize("model", SHARED_MODELS.values(), ids=lambda p: p.name)
+@pytest.mark.parametrize("model", [TRAINED_MODEL, *SHARED_MODELS.values()], ids=lambda p: p.name)
 @pytest.mark.parametrize("bits", [4, 2])
-def test_shared_trained_models_sculpt_and_verify(model, bits, tmp_path):
+def test_trained_models_sculpt_and_verify(model, bits, tmp_path):
     if not model.exists():
         pytest.skip(f"{model} not present (the shared models live beside the repository)")
     report = sculpt(model, tmp_path / "vault", bits=bits, progress=False)
     assert_vault_holds_the_encoded_experts(model, tmp_path / "vault", bits)
-    assert 0.7 < report.expert_share < 0.8  # both models: 21.2 M of 28.4 M parameters are routed experts
+    assert 0.7 < report.expert_share < 0.8  # 4.7 M of 5.9 M parameters (shipped), 21.2 M of 28.4 M (shared)
     floor = 19.5 if bits == 4 else 9.0
     assert all(snr > floor for snr in report.snr_db.values()), report.snr_db
     for name in ("tokenizer.json", "generation_config.json"):

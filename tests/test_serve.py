@@ -18,11 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import anthropic
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from smoe.hf.tokenizer import chat_prompt, load_tokenizer
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
-from smoe.serve.worker import Overloaded, Sampling, TextStream, Worker
+from smoe.runtime.sampling import GREEDY as GREEDY_PARAMS
+from smoe.runtime.sampling import chosen, sampling_defaults
+from smoe.serve.worker import Overloaded, Reply, TextStream, Worker
 
 MAX_TOKENS_LIMIT = 256  # the server's --max-tokens
 PROMPT = "The sea was"
@@ -43,9 +46,12 @@ def local(serve_vault):
     sm.close()
 
 
-def expected_text(local, prompt_ids, max_tokens, temperature=0.0, top_p=1.0, seed=0) -> tuple[str, list[int]]:
+def expected_text(local, prompt_ids, max_tokens, **sampling) -> tuple[str, list[int]]:
+    """What the server answers with these sampling fields (greedy unless they say otherwise), the
+    vault's defaults in every field they leave out."""
     sm, tok = local
-    tokens, _ = generate(sm, prompt_ids, max_tokens, temperature, top_p, seed)
+    params = chosen(sampling_defaults(sm.vault.dir), **{"temperature": 0.0, "seed": 0} | sampling)
+    tokens, _ = generate(sm, prompt_ids, max_tokens, params=params)
     return tok.decode(tokens, skip_special_tokens=True), tokens
 
 
@@ -88,7 +94,8 @@ def sse_events(response) -> list[tuple[str | None, str]]:
 def test_generate_stops_after_the_token_for_which_on_token_returns_false(local):
     sm, tok = local
     seen = []
-    tokens, _ = generate(sm, tok(PROMPT)["input_ids"], 20, on_token=lambda t: seen.append(t) or len(seen) < 3)
+    tokens, _ = generate(sm, tok(PROMPT)["input_ids"], 20, params=GREEDY_PARAMS,
+                         on_token=lambda t: seen.append(t) or len(seen) < 3)
     assert tokens == seen and len(tokens) == 3
 
 
@@ -114,11 +121,11 @@ def test_engine_refuses_requests_beyond_its_queue_limit(local):
     worker = Worker(sm, tok, "m", max_queue=2)  # worker not started: submitted jobs stay queued
 
     async def submit_three():
-        sampling = Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=0)
-        worker.submit([1, 2], sampling)
-        worker.submit([1, 2], sampling)
+        reply = Reply(GREEDY_PARAMS, max_tokens=1)
+        worker.submit([1, 2], reply)
+        worker.submit([1, 2], reply)
         with pytest.raises(Overloaded, match="limit is 2"):
-            worker.submit([1, 2], sampling)
+            worker.submit([1, 2], reply)
 
     asyncio.run(submit_three())
     assert worker.waiting == 2
@@ -201,6 +208,28 @@ def test_raw_http_keeps_the_connection_alive_across_requests(server):
     conn.request("GET", "/metrics")
     metrics = json.loads(conn.getresponse().read())
     assert {"hit_rate", "bytes_read"} <= metrics["cache"].keys() and metrics["decode_tok_s"] > 0
+
+
+def test_metrics_are_json_by_default_and_prometheus_text_when_accept_asks(server):
+    status, content_type, body = call(server, "GET", "/metrics", headers={"Accept": "*/*"})
+    assert status == 200 and content_type == "application/json"
+    snapshot = json.loads(body)
+    status, content_type, body = call(server, "GET", "/metrics", headers={"Accept": "text/plain"})
+    assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    by_outcome = {s.labels["outcome"]: s.value for s in families["smoe_requests"].samples}
+    assert by_outcome["completed"] >= snapshot["requests"]["completed"]
+    assert families["smoe_generated_tokens"].type == "counter"
+    assert families["smoe_expert_cache_hits"].samples[0].value >= snapshot["cache"]["hits"]
+    assert families["smoe_model_info"].samples[0].labels["model"] == snapshot["model"]
+
+
+def test_metrics_speak_openmetrics_to_a_prometheus_scraper(server):
+    accept = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.1"
+    status, content_type, body = call(server, "GET", "/metrics", headers={"Accept": accept})
+    assert status == 200 and content_type.startswith("application/openmetrics-text")
+    assert body.decode().rstrip().endswith("# EOF")
+    assert "smoe_queued_or_running" in {f.name for f in text_string_to_metric_families(body.decode())}
 
 
 # --- the Anthropic API ----------------------------------------------------------------------------
@@ -406,6 +435,7 @@ def long_prompt_and_budget(oai, server) -> tuple[str, int]:
 def test_client_leaving_mid_stream_cancels_its_generation(server, long_prompt_and_budget):
     prompt, budget = long_prompt_and_budget
     before = server.wait_idle()["requests"]["cancelled"]
+    logged_before = logged_cancellations(server)
     sock, received = open_stream(server, prompt, budget)
     while b'"text": "' not in received:
         received += sock.recv(65536)
@@ -413,11 +443,29 @@ def test_client_leaving_mid_stream_cancels_its_generation(server, long_prompt_an
     metrics = server.wait_idle()
     assert metrics["requests"]["cancelled"] == before + 1
     assert metrics["last_request"]["generated_tokens"] < budget
+    assert_logged_cancelled(server, "POST /v1/completions 200", before=logged_before)
+
+
+def assert_logged_cancelled(server, fragment: str, before: int) -> None:
+    """The access-log line of the request just cancelled (lines after the first `before` of them) says so."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [line for line in server.stderr().splitlines() if "cancelled" in line][before:]
+        if lines:
+            assert len(lines) == 1 and fragment in lines[0] and "the client disconnected" in lines[0], lines
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no access-log line says the request was cancelled:\n{server.stderr()}")
+
+
+def logged_cancellations(server) -> int:
+    return sum("cancelled" in line for line in server.stderr().splitlines())
 
 
 def test_client_leaving_a_whole_response_request_cancels_it(server, long_prompt_and_budget):
     prompt, budget = long_prompt_and_budget
     before = server.wait_idle()["requests"]["cancelled"]
+    logged_before = logged_cancellations(server)
     sock = socket.create_connection((server.host, server.port), timeout=60)
     sock.sendall(raw_request(server, "/v1/completions", {"prompt": prompt, "max_tokens": budget, "temperature": 0}))
     while not server.get_json("/metrics")["running"]:
@@ -426,6 +474,7 @@ def test_client_leaving_a_whole_response_request_cancels_it(server, long_prompt_
     metrics = server.wait_idle()
     assert metrics["requests"]["cancelled"] == before + 1
     assert metrics["last_request"]["generated_tokens"] < budget
+    assert_logged_cancelled(server, "POST /v1/completions 499", before=logged_before)
 
 
 def test_a_request_whose_client_leaves_while_queued_never_runs(server, long_prompt_and_budget):

@@ -235,7 +235,7 @@ def test_when_every_connection_is_busy_a_new_one_gets_a_json_503(capped, path):
 def test_the_connection_limit_fits_the_file_descriptor_limit():
     """Under `ulimit -n 1000` the server allows 1000 less the descriptors it keeps for itself, and a
     limit already within it stays as given."""
-    code = ("import resource; from smoe.serve.server import FD_RESERVE, fit_fd_limit\n"
+    code = ("import resource; from smoe.serve.transport import FD_RESERVE, fit_fd_limit\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000))\n"
             "print(fit_fd_limit(4096), fit_fd_limit(100), 1000 - FD_RESERVE)")
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]

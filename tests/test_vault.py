@@ -208,8 +208,8 @@ def test_verify_cli_exit_code_is_zero_only_for_a_sound_vault(tmp_path):
 
 
 @pytest.mark.parametrize("version, message", [
-    (4, "format version 4, this smoe reads versions 2 and 3"),
-    (1, "version 1, whose trunk and config files carry no checksum; this smoe reads versions 2 and 3: quantize"),
+    (5, "format version 5, this smoe reads versions 2, 3 and 4"),
+    (1, "version 1, whose trunk and config files carry no checksum; this smoe reads versions 2, 3 and 4: quantize"),
 ])
 def test_a_vault_of_another_format_version_is_refused_clearly(tmp_path, version, message):
     build_vault(tmp_path / "v")

@@ -8,21 +8,20 @@ import sys
 import pytest
 import torch
 
+from smoe.cli.commands import main
 from smoe.errors import SmoeError
 from smoe.format.vault import (
     CONFIG_FILE,
-    DATA_FILE,
     FORMAT_VERSION,
-    HEADER,
     INDEX_FILE,
     TRUNK_FILE,
     Vault,
-    checksum,
     verify,
     version_notice,
 )
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
+from smoe.runtime.sampling import GREEDY
 from smoe.testing import vaults
 
 
@@ -50,7 +49,11 @@ def test_every_file_but_the_blobs_is_listed_with_its_checksum(tiny_vault):
 
 def test_config_names_smoe_as_its_quantization_method_and_the_model_sees_the_source_config(tiny_vault):
     raw = json.loads((tiny_vault / CONFIG_FILE).read_text())
-    assert raw["quantization_config"]["quant_method"] == "smoe" and raw["quantization_config"]["version"] == FORMAT_VERSION
+    sealed = raw["quantization_config"]
+    assert sealed["smoe_quant_method"] == "smoe" and sealed["version"] == FORMAT_VERSION
+    # keys transformers reads are absent, so that it refuses the vault whichever class names it (docs/vault.md)
+    assert raw["model_type"] == "smoe_vault" and sealed["source_model_type"] == "qwen3_moe"
+    assert "quant_method" not in sealed and "model_type" not in sealed
     with Vault(tiny_vault) as v:
         assert "quantization_config" not in v.config and v.config["num_experts_per_tok"] == raw["num_experts_per_tok"]
 
@@ -128,6 +131,25 @@ def test_generate_on_an_edited_config_is_one_line_and_exit_2(tiny_vault, tmp_pat
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("smoe: error:"), r.stderr
 
 
+def keys_transformers_reads(sealed):
+    sealed["quant_method"] = sealed.pop("smoe_quant_method")
+    sealed["model_type"] = sealed.pop("source_model_type")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (keys_transformers_reads, "needs version 4 and smoe_quant_method 'smoe'"),
+    (lambda sealed: sealed.pop("source_model_type"), "the source's in quantization_config.source_model_type"),
+    (lambda sealed: sealed.update(version=3), "needs version 4"),
+])
+def test_a_config_json_sealed_otherwise_than_its_format_version_says_is_refused(tiny_vault, tmp_path, edit, message):
+    vault = copy_vault(tiny_vault, tmp_path / "v")
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    edit(config["quantization_config"])
+    vaults.reseal(vault, CONFIG_FILE, json.dumps(config).encode())
+    with pytest.raises(SmoeError, match=message):
+        Vault(vault)
+
+
 def test_a_model_opens_from_a_sound_vault_and_runs(tiny_vault):
     sm = open_model(tiny_vault)
     try:
@@ -136,43 +158,29 @@ def test_a_model_opens_from_a_sound_vault_and_runs(tiny_vault):
         sm.close()
 
 
-def as_version_2(vault):
-    """The vault as format version 2 wrote it: config.json keeps the source's model_type; index and header say 2."""
-    import struct
-
-    import xxhash
-
-    config = json.loads((vault / CONFIG_FILE).read_text())
-    config["model_type"] = config["quantization_config"].pop("model_type")
-    config["quantization_config"]["version"] = 2
-    raw = (json.dumps(config, indent=2) + "\n").encode()
-    (vault / CONFIG_FILE).write_bytes(raw)
-    index = json.loads((vault / INDEX_FILE).read_text())
-    index["version"], index["files"][CONFIG_FILE] = 2, {"size": len(raw), "xxh3_64": checksum(raw)}
-    raw_index = json.dumps(index, indent=1).encode()
-    (vault / INDEX_FILE).write_bytes(raw_index)
-    with open(vault / DATA_FILE, "r+b") as f:
-        fields = list(HEADER.unpack(f.read(HEADER.size)))
-        fields[1], fields[-1] = 2, xxhash.xxh64_intdigest(raw_index)
-        packed = HEADER.pack(*fields)
-        f.seek(0)
-        f.write(packed + struct.pack("<Q", xxhash.xxh64_intdigest(packed)))
-    return vault
+# what `smoe verify` says transformers gets wrong with each older format
+OLDER_FORMAT_RISKS = {2: "loads a version-2 vault with random experts",
+                      3: "a model class named directly, as in Qwen3MoeForCausalLM.from_pretrained(VAULT), builds"}
 
 
-def test_a_version_2_vault_still_opens_and_verify_names_its_format(tiny_vault, tmp_path):
-    old = as_version_2(copy_vault(tiny_vault, tmp_path / "v2"))
-    with Vault(old) as v2, Vault(tiny_vault) as v3:
-        assert v2.config == v3.config and v3.config["model_type"] == "qwen3_moe"
+@pytest.mark.parametrize("version", sorted(OLDER_FORMAT_RISKS))
+def test_an_older_format_still_opens_to_the_same_model_and_verify_names_its_risk(tiny_vault, tmp_path, version,
+                                                                                  capsys):
+    old = vaults.as_format_version(copy_vault(tiny_vault, tmp_path / "old"), version)
+    with Vault(old) as older, Vault(tiny_vault) as current:
+        assert older.header["version"] == version and current.header["version"] == FORMAT_VERSION
+        assert older.config == current.config and current.config["model_type"] == "qwen3_moe"
     tokens = {}
-    for name, vault in (("v2", old), ("v3", tiny_vault)):
+    for name, vault in (("old", old), ("current", tiny_vault)):
         model = open_model(vault)
         try:
-            tokens[name] = generate(model, [1, 2, 3, 4], max_tokens=6)[0]
+            tokens[name] = generate(model, [1, 2, 3, 4], max_tokens=6, params=GREEDY)[0]
         finally:
             model.close()
-    assert tokens["v2"] == tokens["v3"]
+    assert tokens["old"] == tokens["current"]
     assert version_notice(tiny_vault) is None
-    proc = subprocess.run([sys.executable, "-m", "smoe.cli", "verify", str(old)], capture_output=True, text=True)
-    assert proc.returncode == 0 and "vault OK" in proc.stdout, proc.stdout + proc.stderr
-    assert f"NOTE format version 2 (still read; quantize again for {FORMAT_VERSION}:" in proc.stdout
+    capsys.readouterr()
+    assert main(["verify", str(old)]) == 0
+    out = capsys.readouterr().out
+    assert "vault OK" in out and f"NOTE format version {version} (still read; quantize again for {FORMAT_VERSION}:" in out
+    assert OLDER_FORMAT_RISKS[version] in out

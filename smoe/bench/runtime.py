@@ -71,12 +71,13 @@ import json, sys, torch
 torch.set_num_threads(int(sys.argv[5]))
 from smoe.runtime.model import OpenedVault
 from smoe.runtime.generate import generate
+from smoe.runtime.sampling import GREEDY
 from transformers import AutoTokenizer
 vault, cache, tokens, dtype, _, decoder, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:8]
 kernel_path = sys.argv[8] if len(sys.argv) > 8 else "auto"
 sm = OpenedVault(vault, dtype=dtype, cache_bytes=cache, kernel_path=kernel_path)
 ids = AutoTokenizer.from_pretrained(vault)(prompt)["input_ids"]
-out, stats = generate(sm, ids, max_tokens=tokens, decoder=decoder)
+out, stats = generate(sm, ids, max_tokens=tokens, decoder=decoder, params=GREEDY)  # as the baselines
 print(json.dumps(stats.as_dict() | {"expert_bytes_cached_max": sm.store.cache_bytes}))
 """
 

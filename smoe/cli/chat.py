@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from smoe.errors import SmoeError
-from smoe.hf.tokenizer import chat_prompt, check_text
+from smoe.hf.tokenizer import ROLE_LABELS, chat_prompt, check_text, has_chat_template
 
 COMMANDS = {
     "/help": "list these commands",
@@ -42,7 +42,13 @@ class Chat:
     tok: object
     args: object
     ctx: int | None
-    params: object = None  # smoe.runtime.sampling.SamplingParams; None: args' temperature, top_p and seed
+    params: object  # smoe.runtime.sampling.SamplingParams
+    replies: int = 0  # so far: each reply draws from its own seed, params.seed + replies
+
+    def next_params(self):
+        """The settings of the next reply: a seed of its own (a whole conversation replays from one --seed)."""
+        self.replies += 1
+        return replace(self.params, seed=(self.params.seed + self.replies - 1) % 2**64)
 
 
 def context_size(model_ctx: int | None, wanted: int | None) -> int | None:
@@ -103,8 +109,8 @@ def reply(chat: Chat, conv: Conversation) -> None:
     streamer, stats = TextStreamer(tok, sys.stdout), None
     with StopOnInterrupt() as stop:
         try:
-            _, stats = generate(chat.sm, prompt, budget, args.temperature, args.top_p, args.seed,
-                                params=chat.params, on_token=lambda token: show(streamer, token, stop))
+            _, stats = generate(chat.sm, prompt, budget, params=chat.next_params(),
+                                on_token=lambda token: show(streamer, token, stop))
         except KeyboardInterrupt:  # a second Ctrl-C, in a long prefill or step: keep what was shown
             pass
         except SmoeError:
@@ -199,11 +205,11 @@ def save_history(path: Path | None) -> None:
         pass
 
 
-def run(sm, tok, args, params=None) -> int:
+def run(sm, tok, args, params) -> int:
     chat = Chat(sm, tok, args, context_size(sm.max_positions, args.ctx), params)
     conv = Conversation(check_text(args.system, "--system") if args.system else None)
     history = start_line_editing()
-    say("smoe chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves")
+    say("\n".join(banner(chat)))
     try:
         while (line := read_line()) is not None:
             if not talk(line.strip(), chat, conv):
@@ -211,6 +217,18 @@ def run(sm, tok, args, params=None) -> int:
     finally:
         save_history(history)
     return 0
+
+
+def banner(chat: Chat) -> list[str]:
+    """What the chat says first: how to use it, how it samples, and how it shows the model a conversation."""
+    from smoe.runtime.sampling import defaults_origin
+
+    lines = ["smoe chat: /help for commands, Ctrl-C stops a reply, Ctrl-D leaves",
+             f"sampling: {chat.params.line()} (defaults: {defaults_origin(chat.sm.vault.dir)})"]
+    if not has_chat_template(chat.tok):
+        lines.append(f"this model has no chat template: the conversation goes to it as plain text, "
+                     f"'{ROLE_LABELS['user']}: ...' and 'Assistant: ...' lines, ending in 'Assistant:'")
+    return lines
 
 
 def talk(line: str, chat: Chat, conv: Conversation) -> bool:

@@ -1,127 +1,136 @@
-"""`smoe demo`: sculpt a built-in default model at both depths, inspect and verify the vaults."""
+"""`smoe demo`: the model shipped with smoe through the main commands: inspect it, quantize it at Q4 and Q2,
+verify both vaults, generate from each with a cache of a quarter of the experts, measure each against the
+source, and say what to try next.
+
+Every step is the `smoe` command it prints, run through the command line's own entry point in this process:
+each printed command runs as printed, and its output reads exactly as that command's does.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import math
+import os
+import shlex
+import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from smoe.convert.sculpt import sculpt
 from smoe.errors import SmoeError
-from smoe.format.vault import Vault, verify
-from smoe.hf.tokenizer import load_tokenizer
-from smoe.source.inspect import format_report, inspect_path
 from smoe.switches import DEMO_MODEL
 
+# The model lives in the source repository beside the package, not in the wheel (models/README.md).
 CHECKOUT = Path(__file__).resolve().parents[2]
-# ../shared beside a source checkout; an installed smoe has none (site-packages/../shared is not it)
-SHARED = CHECKOUT.parent / "shared" if (CHECKOUT / "pyproject.toml").exists() else None
-SHARED_MODEL = SHARED / "models" / "qwen3-moe-28m" if SHARED else None
+MODEL = CHECKOUT / "models" / "smoe-demo-6m"
+EVAL_TEXT = MODEL / "eval.txt"  # books the model never saw in training
 PROMPT = "The old man looked out over the sea and"
-WARMUP_TOKENS = 4  # enough to compile every decode kernel once (prompt and one-token steps)
-RANDOM_CAVEAT = ("note: this is a tiny model with random weights, so every figure below (SNR, KL, perplexity, "
-                 "top-1, tok/s) shows only that the pipeline runs and says nothing about quality or speed on a "
-                 "real model; {where}set SMOE_DEMO_MODEL=MODEL_DIR")
+GENERATED = 48
+EVAL_TOKENS = 100_000  # more than eval.txt holds: the whole text is scored
+WARMUP_TOKENS = 4  # a prompt and a few one-token steps run every decode kernel once
+
+Run = Callable[[list[str]], int]
 
 
-def default_model(workdir: Path) -> tuple[Path, str, bool]:
-    """(model, description, whether it is random): the shared trained model when present, else a
-    tiny random Qwen3-MoE built here."""
-    chosen = DEMO_MODEL.value()
-    if chosen:
-        return Path(chosen), f"{chosen} (from SMOE_DEMO_MODEL)", False
-    if SHARED_MODEL and (SHARED_MODEL / "model.safetensors").exists():
-        return SHARED_MODEL, f"{SHARED_MODEL} (trained qwen3-moe-28m)", False
-    from smoe.testing.tiny_models import save_tiny_model
-
-    path = workdir / "tiny-qwen3-moe"
-    if not (path / "config.json").exists():
-        save_tiny_model("qwen3_moe", path, seed=0)
-    return path, f"{path} (tiny random Qwen3-MoE built by smoe: no trained model given)", True
-
-
-def banner(text: str) -> None:
-    print(f"\n== {text}")
-
-
-def main(args) -> int:
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    model, description, random_model = default_model(workdir)
-    banner(f"model: {description}")
-    caveat(random_model)
-    print(format_report(inspect_path(model)))
-    for bits in (4, 2):
-        out = workdir / f"vault-q{bits}"
-        banner(f"smoe quantize {model} -o {out} --bits {bits}")
-        report = sculpt(model, out, bits=bits, force=True)
-        print(f"{report.experts} experts, {report.expert_bytes_in / 1e6:.1f} MB -> {report.expert_bytes_out / 1e6:.1f} MB "
-              f"in {report.seconds:.1f} s")
-        for role, snr in report.snr_db.items():
-            print(f"  SMOE-Q{bits} {role:<5} SNR {snr:6.2f} dB (mean over experts)")
-        banner(f"smoe verify {out}")
-        problems = verify(out)
-        if problems:
-            raise SmoeError(f"{out}: verify found {len(problems)} problem(s): {problems[0]}")
-        print("vault OK")
-        banner(f"smoe inspect {out}")
-        print(format_report(inspect_path(out)))
-    for bits in (4, 2):
-        out = workdir / f"vault-q{bits}"
-        banner(f'smoe generate {out} -p "{PROMPT}" --max-tokens 48 --cache-gb (a quarter of the experts)')
-        show_generation(out)
-        banner(f"smoe eval {out} --ref {model} --data {eval_text(workdir)}")
-        show_quality(out, model, eval_text(workdir))
-    caveat(random_model)
+def main(args, run: Run) -> int:
+    """Each step through `run` (the `smoe` entry point, given by the caller): the first failing one's status."""
+    model = demo_model()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"smoe demo on {shown(model)}: every step below is the command shown, run here")
+    for argv in steps(model, work):
+        banner(argv)
+        status = warm_up(run, argv) if argv[0] == "generate" else 0
+        status = status or run(argv)
+        if status:
+            return status
+    print_next_steps(work / "vault-q4")
     return 0
 
 
-def caveat(random_model: bool) -> None:
-    if random_model:
-        print(RANDOM_CAVEAT.format(where=f"put the trained model at {SHARED_MODEL} or " if SHARED_MODEL else ""))
+def demo_model() -> Path:
+    chosen = DEMO_MODEL.value()
+    if chosen:
+        return Path(chosen)
+    if not (MODEL / "model.safetensors").exists():
+        raise SmoeError("the demo's model ships with smoe's source repository (models/smoe-demo-6m), not "
+                        "with the installed package: run `smoe demo` in a clone, or set SMOE_DEMO_MODEL=MODEL_DIR")
+    return MODEL
 
 
-def show_generation(vault: Path) -> None:
-    from smoe.runtime.generate import TextStreamer, generate
+def steps(model: Path, work: Path) -> Iterator[list[str]]:
+    """The demo's commands in order (a generator: each is built after the ones before it have run)."""
+    vaults = {bits: work / f"vault-q{bits}" for bits in (4, 2)}
+    yield ["inspect", shown(model)]
+    for bits, vault in vaults.items():
+        yield ["quantize", shown(model), "-o", shown(vault), "--bits", str(bits), "--force"]
+        yield ["verify", shown(vault)]
+    for vault in vaults.values():
+        yield ["generate", shown(vault), "-p", PROMPT, "--max-tokens", str(GENERATED), "--cache-gb", quarter_gb(vault)]
+        if EVAL_TEXT.exists():
+            yield ["eval", shown(vault), "--ref", shown(model), "--data", shown(EVAL_TEXT), "--tokens", str(EVAL_TOKENS)]
+
+
+def warm_up(run: Run, argv: list[str]) -> int:
+    """The generate command once, silently, for a few tokens: the first run after installing compiles the
+    decode kernels (seconds), which would otherwise count as the shown command's time to first token."""
+    print(f"(an untimed {WARMUP_TOKENS}-token run first: the first one after installing compiles the kernels)",
+          flush=True)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = run([*argv, "--max-tokens", str(WARMUP_TOKENS)])
+    if status:
+        sys.stderr.write(out.getvalue())
+    return status
+
+
+def quarter_gb(vault: Path) -> str:
+    """--cache-gb for a quarter of the vault's experts (in their compute form, as the cache counts them),
+    rounded up to the kB, and at least what one token needs."""
     from smoe.runtime.model import OpenedVault
 
-    with Vault(vault) as v:
-        quarter = sum(e.size for e in v.entries.values()) // 4
-    sm = OpenedVault(vault, dtype="float32")
-    sm.store.cache_bytes = max(int(quarter * sm.store.prepare_ratio()), sm.store.min_budget(sm.vault.meta["top_k"] or 1))
-    tok = load_tokenizer(vault)
-    ids = tok(PROMPT)["input_ids"]
-    generate(sm, ids, max_tokens=WARMUP_TOKENS)  # untimed: the first run compiles the kernels (seconds, once per depth)
-    print(PROMPT, end="")
-    _, stats = generate(sm, ids, max_tokens=48, on_token=TextStreamer(tok, sys.stdout))
-    print("\n" + stats.line() + f"  (timed after a {WARMUP_TOKENS}-token warm-up run that compiled the kernels)")
-    sm.close()
+    sm = OpenedVault(vault)
+    try:
+        experts = sum(e.size for e in sm.vault.entries.values()) * sm.store.prepare_ratio()
+        need = max(experts / 4, sm.store.min_budget(sm.vault.meta["top_k"] or 1))
+    finally:
+        sm.close()
+    return f"{math.ceil(need / 1e3) / 1e6:.6f}"
 
 
-def eval_text(workdir: Path) -> Path:
-    """The shared validation text when present, else a built-in passage written to the workdir."""
-    valid = SHARED / "corpus" / "valid.txt.gz" if SHARED else None
-    if valid and valid.exists():
-        return valid
-    path = workdir / "eval.txt"
-    path.write_text(FALLBACK_TEXT * 20)
-    return path
+def print_next_steps(vault: Path) -> None:
+    print("\n== next: try these yourself")
+    for argv, what in [
+        (["chat", shown(vault)], "talk to it (it was trained on books, not conversations: it continues your text)"),
+        (["serve", shown(vault)], "OpenAI- and Anthropic-compatible HTTP, a web chat at http://127.0.0.1:8000"),
+        (["inspect", shown(vault)], "what a model costs to stream, and what fits in this machine's memory"),
+    ]:
+        print(f"  {command_line(argv)}\n      {what}")
 
 
-def show_quality(vault: Path, model: Path, data: Path) -> None:
-    from smoe.quality.evaluate import compare, load_reference
-    from smoe.runtime.model import OpenedVault
-    from smoe.source.text import token_stream
-
-    sm = OpenedVault(vault, dtype="float32")
-    ids = token_stream(load_tokenizer(vault), data, 16384)
-    r = compare(sm.logits, load_reference(model), ids, progress=False)
-    print(f"tokens {r['tokens']}  perplexity {r['ppl']:.3f} (bf16 reference {r['ref_ppl']:.3f})  "
-          f"KL {r['kl']:.5f}  top-1 agreement {r['top1']:.4f}")
-    sm.close()
+def banner(argv: list[str]) -> None:
+    print(f"\n== {command_line(argv)}", flush=True)
 
 
-FALLBACK_TEXT = (
-    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
-    "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
-    "Darkness, it was the spring of hope, it was the winter of despair. "
-)
+def command_line(argv: list[str]) -> str:
+    return shlex.join([*program(), *argv])
+
+
+def program() -> list[str]:
+    """How to run smoe as this process was started: `smoe` when that is the one on PATH, else its path
+    (`.venv/bin/smoe` under `make demo`), or `python -m smoe.cli`."""
+    started = Path(sys.argv[0])
+    if started.name == "smoe":
+        on_path = shutil.which("smoe")
+        return ["smoe"] if on_path and os.path.samefile(on_path, started) else [shown(started)]
+    return [shown(Path(sys.executable)), "-m", "smoe.cli"]
+
+
+def shown(path: Path) -> str:
+    """A path as a user types it: relative to the current directory when inside it, else absolute."""
+    path = Path(os.path.abspath(path))
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -72,7 +72,7 @@ def quantize_inputs(args, progress: bool):
     """For `smoe quantize`: (depth per (layer, role) or None, encoder, calibration stats or None, planned)
     from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
     from smoe.convert.encoders import default_encoder
-    from smoe.source.checkpoint import Checkpoint
+    from smoe.source.checkpoint import open_checkpoint
     from smoe.source.families import map_experts
 
     if args.plan and args.budget is not None:
@@ -94,7 +94,7 @@ def quantize_inputs(args, progress: bool):
         doc = load_plan(args.plan)
         encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))
         plan_calibration(args, doc, encoder)
-        ckpt = Checkpoint(args.model)
+        ckpt = open_checkpoint(args.model)
         return role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
     return None, encoder, None, None
 

@@ -23,8 +23,9 @@ from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.jsonfile import parse_json
 from smoe.format.output import Output, writing
-from smoe.format.safetensors_io import WRITABLE, read_header, write_safetensors
+from smoe.format.safetensors_io import WRITABLE, write_safetensors
 from smoe.format.vault import COPIED_FILES, DEFAULT_ALIGNMENT, TRUNK_FILE, QuantisedTensor, VaultWriter, align
+from smoe.hf.gguf import open_source
 from smoe.hf.model import check_buildable
 from smoe.progress import bar as progress_bar
 from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
@@ -44,6 +45,7 @@ class SculptReport:
     vault_bytes: int
     seconds: float
     snr_db: dict[str, float] = field(default_factory=dict)  # role -> mean SNR over experts
+    weighted_snr_db: dict[str, float] = field(default_factory=dict)  # role -> mean input-weighted SNR (calibrated)
     bits: int = 4
     resumed_experts: int = 0
     weights_by_bits: dict[int, int] = field(default_factory=dict)  # expert weights stored at each depth
@@ -66,8 +68,8 @@ def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int
     for name in ("config.json", SAFETENSORS_INDEX):
         if (ckpt.dir / name).is_file():
             h.update(name.encode() + ckpt.inside(name).read_bytes())
-    for path in ckpt.weight_files():
-        h.update(str(path.relative_to(ckpt.dir)).encode() + read_header(path)[0])
+    for name, header in ckpt.weight_headers():
+        h.update(name.encode() + header)
     return h.hexdigest()[:16]
 
 
@@ -106,7 +108,7 @@ def write_vault(
     if depths:
         bits = majority_depth(depths)
     dev = resolve_device(device)
-    ckpt = Checkpoint(model_dir)
+    ckpt = open_source(model_dir, calibrated=encoder in encoders.NEEDS_CALIBRATION)
     if not ckpt.has_weights:
         raise SmoeError(f"{ckpt.dir}: no safetensors weights found (only an index or a config)")
     if not (ckpt.dir / "config.json").exists():
@@ -128,7 +130,7 @@ def write_vault(
     try:
         coder = Coder(encoder, stats, depths or {}, bits)
         resumed = keep_unchanged_blobs(ckpt, expert_map, writer, coder, progress)
-        snr, expert_out = write_experts(ckpt, expert_map, writer, coder, dev, progress)
+        snr, weighted_snr, expert_out = write_experts(ckpt, expert_map, writer, coder, dev, progress)
         trunk_bytes = write_trunk_file(ckpt, expert_map, partial / TRUNK_FILE, progress)
         for name in COPIED_FILES:
             if (ckpt.dir / name).exists():
@@ -141,7 +143,7 @@ def write_vault(
     return SculptReport(
         family=expert_map.family, experts=len(expert_map.experts), expert_bytes_in=expert_source_bytes(ckpt, expert_map),
         trunk_bytes=trunk_bytes, expert_bytes_out=expert_out, vault_bytes=dir_size(output.path),
-        seconds=time.perf_counter() - start, snr_db=snr, bits=bits, resumed_experts=resumed,
+        seconds=time.perf_counter() - start, snr_db=snr, weighted_snr_db=weighted_snr, bits=bits, resumed_experts=resumed,
         weights_by_bits=weights_by_bits(expert_map, depths, bits),
     )
 
@@ -214,11 +216,24 @@ class Coder:
             digest.update(moment.numpy())
         return moment
 
+    def depth(self, layer: int, role: str) -> int:
+        return self.depths.get((layer, role), self.bits)
+
     def encode(self, w: torch.Tensor, moment: torch.Tensor | None, layer: int, role: str, name: str):
-        bits = self.depths.get((layer, role), self.bits)
+        bits = self.depth(layer, role)
         moment = moment.to(w.device) if moment is not None else None
         codes, scales = encoders.encode(w, bits, self.encoder, moment, name=name)
         return bits, codes, scales
+
+
+def stored_or_encoded(ckpt, coder: Coder, src, w: torch.Tensor, moment, layer: int, name: str):
+    """(bits, codes, scales): the source's own SMOE codes where it holds the projection as SMOE groups at the
+    depth wanted (a GGUF `smoe export` wrote) and the encoder is the plain grid search, else `w` encoded."""
+    if coder.encoder == ENCODER and src.expert_index is None:
+        stored = ckpt.smoe_codes(src.name, coder.depth(layer, src.role))
+        if stored is not None:
+            return coder.depth(layer, src.role), *stored
+    return coder.encode(w, moment, layer, src.role, name)
 
 
 def check_plan_bits(depths: dict | None) -> None:
@@ -242,11 +257,13 @@ def majority_depth(depths: dict[tuple[int, str], int]) -> int:
 
 
 def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
-    """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, bytes out)."""
+    """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, mean
+    input-weighted SNR per role where there is calibration, bytes out)."""
     done = writer.done()
     todo = [key for key in sorted(expert_map.experts) if key not in done]
     expected = expert_map.expert_shapes()
     snr_sum: dict[str, float] = {}
+    weighted_sum: dict[str, float] = {}
     weights = sum(o * i for o, i in expected.values()) or None
     bar = progress_bar(total=weights and 2 * weights * len(expert_map.experts), initial=weights and 2 * weights * len(done),
                        enabled=progress, unit="B", unit_scale=True, desc=f"experts ({len(expert_map.experts)})")
@@ -256,16 +273,20 @@ def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder
             name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
             check_shape(name, src.role, tuple(w.shape), expected)
             w = w.to(dev)
-            bits, codes, scales = coder.encode(w, moment, layer, src.role, name)
+            bits, codes, scales = stored_or_encoded(ckpt, coder, src, w, moment, layer, name)
             q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
-            snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, q.decode().to(dev))
+            decoded = q.decode().to(dev)
+            snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, decoded)
+            if moment is not None:
+                weighted_sum[src.role] = weighted_sum.get(src.role, 0.0) + codec.weighted_snr_db(w, decoded, moment)
             tensors.append(q)
             bar.update(2 * w.numel())
         biases = expert_biases(ckpt, expert_map, (layer, expert), digest)
         writer.add(layer, expert, tensors, check_finite_all(biases), source=digest.hexdigest())
     bar.close()
     snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
-    return snr, sum(e.size for e in writer.entries)
+    weighted = {role: total / max(len(todo), 1) for role, total in weighted_sum.items()}
+    return snr, weighted, sum(e.size for e in writer.entries)
 
 
 def expert_inputs(ckpt, expert_map: ExpertMap, coder: Coder, key: tuple[int, int], digest):
@@ -373,7 +394,7 @@ def vault_meta(ckpt: Checkpoint, expert_map: ExpertMap, partial: Path) -> dict:
         "roles": list(expert_map.roles),
         "expert_shapes": {r: list(s) for r, s in expert_map.expert_shapes().items()},
         "encoder": ENCODER,
-        "source": {"path": str(ckpt.dir), "formats": sorted({ckpt.source_format(n) for n in expert_map.expert_names})},
+        "source": {"path": str(ckpt.location), "formats": sorted({ckpt.source_format(n) for n in expert_map.expert_names})},
     }
 
 

@@ -11,7 +11,6 @@ j + 16 (high nibble). Tensor names, metadata keys and layouts follow llama.cpp's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -23,24 +22,11 @@ from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, req
 from smoe.format import codec
 from smoe.format.dtypes import FLOAT_NAMES
 from smoe.format.jsonfile import read_json
+from smoe.source.gguf import ARCHITECTURES, EXPERT_TENSORS, Architecture, permute_rope, tensor_name_map
 
 TRUNK_TYPES = ("bf16", "f16", "f32", "q8_0")
 Q4_1_BLOCK = 32
 
-
-@dataclass(frozen=True)
-class Architecture:
-    """How one vault family maps onto a llama.cpp architecture."""
-
-    arch: str  # name of gguf.MODEL_ARCH member
-    permute_qk: bool  # llama.cpp's "llama" graph ropes adjacent pairs, HF rotates halves: reorder q/k rows
-    expert_width_key: bool  # expert width in `expert_feed_forward_length` (else `feed_forward_length`)
-
-
-ARCHITECTURES = {
-    "qwen3_moe": Architecture("QWEN3MOE", permute_qk=False, expert_width_key=True),
-    "mixtral": Architecture("LLAMA", permute_qk=True, expert_width_key=False),
-}
 
 # tokenizer.json pre-tokenizer split patterns -> llama.cpp's `tokenizer.ggml.pre` names
 SPLIT_PATTERNS = {
@@ -220,8 +206,7 @@ def planned(name: str, shape: tuple[int, ...], qtype, load) -> Planned:
 
 
 def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_type: str) -> list[Planned]:
-    model_arch = getattr(gguf.MODEL_ARCH, arch.arch)
-    names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
+    names = tensor_name_map(arch, config["num_hidden_layers"])
     router = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_GATE_INP]
     plan = []
     for key in source.trunk_names():
@@ -252,14 +237,7 @@ def trunk_bytes(source: ExportSource, key: str, config: dict, arch: Architecture
     return data.view(np.uint8).reshape(*t.shape[:-1], -1)
 
 
-def permute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """HF's q/k rows (each head: first half, second half) -> llama.cpp's pairs (llama.cpp's `permute`)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def experts_plan(source: ExportSource, decoded: bool = False) -> list[Planned]:
-    tensor_of = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
-                 "down": gguf.MODEL_TENSOR.FFN_DOWN_EXP}
     plan = []
     for layer in source.meta["moe_layers"]:
         for role in source.roles:
@@ -267,7 +245,7 @@ def experts_plan(source: ExportSource, decoded: bool = False) -> list[Planned]:
             # Q4_1 blocks run along rows: a row of a width that is not a multiple of 32 cannot hold
             # SMOE's groups, so such (toy-sized) tensors are written decoded, in F32.
             qtype = ggml_type("q4_1" if inp % Q4_1_BLOCK == 0 and not decoded else "f32")
-            name = gguf.TENSOR_NAMES[tensor_of[role]].format(bid=layer) + ".weight"
+            name = gguf.TENSOR_NAMES[EXPERT_TENSORS[role]].format(bid=layer) + ".weight"
             load = lambda layer=layer, role=role, qtype=qtype: np.stack(
                 [expert_bytes(e, qtype) for e in source.experts(layer, role)])
             plan.append(planned(name, (source.num_experts, out, inp), qtype, load))

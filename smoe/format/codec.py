@@ -222,6 +222,20 @@ def decode(
     return w.to(dtype)
 
 
+def weighted_snr_db(reference: torch.Tensor, approx: torch.Tensor, second_moment: torch.Tensor) -> float:
+    """SNR of a projection's output over inputs of second moment H = E[x xᵀ] ([in, in], or its diagonal
+    [in]): E‖W x‖² / E‖(W - Ŵ) x‖² = tr(W H Wᵀ) / tr(E H Eᵀ), in dB; the error the calibrated encoders
+    minimise, where snr_db weighs every weight alike."""
+    w = reference.to(torch.float32)
+    e = w - approx.to(torch.float32)
+    h = second_moment.to(w.device, torch.float32)
+    energy = (lambda m: (m * m * h).sum()) if h.dim() == 1 else (lambda m: ((m @ h) * m).sum())
+    noise = energy(e)
+    if noise <= 0:
+        return float("inf")
+    return float(10 * torch.log10(energy(w) / noise))
+
+
 def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-noise ratio of approx against reference, in dB."""
     ref = reference.reshape(-1).to(torch.float32)

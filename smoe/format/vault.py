@@ -22,9 +22,9 @@ from smoe.format.safetensors_io import WRITABLE, Stored, load_tensors, read_entr
 from smoe.format.vault_index import SECTION_ALIGNMENT, align, blob_layout, check_index
 
 MAGIC = b"SMOEVLT\x00"
-FORMAT_VERSION = 3
-READ_VERSIONS = (2, 3)  # version 2: config.json keeps the source's model_type (docs/vault.md)
-READS = " and ".join(map(str, READ_VERSIONS))
+FORMAT_VERSION = 4
+READ_VERSIONS = (2, 3, 4)  # how config.json carries the source's model type differs (docs/vault.md)
+READS = ", ".join(map(str, READ_VERSIONS[:-1])) + f" and {READ_VERSIONS[-1]}"
 HEADER = struct.Struct("<8sIIIIQQQQ")  # magic, version, group, bits, alignment, data_offset, data_end, blobs, index hash
 HEADER_SIZE = HEADER.size + 8  # + xxh64 of the header fields
 DEFAULT_ALIGNMENT = 4096
@@ -39,8 +39,13 @@ COPIED_FILES = (
 )
 # files a runtime or transformers would read if present: each must be covered by the index
 READ_FILES = frozenset(COPIED_FILES) | {TRUNK_FILE, "model.safetensors.index.json"}
-QUANT_METHOD = "smoe"  # config.json's quantization_config.quant_method in a vault
+QUANT_METHOD = "smoe"  # the quant_method of a vault's quantization_config as smoe hands it to transformers
 VAULT_MODEL_TYPE = "smoe_vault"  # config.json's model_type from version 3: unknown to transformers without smoe
+# config.json's quantization_config keys, by version, for the quantisation method and the source's model type.
+# From version 4 neither is a key transformers reads: a model class named directly finds no nested `model_type`
+# to take as its whole config, and no `quant_method`, which it refuses before reading a weight.
+SEALED_KEYS = {2: ("quant_method", None), 3: ("quant_method", "model_type"),
+               4: ("smoe_quant_method", "source_model_type")}
 MAX_INDEX_BYTES_PER_BLOB = 4096  # a generous bound on one entry of index.json (bounded memory on open)
 
 
@@ -314,15 +319,16 @@ def layout_meta(entries: list[ExpertEntry]) -> dict:
 
 
 def seal_config(directory: Path, bits: int) -> None:
-    """Mark config.json as a vault's: `quantization_config` names smoe, as transformers' quantizers expect
-    (a source's own quantization_config no longer applies: the vault holds its tensors decoded), and the
-    model type is `smoe_vault`, the source's kept in quantization_config: transformers without smoe
-    refuses the vault, naming that type, instead of loading the trunk with random experts."""
+    """Mark config.json as a vault's: `quantization_config` names smoe (a source's own no longer applies: the
+    vault holds its tensors decoded) and the model type is `smoe_vault`, the source's kept in
+    quantization_config, both under keys only smoe reads (SEALED_KEYS): transformers without smoe refuses the
+    vault, through an Auto class or a model class named directly, instead of loading it wrong."""
     path = directory / CONFIG_FILE
     if path.exists():
         config = parse_json(path.read_bytes(), path)
-        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": "smoe-vault", "version": FORMAT_VERSION,
-                                         "bits": bits, "model_type": config.get("model_type")}
+        method_key, type_key = SEALED_KEYS[FORMAT_VERSION]
+        config["quantization_config"] = {method_key: QUANT_METHOD, "format": "smoe-vault", "version": FORMAT_VERSION,
+                                         "bits": bits, type_key: config.get("model_type")}
         config["model_type"] = VAULT_MODEL_TYPE
         path.write_text(json.dumps(config, indent=2) + "\n")
 
@@ -337,6 +343,13 @@ def file_records(directory: Path) -> dict[str, dict]:
 # --- reading -------------------------------------------------------------------------------------
 
 
+def quantize_hint(path: Path) -> str:
+    """The command that makes a vault for `path`: from it, beside it, when it holds a model (never over it)."""
+    if (path / "config.json").is_file():
+        return f"smoe quantize {path} -o {path.parent / (path.name + '-q4')}"
+    return f"smoe quantize MODEL_DIR -o {path}"
+
+
 class Vault:
     """A vault directory opened for reading. Opening checks the header, every field of the index
     (smoe/format/vault_index.py) and the checksum of every listed file but the trunk (`check_trunk`, which
@@ -347,7 +360,7 @@ class Vault:
         data_path = self.dir / DATA_FILE
         if not self.dir.is_dir() or not data_path.is_file() or not (self.dir / INDEX_FILE).is_file():
             raise SmoeError(f"{self.dir}: not a vault (needs {DATA_FILE} and {INDEX_FILE}; make one with "
-                            f"`smoe quantize MODEL_DIR -o {self.dir}`)")
+                            f"`{quantize_hint(self.dir)}`)")
         self.fd = os.open(data_path, os.O_RDONLY)
         try:
             self._open(data_path)
@@ -481,19 +494,37 @@ def parse_config(raw: bytes, path: Path, version: int = FORMAT_VERSION) -> dict:
     return config
 
 
-def source_model_config(config, path, version: int = FORMAT_VERSION) -> dict:
-    """A vault's config.json (parsed) as the source model's: from version 3 the model type is
-    quantization_config's (config.json's own is `smoe_vault`); version 2 kept the source's in place."""
+def source_model_config(config, path, version: int | None = None) -> dict:
+    """A vault's config.json (parsed) as the source model's, its quantization_config as smoe's quantizer reads it
+    (`quant_method: smoe`). `version` is the header's; without it (transformers' AutoConfig reads config.json
+    alone), quantization_config's. From version 3 config.json's model type is `smoe_vault` and the source's is in
+    quantization_config; version 2 kept the source's in place."""
     sealed = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(sealed, dict) or sealed.get("quant_method") != QUANT_METHOD:
-        raise SmoeError(f"{path}: not a vault's config (no smoe quantization_config)")
-    if version == 2:
-        return dict(config)
-    if config.get("model_type") != VAULT_MODEL_TYPE or not isinstance(sealed.get("model_type"), str):
+    if not isinstance(sealed, dict):
+        raise SmoeError(f"{path}: not a vault's config (no quantization_config)")
+    version = sealed.get("version") if version is None else version
+    if version not in READ_VERSIONS:
+        raise SmoeError(f"{path}: vault format version {version!r}, this smoe reads versions {READS}")
+    method_key, type_key = SEALED_KEYS[version]
+    if sealed.get("version") != version or sealed.get(method_key) != QUANT_METHOD:
+        raise SmoeError(f"{path}: not a vault's config of format version {version} (its quantization_config "
+                        f"needs version {version} and {method_key} {QUANT_METHOD!r})")
+    quantization = {k: v for k, v in sealed.items() if k not in (method_key, type_key)} | {"quant_method": QUANT_METHOD}
+    if type_key is None:
+        return config | {"quantization_config": quantization}
+    if config.get("model_type") != VAULT_MODEL_TYPE or not isinstance(sealed.get(type_key), str):
         raise SmoeError(f"{path}: a version-{version} vault's config has model_type {VAULT_MODEL_TYPE!r} and the "
-                        f"source's in quantization_config.model_type (found {config.get('model_type')!r}, "
-                        f"{sealed.get('model_type')!r})")
-    return config | {"model_type": sealed["model_type"]}
+                        f"source's in quantization_config.{type_key} (found {config.get('model_type')!r}, "
+                        f"{sealed.get(type_key)!r})")
+    return config | {"model_type": sealed[type_key], "quantization_config": quantization}
+
+
+# what transformers gets wrong with a vault of an older format, which version 4 it refuses
+OLDER_VERSION_RISKS = {
+    2: "transformers without `import smoe` loads a version-2 vault with random experts",
+    3: "a model class named directly, as in Qwen3MoeForCausalLM.from_pretrained(VAULT), builds that class's "
+       "default-size model from a version-3 vault, with or without `import smoe`",
+}
 
 
 def version_notice(path: str | Path) -> str | None:
@@ -502,8 +533,8 @@ def version_notice(path: str | Path) -> str | None:
         version = unpack_header(f.read(HEADER_SIZE), Path(path) / DATA_FILE)["version"]
     if version == FORMAT_VERSION:
         return None
-    return (f"format version {version} (still read; quantize again for {FORMAT_VERSION}: transformers without "
-            f"`import smoe` loads a version-{version} vault with random experts, version {FORMAT_VERSION} it refuses)")
+    return (f"format version {version} (still read; quantize again for {FORMAT_VERSION}: "
+            f"{OLDER_VERSION_RISKS[version]}, version {FORMAT_VERSION} it refuses)")
 
 
 # --- verification --------------------------------------------------------------------------------

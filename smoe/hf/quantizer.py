@@ -1,13 +1,15 @@
 """`AutoModelForCausalLM.from_pretrained(VAULT)`: the vault's quantisation method in transformers' registry.
 
-A vault's config.json carries `quantization_config: {quant_method: "smoe", ...}` (its model type, `smoe_vault`,
-reads as the source's through smoe.hf.vault_config) and its trunk is
+A vault's config.json reads, through smoe.hf.vault_config, as the source's configuration with
+`quantization_config: {quant_method: "smoe", ...}` (the file itself names neither, so transformers alone refuses it:
+docs/vault.md) and its trunk is
 `model.safetensors`, so transformers loads a vault as any pre-quantised checkpoint (bitsandbytes, GPTQ,
 HQQ): it builds the model on the meta device, lets this quantizer adjust the skeleton, loads the trunk,
 and calls the quantizer again. Before loading, the routed experts' parameters become empty placeholders (they are in
 the vault's experts.bin, never in the trunk, so nothing is allocated for them) and the experts modules
 are pointed at smoe's experts implementation; after loading, the runtime opens the vault's expert
-store and attaches it (`set_attach`: the runtime sits above this package; `import smoe` connects the two).
+store and attaches it (`set_attach`: the runtime sits above this package; `import smoe` connects the two),
+and sets torch's CPU thread count for the process as `smoe generate` does (smoe.runtime.load).
 """
 
 from __future__ import annotations

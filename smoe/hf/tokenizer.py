@@ -34,11 +34,24 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def chat_prompt(tok, history) -> list[int]:
+def has_chat_template(tok) -> bool:
+    return bool(getattr(tok, "chat_template", None))
+
+
+def chat_prompt(tok, history, tools: list[dict] | None = None) -> list[int]:
     """The tokenizer's chat template when it has one; plain "User:/Assistant:" turns otherwise.
 
-    history: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
-    if getattr(tok, "chat_template", None):
-        return tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+    history: [{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}, ...]; tools (in
+    OpenAI's shape) go to the template, which alone knows how its model is told of them."""
+    if has_chat_template(tok):
+        return tok.apply_chat_template(history, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
     text = "".join(f"{ROLE_LABELS.get(m['role'], 'Assistant')}: {m['content']}\n" for m in history)
     return tok(text + "Assistant:", add_special_tokens=True)["input_ids"]
+
+
+def chat_text(tok, history, tools: list[dict] | None = None, generation_prompt: bool = False) -> str:
+    """The text the chat template makes of `history` (empty without a template): how it writes tools and calls."""
+    if not has_chat_template(tok):
+        return ""
+    return tok.apply_chat_template(history, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False)

@@ -4,7 +4,10 @@ From format version 3 a vault's config.json names the model type `smoe_vault` (d
 without smoe does not know it, so `AutoModelForCausalLM.from_pretrained(VAULT)` fails before reading a weight,
 naming that type, where it would otherwise load the trunk and leave the experts random. `import smoe`
 registers the type (transformers' public `AutoConfig.register`): reading it gives the source family's own
-configuration, whose quantization_config then hands the model to smoe's quantizer (smoe.hf.quantizer).
+configuration, whose quantization_config (`quant_method: smoe`, which from version 4 the file keeps under a key
+of smoe's own) then hands the model to smoe's quantizer (smoe.hf.quantizer). A model class named directly never
+comes here: transformers reads config.json into that class's configuration and, finding no `quant_method`,
+refuses the vault.
 """
 
 from __future__ import annotations

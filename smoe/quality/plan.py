@@ -273,6 +273,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     Returns (plan document, table, KL meter, calibration stats); the last two are None when the table
     was complete already and `need_meter` is false."""
     from smoe.convert import calibrate, encoders
+    from smoe.hf.gguf import check_calibratable
     from smoe.quality.sensitivity import (
         SENSITIVITY_WINDOWS,
         KLMeter,
@@ -287,6 +288,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
 
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")
+    check_calibratable(model_dir)
     encoders.check_encoder(encoder)
     out = Path(out)
     sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")

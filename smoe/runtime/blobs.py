@@ -56,12 +56,19 @@ class BlobReader:
         problem = numeric.THREADS.problem(threads)  # the CLI checked --threads; the Python API passes it here
         if problem:
             raise SmoeError(f"threads (parallel expert reads): {problem}")
-        self.vault = vault
+        self.vault, self.threads = vault, threads
         self.direct_fd = open_direct(vault) if direct_io else None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
 
     def submit(self, fn, *args) -> Future:
-        return self.pool.submit(fn, *args)
+        try:
+            return self.pool.submit(fn, *args)
+        except RuntimeError as err:  # the pool starts threads on demand, here; a refused one is only this message
+            if "can't start new thread" not in str(err):
+                raise
+            raise SmoeError(f"cannot start an expert reader thread ({self.threads} asked for): the process "
+                            f"limit on threads is reached (ulimit -u, or the container's pids limit); "
+                            f"use fewer reader threads (--threads, threads= in smoe.load)") from None
 
     def read(self, entry: ExpertEntry) -> tuple[memoryview | bytes, float]:
         """(the checked blob, seconds spent reading and checking it), in a buffer of its own."""

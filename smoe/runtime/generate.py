@@ -11,7 +11,7 @@ import torch
 from smoe.errors import SmoeError
 from smoe.runtime.decoder import SequenceStep, open_decoder
 from smoe.runtime.model import DECODERS
-from smoe.runtime.sampling import SamplingParams, Sequence, sample_batch, token_logprobs
+from smoe.runtime.sampling import SamplingParams, Sequence, chosen, sample_batch, sampling_defaults, token_logprobs
 
 
 @dataclass
@@ -74,24 +74,23 @@ def logits_function(sm, positions: int, decoder: str = "auto"):
 
 
 @torch.inference_mode()
-def generate(sm, prompt_ids: list[int], max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, on_token=None, decoder: str = "auto", params: SamplingParams | None = None,
-             logprobs: int | None = None, on_logprob=None,
-             on_prompt_logprobs=None) -> tuple[list[int], GenerationStats]:
+def generate(sm, prompt_ids: list[int], max_tokens: int = 128, *, params: SamplingParams | None = None,
+             on_token=None, decoder: str = "auto", logprobs: int | None = None, on_logprob=None,
+             on_prompt_logprobs=None, constraint=None) -> tuple[list[int], GenerationStats]:
     """Prefill the prompt in one forward (each layer reads its experts once), then decode token by token.
 
-    `params` (all sampling settings) replaces temperature, top_p and seed when given. `on_token(token)`
-    sees each new token; returning False stops generation after it (a server cancels a request whose
-    client went away this way). With `logprobs` = n, `on_logprob(TokenLogprob)` sees each new token's
-    log-probability and its n most likely alternatives first, and `on_prompt_logprobs(list)` those
-    of prompt tokens 1.. (the first has no context to be predicted from)."""
+    `params`: the sampler's settings (default: the vault's, `sampling_defaults`, with a random seed).
+    `on_token(token)` sees each new token; returning False stops generation after it (a server cancels
+    a request whose client went away this way). With `logprobs` = n, `on_logprob(TokenLogprob)` sees
+    each new token's log-probability and its n most likely alternatives first, and
+    `on_prompt_logprobs(list)` those of prompt tokens 1.. (the first has no context to be predicted from)."""
     if not prompt_ids:
         raise SmoeError("empty prompt")
     limit = sm.max_positions
     if limit and len(prompt_ids) + max_tokens > limit:
         raise SmoeError(f"prompt of {len(prompt_ids)} tokens + {max_tokens} new tokens exceeds the model's context of {limit}")
     stats0 = sm.cache_stats()
-    seq = Sequence(params or SamplingParams(temperature=temperature, top_p=top_p, seed=seed), list(prompt_ids))
+    seq = Sequence(params or chosen(sampling_defaults(sm.vault.dir)), list(prompt_ids), constraint=constraint)
     stop = eos_ids(sm.model)
     step = logits_function(sm, len(prompt_ids) + max_tokens, decoder)
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from smoe import numeric
+from smoe.serve.tools.messages import ToolUse, anthropic_tool_use, anthropic_turns, openai_tool_use, openai_turns
 
 MAX_STOPS = 16
 MAX_PROMPTS = 32  # prompts of one /v1/completions request, run one after another
@@ -45,6 +46,68 @@ class ImagePart(BaseModel):
 Content = str | list[TextPart | ImagePart]
 
 
+# --- tools (checked further, and turned into the template's turns, by smoe.serve.tools.messages) ---
+
+class FunctionDef(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallRef(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AnthropicTool(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    input_schema: dict
+
+
+class AnthropicToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ToolUsePart(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class ToolResultPart(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextPart] = ""
+    is_error: bool = False
+
+
+AnthropicContent = str | list[TextPart | ImagePart | ToolUsePart | ToolResultPart]
+
+
 def text_of(content: Content | None) -> str:
     if content is None:
         return ""
@@ -68,19 +131,25 @@ class OpenAIRequest(Strict):
     model: str | None = None
     max_tokens: int | None = numeric.MAX_TOKENS.field(None)
     max_completion_tokens: int | None = numeric.MAX_TOKENS.field(None)
-    temperature: float = numeric.TEMPERATURE.field(1.0)
-    top_p: float = numeric.TOP_P.field(1.0)
+    # sampling fields: None (left out) takes the model's default (smoe.runtime.sampling.model_defaults)
+    temperature: float | None = numeric.TEMPERATURE.field(None)
+    top_p: float | None = numeric.TOP_P.field(None)
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
-    top_k: int = numeric.TOP_K.field(0)
-    min_p: float = numeric.MIN_P.field(0.0)
-    repetition_penalty: float = numeric.REPETITION_PENALTY.field(1.0)
-    frequency_penalty: float = numeric.PENALTY.field(0.0)
-    presence_penalty: float = numeric.PENALTY.field(0.0)
+    top_k: int | None = numeric.TOP_K.field(None)
+    min_p: float | None = numeric.MIN_P.field(None)
+    repetition_penalty: float | None = numeric.REPETITION_PENALTY.field(None)
+    frequency_penalty: float | None = numeric.PENALTY.field(None)
+    presence_penalty: float | None = numeric.PENALTY.field(None)
     seed: int | None = numeric.SEED.field(None)
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict | None = None  # only {"type": "text"}; checked by the handler to say why
+
+    def sampling_fields(self) -> dict:
+        """The sampler's settings as asked, None for each left to the model's default."""
+        return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                                       "frequency_penalty", "presence_penalty", "seed")}
 
     def unsupported_format(self) -> bool:
         return self.response_format is not None and self.response_format != {"type": "text"}
@@ -96,8 +165,10 @@ class OpenAIRequest(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = None
+    tool_calls: list[ToolCallRef] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def as_turn(self) -> dict:
         return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
@@ -105,8 +176,17 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = numeric.TOP_LOGPROBS.field(None)
+
+    def turns(self) -> list[dict]:
+        return openai_turns(self.messages)
+
+    def tool_use(self) -> ToolUse:
+        return openai_tool_use(self)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -125,7 +205,7 @@ class CompletionRequest(OpenAIRequest):
 
 class AnthropicMessage(Strict):
     role: Literal["user", "assistant"]
-    content: Content
+    content: AnthropicContent
 
 
 class AnthropicPrompt(Strict):
@@ -133,19 +213,27 @@ class AnthropicPrompt(Strict):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextPart] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
 
     def turns(self) -> list[dict]:
-        system = [{"role": "system", "content": text_of(self.system)}] if self.system else []
-        return system + [{"role": m.role, "content": text_of(m.content)} for m in self.messages]
+        return anthropic_turns(self.system, self.messages)
+
+    def tool_use(self) -> ToolUse:
+        return anthropic_tool_use(self)
 
 
 class MessagesRequest(AnthropicPrompt):
     max_tokens: int = numeric.MAX_TOKENS.field(...)
-    temperature: float = numeric.ANTHROPIC_TEMPERATURE.field(1.0)
-    top_p: float = numeric.TOP_P.field(1.0)
+    # None (left out) takes the model's default, as on the OpenAI routes
+    temperature: float | None = numeric.ANTHROPIC_TEMPERATURE.field(None)
+    top_p: float | None = numeric.TOP_P.field(None)
     top_k: int | None = numeric.TOP_K.field(None)
     stop_sequences: list[Stop] | None = Field(None, max_length=MAX_STOPS)
     stream: bool = False
+
+    def sampling_fields(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 
 def first_error(error: ValidationError, data: dict) -> tuple[str, str]:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from smoe.hf.tokenizer import chat_prompt
 from smoe.runtime.generate import eos_ids, generate
-from smoe.runtime.sampling import SamplingParams, TokenLogprob
+from smoe.runtime.sampling import SamplingParams, TokenLogprob, chosen, sampling_defaults
+from smoe.serve.tools.support import ToolSupport
 
-log = logging.getLogger("smoe.serve.server")
+log = logging.getLogger("smoe.serve")
 
 
 class Overloaded(Exception):
@@ -28,23 +29,16 @@ class Overloaded(Exception):
 
 
 @dataclass(frozen=True)
-class Sampling:
+class Reply:
+    """What a job is to produce: the sampler's settings, and how long it runs, where it stops and what
+    it reports besides its text."""
+    params: SamplingParams
     max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
     stop: tuple[str, ...] = ()
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
     logprobs: int | None = None  # report each token's logprob and this many alternatives
     prompt_logprobs: bool = False  # and those of the prompt's tokens (completions' echo)
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-                              self.frequency_penalty, self.presence_penalty, self.seed)
+    constraint: object = None  # a grammar the tokens must follow (a required tool call: smoe.serve.tools.grammar)
+    special_text: bool = False  # the text keeps special tokens, where tool calls may be written
 
 
 @dataclass
@@ -58,13 +52,13 @@ class Outcome:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., when asked
 
 
-# the jobs of the HTTP request being handled, for its access-log line (set by smoe.serve.server.AccessLog)
+# the jobs of the HTTP request being handled, for its access-log line (set by smoe.serve.app.AccessLog)
 REQUEST_JOBS: contextvars.ContextVar[list | None] = contextvars.ContextVar("smoe_request_jobs", default=None)
 
 
 class Job:
-    def __init__(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop):
-        self.prompt, self.sampling, self.loop = prompt, sampling, loop
+    def __init__(self, prompt: list[int], reply: Reply, loop: asyncio.AbstractEventLoop):
+        self.prompt, self.reply, self.loop = prompt, reply, loop
         self.stats = None  # the GenerationStats, once it ran
         if (request_jobs := REQUEST_JOBS.get()) is not None:
             request_jobs.append(self)
@@ -164,6 +158,8 @@ class Worker:
         self.sm, self.tokenizer, self.model_id, self.max_queue = sm, tokenizer, model_id, max_queue
         self.tokenizer_lock = threading.Lock()  # the event loop encodes while the worker decodes
         self.eos = eos_ids(sm.model)
+        self.tools = ToolSupport(tokenizer, self.tokenizer_lock, self.eos)
+        self.defaults = sampling_defaults(sm.vault.dir)  # what a request leaves out, as on the command line
         self.jobs: queue.Queue = queue.Queue()
         self.waiting = 0  # queued or running; changed by both threads, under waiting_lock
         self.waiting_lock = threading.Lock()
@@ -183,17 +179,20 @@ class Worker:
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         with self.tokenizer_lock:
-            return list(chat_prompt(self.tokenizer, messages))
+            return list(chat_prompt(self.tokenizer, messages, tools))
 
     def encode_text(self, text: str) -> list[int]:
         with self.tokenizer_lock:
             return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int], special: bool = False) -> str:
+        """`special`: with the special tokens but end of sequence (the markers of some families' tool calls)."""
+        if special:
+            tokens = [t for t in tokens if t not in self.eos]
         with self.tokenizer_lock:
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return self.tokenizer.decode(tokens, skip_special_tokens=not special)
 
     def decode_prefixes(self, tokens: list[int]) -> list[str]:
         """The text of tokens[:i] for each i in 0..len: exact character offsets of every token."""
@@ -205,8 +204,12 @@ class Worker:
         with self.tokenizer_lock:
             return self.tokenizer.convert_ids_to_tokens(tokens)
 
-    def submit(self, prompt: list[int], sampling: Sampling) -> Job:
-        job = Job(prompt, sampling, asyncio.get_running_loop())
+    def sampling(self, **given) -> SamplingParams:
+        """The sampler's settings of a request: the fields it gives (not None) over the model's defaults."""
+        return chosen(self.defaults, **given)
+
+    def submit(self, prompt: list[int], reply: Reply) -> Job:
+        job = Job(prompt, reply, asyncio.get_running_loop())
         with self.waiting_lock:
             if self.waiting >= self.max_queue:
                 raise Overloaded(f"{self.waiting} requests are already waiting (the limit is {self.max_queue})")
@@ -231,8 +234,8 @@ class Worker:
         if job.cancelled.is_set() or self.stopping.is_set():  # its client left while it waited
             self.metrics.finished(None, "cancelled")
             return
-        s = job.sampling
-        stream = TextStream(self.decode, s.stop)
+        s = job.reply
+        stream = TextStream(lambda tokens: self.decode(tokens, s.special_text), s.stop)
         self.metrics.current = {"tokens": 0, "since": time.perf_counter()}
 
         logprobs, prompt_logprobs = [], []
@@ -253,9 +256,10 @@ class Worker:
             return stream.stop_sequence is None and not job.cancelled.is_set() and not self.stopping.is_set()
 
         try:
-            tokens, stats = generate(self.sm, job.prompt, s.max_tokens, on_token=on_token, params=s.params(),
+            tokens, stats = generate(self.sm, job.prompt, s.max_tokens, on_token=on_token, params=s.params,
                                      logprobs=s.logprobs, on_logprob=on_logprob,
-                                     on_prompt_logprobs=on_prompt_logprobs if s.prompt_logprobs else None)
+                                     on_prompt_logprobs=on_prompt_logprobs if s.prompt_logprobs else None,
+                                     constraint=s.constraint)
         except Exception as e:  # a server-side failure (e.g. a corrupt vault): the client gets a 500
             log.exception("generation failed")
             self.metrics.failed += 1

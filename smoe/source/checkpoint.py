@@ -18,7 +18,7 @@ import torch
 from smoe.errors import SmoeError
 from smoe.format.dtypes import SAFETENSORS, SAFETENSORS_NAMES, TORCH_NAMES
 from smoe.format.jsonfile import read_json
-from smoe.format.safetensors_io import Stored, pread_exact, read_entries
+from smoe.format.safetensors_io import Stored, pread_exact, read_entries, read_header
 from smoe.source import quantised as source_quant
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -146,9 +146,18 @@ class Checkpoint:
                             f"(smoe reads only files in it)")
         return path
 
+    @property
+    def location(self) -> Path:
+        """What the checkpoint was opened from, for the vault's record: its directory."""
+        return self.dir
+
     def weight_files(self) -> list[Path]:
         """The safetensors files the tensors are read from."""
         return sorted({s.file for s in self._stored.values()})
+
+    def weight_headers(self) -> list[tuple[str, bytes]]:
+        """(file name relative to the directory, its safetensors header) of each weight file."""
+        return [(str(path.relative_to(self.dir)), read_header(path)[0]) for path in self.weight_files()]
 
     def _check_part_dtypes(self) -> None:
         for name, logical in self._logical.items():
@@ -229,6 +238,10 @@ class Checkpoint:
         if not self.has_weights:
             return None
         return sum(self._stored[stored].nbytes for stored in logical.parts.values())
+
+    def smoe_codes(self, name: str, bits: int) -> None:
+        """A safetensors checkpoint holds no SMOE codes to keep (a GGUF may: smoe.source.gguf)."""
+        return None
 
     def total_nbytes(self) -> int | None:
         """Bytes of all stored tensors: from the headers, else the index's metadata total_size."""
@@ -348,6 +361,15 @@ class Checkpoint:
 
     def __del__(self) -> None:
         self.close()
+
+
+def open_checkpoint(path: str | Path):
+    """The checkpoint at `path`: a GGUF file (smoe.source.gguf; trunk tensors under their llama.cpp names),
+    else a Hugging Face model directory or config file. smoe.hf.gguf.open_source also names a GGUF's trunk
+    and rebuilds its tokenizer, for quantizing."""
+    from smoe.source.gguf import GgufCheckpoint, is_gguf
+
+    return GgufCheckpoint(path) if is_gguf(path) else Checkpoint(path)
 
 
 # ----- source quantisation config ----------------------------------------------------------------

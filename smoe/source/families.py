@@ -254,6 +254,8 @@ CONFIG_KEYS = {
     "num_layers": ("num_hidden_layers", "n_layers", "num_layers", "n_layer"),
     "mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"),
     "latent_size": ("moe_latent_size",),
+    "context_length": ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"),
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
 }
 NESTED_CONFIGS = ("text_config", "language_config", "llm_config", "thinker_config")
 
@@ -297,6 +299,11 @@ def _lookup(configs: list[dict], keys: tuple[str, ...]):
             if value is not None and not isinstance(value, dict):
                 return value
     return None
+
+
+def config_number(config: dict, what: str) -> int | None:
+    """One of CONFIG_KEYS' numbers from a config, nested text configs first; None when absent."""
+    return _int(_lookup(_resolve(config or {})[2], CONFIG_KEYS[what]))
 
 
 def _num_layers(configs: list[dict]) -> int | None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from smoe.format import codec
-from smoe.format.vault import DATA_FILE, INDEX_FILE, Vault
-from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import ExpertMap, describe_config, map_experts
+from smoe.format.jsonfile import parse_json
+from smoe.format.safetensors_io import read_entries
+from smoe.format.vault import DATA_FILE, HEADER_SIZE, INDEX_FILE, Vault
+from smoe.format.vault_index import align, blob_layout
+from smoe.source.checkpoint import CONFIG_DTYPES, Checkpoint, open_checkpoint
+from smoe.source.families import ExpertMap, config_number, describe_config, map_experts
 
 DEPTHS = {"bf16": None, "q4": 4, "q2": 2}
+DEFAULT_DISK_GBPS = 7.4  # a PCIe 4 NVMe drive's sequential reads
 
 
 def expert_bytes(shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
@@ -22,6 +25,11 @@ def expert_bytes(shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
         else:
             out[label] = sum(sum(codec.encoded_nbytes(o * i, bits)) for o, i in shapes.values())
     return out
+
+
+def blob_bytes(shapes: dict[str, tuple[int, int]], bits: int, alignment: int = 4096) -> int:
+    """Bytes one expert takes in experts.bin at `bits`: its blob as the vault lays it out, aligned."""
+    return align(blob_layout([codec.encoded_nbytes(o * i, bits) for o, i in shapes.values()], [])[2], alignment)
 
 
 def streaming_costs(sizes: dict[str, int], moe_layers: int, top_k: int | None, disk_gbps: float) -> dict:
@@ -50,16 +58,81 @@ def experts_report(expert_map: ExpertMap, disk_gbps: float) -> dict:
 
 
 def inspect_checkpoint(path: Path, disk_gbps: float, num_experts: int | None) -> dict:
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)
     names = ckpt.names()
     if not names:  # a bare config: everything comes from its numbers
         report = experts_report(describe_config(ckpt.config, num_experts), disk_gbps)
-        return report | {"source": "config", "routed_experts_found": None, "expert_share": None, "expert_share_from": None}
+        report |= {"source": "config", "routed_experts_found": None, "expert_share": None, "expert_share_from": None}
+        return report | model_facts(ckpt.config, ckpt.dir) | sizes_report(report, None)
     expert_map = map_experts(ckpt.config, names, num_experts=num_experts)
     report = experts_report(expert_map, disk_gbps)
     report |= {"source": "weights" if ckpt.has_weights else "index", "routed_experts_found": len(expert_map.experts)}
     report["expert_share"], report["expert_share_from"] = expert_share(ckpt, expert_map)
-    return report
+    return report | model_facts(ckpt.config, ckpt.dir) | sizes_report(report, checkpoint_trunk(ckpt, expert_map, report))
+
+
+def model_facts(config: dict, directory: Path) -> dict:
+    """What `ollama show` gives besides the sizes: context length, vocabulary, chat template."""
+    return {"context_length": config_number(config, "context_length"), "vocab_size": config_number(config, "vocab_size"),
+            "chat_template": has_chat_template(directory)}
+
+
+def has_chat_template(directory: Path) -> bool | None:
+    """Whether the tokenizer files carry a chat template; None when there are no tokenizer files."""
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    tokenizer_config = directory / "tokenizer_config.json"
+    if not tokenizer_config.is_file():
+        return None
+    return bool(parse_json(tokenizer_config.read_bytes(), tokenizer_config).get("chat_template"))
+
+
+def checkpoint_trunk(ckpt: Checkpoint, expert_map: ExpertMap, report: dict) -> dict:
+    """Parameters and stored bytes of everything but the routed experts: from the headers, or (index only)
+    the index's total less the experts' share, at the dtype the config declares."""
+    trunk = [n for n in ckpt.names() if n not in expert_map.expert_names]
+    if ckpt.has_weights:
+        params = sum(_numel(ckpt.shape(n)) for n in trunk)
+        return {"params": params, "stored_bytes": sum(ckpt.stored_nbytes(n) for n in trunk), "from": "headers"}
+    total, share = ckpt.total_nbytes(), report["expert_share"]
+    if not total or share is None:
+        return {"params": None, "stored_bytes": None, "from": None}
+    stored = round(total * (1 - share))
+    per_param = _declared_bytes_per_param(ckpt.config)
+    return {"params": round(stored / per_param) if per_param else None, "stored_bytes": stored,
+            "from": f"estimate (index total_size less the experts, at {per_param or '?'} bytes per parameter)"}
+
+
+def _declared_bytes_per_param(config: dict) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        declared = CONFIG_DTYPES.get(source.get("torch_dtype") or source.get("dtype"))
+        if declared in ("bf16", "fp16"):
+            return 2
+        if declared == "fp32":
+            return 4
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def sizes_report(report: dict, trunk: dict | None) -> dict:
+    """The trunk, and the vault's size at each depth: experts.bin (its header, then every routed expert's
+    blob, aligned) plus the trunk as the vault keeps it (at source precision)."""
+    shapes = {r: tuple(s) for r, s in report["expert_shapes"].items()}
+    experts = report["moe_layers"] * report["experts_per_layer"]
+    trunk = trunk or {"params": None, "stored_bytes": None, "from": None}
+    sizes = {}
+    for label, bits in DEPTHS.items():
+        if bits is not None and shapes:
+            experts_bytes = align(HEADER_SIZE, 4096) + experts * blob_bytes(shapes, bits)
+            total = experts_bytes + trunk["stored_bytes"] if trunk["stored_bytes"] is not None else None
+            sizes[label] = {"experts_bytes": experts_bytes, "total_bytes": total}
+    return {"trunk": trunk, "vault_bytes": sizes}
 
 
 def expert_share(ckpt: Checkpoint, expert_map: ExpertMap) -> tuple[float | None, str | None]:
@@ -95,7 +168,19 @@ def inspect_vault(path: Path, disk_gbps: float) -> dict:
         }
         sizes = expert_bytes(shapes) | {"vault": round(mean_blob)}
         report |= streaming_costs(sizes, report["moe_layers"], meta["top_k"], disk_gbps)
+        report |= model_facts(v.config, path) | sizes_report(report, vault_trunk(v))
+        report["vault_bytes"]["vault"] = {"experts_bytes": (path / DATA_FILE).stat().st_size,
+                                          "total_bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}
     return report
+
+
+def vault_trunk(v: Vault) -> dict:
+    """The vault's trunk file: its parameters (from the header) and bytes."""
+    if not v.trunk_path.is_file():
+        return {"params": None, "stored_bytes": None, "from": None}
+    entries = read_entries(v.trunk_path)
+    return {"params": sum(_numel(e.shape) for e in entries.values()), "stored_bytes": v.trunk_path.stat().st_size,
+            "from": "the vault's trunk file"}
 
 
 def stored_depth(tensor_bits: dict[str, dict[int, int]], shapes: dict[str, tuple[int, int]]) -> str:
@@ -108,16 +193,38 @@ def stored_depth(tensor_bits: dict[str, dict[int, int]], shapes: dict[str, tuple
     return codec.depth_name(weights)
 
 
-def inspect_path(path: str | Path, disk_gbps: float = 7.4, num_experts: int | None = None) -> dict:
+def is_vault(path: Path) -> bool:
+    return (path / DATA_FILE).exists() and (path / INDEX_FILE).exists()
+
+
+def inspect_path(path: str | Path, disk_gbps: float = DEFAULT_DISK_GBPS, num_experts: int | None = None) -> dict:
     path = Path(path)
-    if (path / DATA_FILE).exists() and (path / INDEX_FILE).exists():
+    if is_vault(path):
         return inspect_vault(path, disk_gbps)
     return inspect_checkpoint(path, disk_gbps, num_experts)
+
+
+def at_disk_speed(report: dict, disk_gbps: float) -> dict:
+    """The report with its streaming costs at another disk speed."""
+    costs = streaming_costs(report["expert_bytes"], report["moe_layers"], report["experts_per_token"], disk_gbps)
+    return report | {"disk_gbps": disk_gbps} | costs
+
+
+def model_config(path: str | Path) -> dict:
+    """config.json's dict of what inspect_path read."""
+    path = Path(path)
+    if is_vault(path):
+        with Vault(path) as v:
+            return v.config
+    return open_checkpoint(path).config
 
 
 def format_report(r: dict) -> str:
     lines = [
         f"family               {r['family']} (model_type {r['model_type']}, from {r['source']})",
+        f"context length       {_known(r.get('context_length'))}",
+        f"vocabulary           {_known(r.get('vocab_size'))}",
+        f"chat template        {_yes_no(r.get('chat_template'))}",
         f"MoE layers           {r['moe_layers']}",
         f"experts per layer    {r['experts_per_layer']}",
         f"experts per token    {r['experts_per_token']}",
@@ -128,12 +235,20 @@ def format_report(r: dict) -> str:
         lines.append(f"routed experts found {r['routed_experts_found']:,}")
     if r.get("expert_share") is not None:
         lines.append(f"experts share        {100 * r['expert_share']:.1f}% of the checkpoint bytes ({r['expert_share_from']})")
+    trunk = r.get("trunk") or {}
+    if trunk.get("stored_bytes") is not None:
+        params = f"{trunk['params']:,} params, " if trunk.get("params") is not None else ""
+        lines.append(f"trunk                {params}{human_bytes(trunk['stored_bytes'])} stored ({trunk['from']})")
     if "stored_bits" in r:
         lines.append(f"depth                {r['depth']}")
-        lines.append("stored bits          " + json.dumps(r["stored_bits"]))
-    lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>13}{'tok/s':>13}   "
-                 f"(disk {r['disk_gbps']} GB/s, no cache)")
+        lines += stored_bits_table(r["stored_bits"])
+    lines += vault_size_lines(r.get("vault_bytes") or {})
+    if any(r["expert_bytes"].values()):
+        lines.append(f"{'':21}{'per expert':>12}{'per token':>12}{'experts/s':>13}{'tok/s':>13}   "
+                     f"(disk {r['disk_gbps']:.3g} GB/s, no cache)")
     for label, size in r["expert_bytes"].items():
+        if not size:  # the config gives no expert sizes
+            continue
         per_token = r["bytes_per_token_uncached"].get(label)
         tps = r["tokens_per_second_uncached"].get(label)
         lines.append(
@@ -141,3 +256,38 @@ def format_report(r: dict) -> str:
             f"{r['experts_per_second'][label]:>13,.0f}{tps or 0:>13,.1f}"
         )
     return "\n".join(lines)
+
+
+def stored_bits_table(stored_bits: dict[str, dict[str, int]]) -> list[str]:
+    """Expert tensors per role and depth, one row per role."""
+    depths = sorted({b for counts in stored_bits.values() for b in counts}, key=int, reverse=True)
+    lines = ["stored bits          " + "".join(f"{'Q' + b:>8}" for b in depths) + "   (expert tensors)"]
+    for role, counts in stored_bits.items():
+        lines.append(f"  {role:<19}" + "".join(f"{counts.get(b, 0):>8,}" for b in depths))
+    return lines
+
+
+def vault_size_lines(sizes: dict[str, dict]) -> list[str]:
+    if not sizes:
+        return []
+    lines = [f"vault size           {'experts':>12}{'total':>12}"]
+    for label, s in sizes.items():
+        lines.append(f"  {label:<19}{human_bytes(s['experts_bytes']):>12}{human_bytes(s['total_bytes']):>12}")
+    return lines
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _known(value) -> str:
+    return f"{value:,}" if value is not None else "not in the config"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "unknown (no tokenizer files)" if value is None else ("yes" if value else "no")

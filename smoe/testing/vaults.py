@@ -110,3 +110,34 @@ def reseal(vault: Path, name: str, data: bytes | None) -> None:
         h = unpack_header(f.read(HEADER_SIZE), vault / DATA_FILE)
         f.seek(0)
         f.write(pack_header(h["bits"], h["alignment"], h["data_end"], h["blobs"], xxhash.xxh64_intdigest(raw)))
+
+
+def as_format_version(vault: Path, version: int) -> Path:
+    """The vault as format `version` (2 or 3) wrote it (docs/vault.md), sealed again: quantization_config names
+    `quant_method: smoe`; the source's model type stays config.json's own (2) or is quantization_config's
+    `model_type` under config.json's `smoe_vault` (3); index.json and the header say `version`."""
+    import struct
+
+    import xxhash
+
+    from smoe.format.vault import CONFIG_FILE, DATA_FILE, HEADER, INDEX_FILE
+
+    vault = Path(vault)
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    sealed = config["quantization_config"]
+    config["quantization_config"] = {"quant_method": "smoe", "format": "smoe-vault", "version": version,
+                                     "bits": sealed["bits"]}
+    if version == 2:
+        config["model_type"] = sealed["source_model_type"]
+    else:
+        config["quantization_config"]["model_type"] = sealed["source_model_type"]
+    reseal(vault, CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+    index = json.loads((vault / INDEX_FILE).read_bytes())
+    reseal(vault, INDEX_FILE, json.dumps(index | {"version": version}, indent=1).encode())
+    with open(vault / DATA_FILE, "r+b") as f:
+        fields = list(HEADER.unpack(f.read(HEADER.size)))
+        fields[1] = version
+        packed = HEADER.pack(*fields)
+        f.seek(0)
+        f.write(packed + struct.pack("<Q", xxhash.xxh64_intdigest(packed)))
+    return vault

@@ -106,3 +106,56 @@ def test_chat_page_streams_a_reply_stops_it_and_shows_speed_and_cache_hit_rate(s
     wait.until(lambda d: len(replies(d)) == 2 and replies(d)[1].get_attribute("data-done") == "true")
     assert replies(browser)[1].text and browser.find_elements(By.CSS_SELECTOR, ".msg.note")[-1].text == "6 tokens"
     browser.save_screenshot(str(ARTIFACTS / "web_chat.png"))
+
+
+def greedy_reply(server, messages: list[dict], max_tokens: int) -> str:
+    return post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
+                                                 "temperature": 0})["choices"][0]["message"]["content"]
+
+
+def test_system_prompt_is_sent_and_new_chat_starts_over(server, browser):
+    system = "You are a pirate. Answer every question about ships."
+    with_system = greedy_reply(server, [{"role": "system", "content": system}, {"role": "user", "content": MESSAGE}], 8)
+    without = greedy_reply(server, [{"role": "user", "content": MESSAGE}], 8)
+    assert with_system != without, "the system prompt does not change the reply: pick another one"
+    browser.get(server.url + "/")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.02)
+    wait.until(lambda d: d.find_element(By.ID, "model").text)
+    fill(browser, "temperature", 0)
+    fill(browser, "max-tokens", 8)
+    fill(browser, "system", system)
+    say(browser, MESSAGE)
+    wait.until(lambda d: len(replies(d)) == 1 and replies(d)[0].get_attribute("data-done") == "true")
+    assert replies(browser)[0].text.strip() == with_system.strip()
+
+    browser.find_element(By.ID, "new-chat").click()
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg")
+    browser.find_element(By.ID, "system").clear()
+    say(browser, MESSAGE)  # were the first exchange still in the conversation, the reply would follow it
+    wait.until(lambda d: len(replies(d)) == 1 and replies(d)[0].get_attribute("data-done") == "true")
+    assert replies(browser)[0].text.strip() == without.strip()
+    assert [m.text for m in browser.find_elements(By.CSS_SELECTOR, ".msg.user")] == [MESSAGE]
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "web_chat_new_chat.png"))
+
+
+def test_the_page_asks_for_the_key_of_a_server_with_one_and_chats_once_given_it(serve_vault, start_server, browser):
+    server = start_server(serve_vault, "--api-key", "page-key")
+    browser.get(server.url + "/")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.02)
+    wait.until(lambda d: d.find_element(By.ID, "model").text)
+    assert browser.find_element(By.ID, "key-field").is_displayed()
+    fill(browser, "max-tokens", 4)
+    say(browser, MESSAGE)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.error"))
+    assert "API key" in browser.find_element(By.CSS_SELECTOR, ".msg.error").text
+    fill(browser, "api-key", "page-key")
+    say(browser, MESSAGE)
+    wait.until(lambda d: len(replies(d)) == 2 and replies(d)[1].get_attribute("data-done") == "true")
+    assert replies(browser)[1].text and browser.find_elements(By.CSS_SELECTOR, ".msg.note")[-1].text == "4 tokens"
+
+
+def test_the_key_field_stays_hidden_on_a_server_without_a_key(server, browser):
+    browser.get(server.url + "/")
+    WebDriverWait(browser, 60, poll_frequency=0.02).until(lambda d: d.find_element(By.ID, "model").text)
+    assert not browser.find_element(By.ID, "key-field").is_displayed()
