@@ -1,5 +1,5 @@
 """The demo's model and text as shipped, and the commands the demo prints (its full run, and running every
-command it prints, is tests/integration/test_demo.py)."""
+command it prints, is tests/integration/test_demo_run.py)."""
 
 import gzip
 import hashlib

@@ -3,6 +3,7 @@ it did not make, never truncates a file it did not create, never removes an inpu
 through a mount or a hard link) nor anything across a mount, and leaves no partial a rerun cannot
 remove. Each table runs over the three commands and over the things a hostile directory can hold."""
 
+import hashlib
 import os
 import shutil
 import signal
@@ -16,7 +17,7 @@ from export_models import exportable_vault
 
 from smoe.cli.commands import main
 from smoe.errors import SmoeError
-from smoe.format.output import kept_partial, mount_points, writing
+from smoe.format.output import PARTIAL, Output, is_work_suffix, kept_partial, mount_points, resumable_tag, writing
 
 # command -> argv for the inputs {"model", "vault"} and an output
 COMMANDS = {
@@ -300,3 +301,15 @@ def test_ctrl_c_before_any_blob_says_nothing_is_kept(inputs, tmp_path):
     _, err = proc.communicate()
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "smoe: interrupted", err
     assert not journals and kept_partial(out) is None and sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_resumable_partial_is_named_only_in_the_form_its_cleanup_recognises(tmp_path):
+    """The writer and the sweep of stale partials share one tag form, so a resumable partial is always
+    recognised as smoe's (and a name of another form never is)."""
+    tag = resumable_tag(hashlib.sha256(b"source").hexdigest())
+    assert is_work_suffix(tag, PARTIAL) and not is_work_suffix(tag[:-1], PARTIAL)
+    with pytest.raises(ValueError):
+        resumable_tag("abc")
+    output = Output(tmp_path / "vault", inputs=[], force=False)
+    with pytest.raises(ValueError):
+        output.begin(tag="2024-06-01")

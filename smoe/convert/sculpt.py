@@ -22,7 +22,7 @@ from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.jsonfile import parse_json
-from smoe.format.output import Output, writing
+from smoe.format.output import Output, resumable_tag, writing
 from smoe.format.safetensors_io import WRITABLE, write_safetensors
 from smoe.format.vault import COPIED_FILES, DEFAULT_ALIGNMENT, TRUNK_FILE, QuantisedTensor, VaultWriter, align
 from smoe.hf.gguf import open_source
@@ -70,7 +70,7 @@ def source_fingerprint(ckpt: Checkpoint, bits: int, encoder: str, alignment: int
             h.update(name.encode() + ckpt.inside(name).read_bytes())
     for name, header in ckpt.weight_headers():
         h.update(name.encode() + header)
-    return h.hexdigest()[:16]
+    return resumable_tag(h.hexdigest())
 
 
 def sculpt(model_dir: str | Path, out_dir: str | Path, force: bool = False, reads=(), **options) -> SculptReport:

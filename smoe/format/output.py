@@ -78,6 +78,8 @@ class Output:
         """Remove the stale work paths and start the partial: with `tag` a resumable directory (kept
         and resumed unless --force; `keep` says whether one left by a failure is worth resuming), else
         a temporary one, made here as an empty "dir" or "file" (`make`), or left for the writer to make."""
+        if tag is not None and not FINGERPRINT.match(tag):
+            raise ValueError(f"a resumable partial's tag comes from resumable_tag(), not {tag!r}")
         partial = self.partial_path(tag)
         resume = tag is not None and not self.force and os.path.isdir(partial) and not os.path.islink(partial)
         for work in self.stale(PARTIAL) + self.stale(OLD):
@@ -137,7 +139,17 @@ class Output:
                 and not is_alive(writer_pid(p.name[len(prefix):]))]
 
 
-FINGERPRINT = re.compile(r"[0-9a-f]{16}\Z")  # a resumable partial's name: sculpt's source fingerprint
+TAG_HEX = 16  # a resumable partial is named by the first 16 hex digits of its writer's fingerprint
+FINGERPRINT = re.compile(rf"[0-9a-f]{{{TAG_HEX}}}\Z")
+
+
+def resumable_tag(digest: str) -> str:
+    """The name a resumable partial takes from a hex digest of what determines its content: the one form
+    `is_work_suffix` recognises, so a stale one is cleaned up and a user's own `OUT.partial-*` never is."""
+    tag = digest[:TAG_HEX]
+    if not FINGERPRINT.match(tag):
+        raise ValueError(f"not a hex digest of at least {TAG_HEX} digits: {digest!r}")
+    return tag
 
 
 def is_work_suffix(suffix: str, marker: str) -> bool:
