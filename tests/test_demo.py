@@ -47,7 +47,7 @@ def test_the_demo_eval_text_is_rebuilt_byte_for_byte_from_the_validation_books(t
     proc = subprocess.run([sys.executable, ROOT / "scripts" / "demo_eval_text.py", "-o", out], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
-    assert out.read_bytes() == demo.EVAL_TEXT.read_bytes()
+    assert out.read_bytes() == (demo.MODEL / demo.EVAL_TEXT).read_bytes()
     assert hashlib.sha256(out.read_bytes()).hexdigest() in (ROOT / "models" / "README.md").read_text()
 
 
@@ -57,7 +57,7 @@ def test_no_passage_of_the_demo_eval_text_is_in_the_training_text():
         pytest.skip(f"{train} not present: the training text is needed to show the eval text is outside it")
     with gzip.open(train, "rt", encoding="utf-8") as f:
         text = f.read()
-    lines = [line for line in demo.EVAL_TEXT.read_text().splitlines() if len(line) >= 60]
+    lines = [line for line in (demo.MODEL / demo.EVAL_TEXT).read_text().splitlines() if len(line) >= 60]
     probes = lines[:: max(1, len(lines) // 40)]
     assert len(probes) >= 40 and [p for p in probes if p in text] == []
 
@@ -74,6 +74,7 @@ def test_every_command_the_demo_runs_is_a_valid_smoe_command_line(demo_work, mon
     monkeypatch.chdir(demo_work)
     model = demo_work / "model"
     model.mkdir()
+    (model / demo.EVAL_TEXT).write_text("Text the model never saw.\n")
     steps = list(demo.steps(model, Path(".")))
     lines = [demo.command_line(argv) for argv in steps]
     program = demo.program()

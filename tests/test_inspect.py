@@ -5,13 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from smoe.cli.commands import main
 from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE
-from smoe.runtime.fit import fit_report, format_fit
+from smoe.hf.model import forward_with_cache
+from smoe.runtime.fit import fit_report, format_fit, kv_cache
 from smoe.runtime.model import OpenedVault
 from smoe.source.inspect import blob_bytes, format_report, inspect_path, model_config
+from smoe.testing.tiny_models import tiny_model
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "real-checkpoints"  # beside a checkout
 needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"{FIXTURES} absent (the shared fixtures live "
@@ -100,6 +103,37 @@ def test_a_checkpoint_is_sized_at_both_depths_with_a_measured_disk(tiny_qwen_vau
     assert fit["disk"]["from"].startswith("measured: ") and "model.safetensors" in fit["disk"]["from"]
     assert set(fit["depths"]) == {"q4", "q2"}
     assert all(d["min_cache_bytes"] > 0 for d in fit["depths"].values())
+
+
+# DeepSeek-V3's attention and depth, as its released config.json gives them
+MLA_CONFIG = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+              "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+              "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+              "moe_intermediate_size": 2048, "first_k_dense_replace": 3, "vocab_size": 129280}
+SHARED_MLA_MODEL = FIXTURES.parents[1] / "models" / "deepseek-v3-30m"
+
+
+def test_an_mla_kv_cache_is_the_latent_and_shared_rotary_key_transformers_caches_per_layer():
+    model = tiny_model("deepseek_v3")
+    positions = 5
+    _, cache = forward_with_cache(model, torch.arange(positions)[None])
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    want = {"bytes": held, "positions": positions, "decoder": "generic"}
+    assert kv_cache(model.config.to_dict(), positions, torch.float32) == want
+    # per layer and position kv_lora_rank + qk_rope_head_dim, not 128 heads of 192-wide keys and 128-wide values
+    assert kv_cache(MLA_CONFIG, 4096, torch.bfloat16)["bytes"] == 61 * (512 + 64) * 2 * 4096
+
+
+@pytest.mark.skipif(not SHARED_MLA_MODEL.is_dir(), reason=f"{SHARED_MLA_MODEL} absent (the shared models live "
+                    "beside the repository; the test above checks the same count on a tiny model)")
+def test_inspect_shows_an_mla_checkpoints_kv_cache_at_its_context_length(capsys):
+    c = json.loads((SHARED_MLA_MODEL / "config.json").read_text())
+    status, out, _ = run(capsys, "inspect", SHARED_MLA_MODEL, "--json", "--disk-gbps", "1")
+    kv = json.loads(out)["fit"]["kv_cache"]
+    assert status == 0 and kv["positions"] == c["max_position_embeddings"]
+    assert kv["bytes"] == c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2 * kv["positions"]
+    status, text, _ = run(capsys, "inspect", SHARED_MLA_MODEL, "--disk-gbps", "1")
+    assert status == 0 and f"at {kv['positions']:,} positions (generic decoder)" in text
 
 
 @needs_fixtures

@@ -24,7 +24,7 @@ from smoe.switches import DEMO_MODEL
 # The model lives in the source repository beside the package, not in the wheel (models/README.md).
 CHECKOUT = Path(__file__).resolve().parents[2]
 MODEL = CHECKOUT / "models" / "smoe-demo-6m"
-EVAL_TEXT = MODEL / "eval.txt"  # books the model never saw in training
+EVAL_TEXT = "eval.txt"  # beside the model: text it never saw in training
 PROMPT = "The old man looked out over the sea and"
 GENERATED = 48
 EVAL_TOKENS = 100_000  # more than eval.txt holds: the whole text is scored
@@ -66,10 +66,13 @@ def steps(model: Path, work: Path) -> Iterator[list[str]]:
     for bits, vault in vaults.items():
         yield ["quantize", shown(model), "-o", shown(vault), "--bits", str(bits), "--force"]
         yield ["verify", shown(vault)]
+    text = model / EVAL_TEXT
     for vault in vaults.values():
         yield ["generate", shown(vault), "-p", PROMPT, "--max-tokens", str(GENERATED), "--cache-gb", quarter_gb(vault)]
-        if EVAL_TEXT.exists():
-            yield ["eval", shown(vault), "--ref", shown(model), "--data", shown(EVAL_TEXT), "--tokens", str(EVAL_TOKENS)]
+        if text.exists():
+            yield ["eval", shown(vault), "--ref", shown(model), "--data", shown(text), "--tokens", str(EVAL_TOKENS)]
+        else:
+            print(f"\n(no {EVAL_TEXT} beside {shown(model)}: the eval step is left out)")
 
 
 def warm_up(run: Run, argv: list[str]) -> int:

@@ -27,7 +27,7 @@ from smoe.runtime.cpu.compiled import ACT
 from smoe.runtime.cpu.store import ExpertStore, mem_available
 from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.checkpoint import open_checkpoint
-from smoe.source.description import describe_model
+from smoe.source.description import ModelDescription, describe_model
 from smoe.source.inspect import DEFAULT_DISK_GBPS, DEPTHS, human_bytes
 
 SHARES = (0.25, 0.5, 1.0)
@@ -122,7 +122,7 @@ def checkpoint_cache_sizes(report: dict, bits: int, dtype: torch.dtype) -> dict:
 def kv_cache(config: dict, positions: int | None, dtype: torch.dtype) -> dict:
     """KV-cache bytes at `positions` as the CPU decoder that `--decoder auto` picks holds it: the fast
     decoder keeps K and V in fp32 for every layer at full length, the generic one (transformers' cache) at
-    the compute dtype, sliding layers within their window."""
+    the compute dtype, sliding layers within their window, MLA layers as their latent."""
     try:
         description = describe_model(config)
     except SmoeError as e:
@@ -130,6 +130,8 @@ def kv_cache(config: dict, positions: int | None, dtype: torch.dtype) -> dict:
     a = description.attention
     if not positions:
         return {"bytes": None, "why": "the config gives no context length: pass --ctx"}
+    if a.kind == "mla":
+        return mla_kv_cache(description, positions, dtype)
     if a.kind != "gqa":
         return {"bytes": None, "why": f"not estimated for {a.kind} attention"}
     per_position = 2 * a.kv_heads * a.head_dim
@@ -140,6 +142,20 @@ def kv_cache(config: dict, positions: int | None, dtype: torch.dtype) -> dict:
     attending = [i for i in range(description.num_layers) if i not in a.mixer_layers]
     held = sum(min(positions, a.sliding_window) if i in a.sliding_layers else positions for i in attending)
     return {"bytes": per_position * dtype.itemsize * held, "positions": positions, "decoder": "generic"}
+
+
+def mla_kv_cache(d: ModelDescription, positions: int, dtype: torch.dtype) -> dict:
+    """MLA's cache as the generic decoder holds it (the fast ones do not run MLA): transformers' modules
+    cache, per layer and position, the compressed K/V latent and the rotary key all heads share, at the
+    compute dtype; K and V are expanded per head from them at each step, never kept."""
+    a = d.attention
+    if d.model_type == "deepseek_v32":  # keeps its indexer's keys besides, and K/V expanded in some releases
+        return {"bytes": None, "why": "not estimated for DeepSeek-V3.2's sparse attention"}
+    if not a.latent_dim:
+        return {"bytes": None, "why": "the config gives no kv_lora_rank"}
+    per_position = a.latent_dim + a.rope_key_dim
+    return {"bytes": per_position * dtype.itemsize * positions * d.num_layers, "positions": positions,
+            "decoder": "generic"}
 
 
 # --- the report ----------------------------------------------------------------------------------------

@@ -53,6 +53,8 @@ class Attention:
     sliding_layers: tuple[int, ...] = ()  # layers attending within the window
     sinks: bool = False  # learned per-head sink logits (gpt-oss)
     mixer_layers: tuple[int, ...] = ()  # layers with linear attention or a state-space mixer instead
+    latent_dim: int = 0  # MLA: width of the compressed K/V latent (kv_lora_rank), what a cache keeps per token
+    rope_key_dim: int = 0  # MLA: width of the rotary key all heads share (qk_rope_head_dim), cached beside it
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def describe_model(config: dict) -> ModelDescription:
         bias=bool(facts.pop("attention_bias", c.get("attention_bias", default=False))),
         sliding_window=c.get("sliding_window") or None, sliding_layers=facts.pop("sliding_layers", ()),
         sinks=facts.pop("sinks", False), mixer_layers=facts.pop("mixer_layers", _typed_layers(c, MIXER_TYPES)),
+        latent_dim=facts.pop("latent_dim", 0), rope_key_dim=facts.pop("rope_key_dim", 0),
     )
     if attention.sliding_window is None:
         attention = replace(attention, sliding_layers=())
@@ -223,22 +226,28 @@ def _olmoe(c, n):
                 extras=("clip_qkv",) if c.get("clip_qkv") else ())
 
 
+def _mla(c: _Config) -> dict:
+    """DeepSeek's low-rank latent attention, with the widths of what it caches per token."""
+    return dict(attention_kind="mla", latent_dim=int(c.get("kv_lora_rank", default=0)),
+                rope_key_dim=int(c.get("qk_rope_head_dim", default=0)))
+
+
 def _deepseek_v2(c, n):
     grouped = c.get("topk_method", default="greedy") == "group_limited_greedy"
     return dict(routing=dict(normalise=False, scale=_scale(c), **(_groups(c, "max") if grouped else {})),
-                attention_kind="mla", shared_experts=c.get("n_shared_experts", default=2) or 0,
+                **_mla(c), shared_experts=c.get("n_shared_experts", default=2) or 0,
                 extras=("interleaved_rotary",))
 
 
 def _deepseek_v3(c, n):
-    return dict(routing=_sigmoid_biased(c), attention_kind="mla", shared_experts=c.get("n_shared_experts", default=1) or 0,
+    return dict(routing=_sigmoid_biased(c), **_mla(c), shared_experts=c.get("n_shared_experts", default=1) or 0,
                 extras=("interleaved_rotary",) if c.get("rope_interleave", default=True) else ())
 
 
 def _mistral4(c, n):
     return dict(routing=dict(normalise=_normalise(c, True), normalise_eps=1e-20, scale=_scale(c),
                              **_groups(c, "top2")),
-                attention_kind="mla", shared_experts=c.get("n_shared_experts", default=1) or 0,
+                **_mla(c), shared_experts=c.get("n_shared_experts", default=1) or 0,
                 extras=("interleaved_rotary", "temperature_tuning"))
 
 

@@ -1,5 +1,6 @@
 """`smoe demo` end to end on the shipped model, then every command it printed, run as printed."""
 
+import os
 import re
 import shlex
 import socket
@@ -17,10 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> str:
     work = tmp_path_factory.mktemp("demo")
+    # one stream, unbuffered: the lines in the order a terminal shows them (each sample, then its statistics)
     proc = subprocess.run([sys.executable, "-m", "smoe.cli", "demo", "--workdir", str(work)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout + proc.stderr
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout
 
 
 def printed_commands(output: str) -> list[str]:
