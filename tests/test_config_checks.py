@@ -367,3 +367,14 @@ def test_a_router_whose_rows_disagree_with_the_experts_is_refused_at_quantize(bu
     assert main(["quantize", str(model), "-o", str(out), "-q"]) == 2
     assert f"trunk tensor {router}: shape (7, 64)" in one_line_error(capsys.readouterr().err)
     assert not out.exists() and not list(tmp_path.glob("vault.*"))
+
+
+def test_a_model_type_transformers_does_not_know_is_named_at_quantize_and_refused_at_open(tmp_path, capsys):
+    from smoe.runtime.model import OpenedVault
+    from smoe.testing import vaults
+
+    model = vaults.tiny_model_dir(tmp_path, "deepseek_v3", model_type="kimi_k2")  # Kimi-K2's own model type
+    vault = vaults.vault_of(model, tmp_path / "vault")
+    assert "model_type 'kimi_k2' is unknown to transformers" in capsys.readouterr().err
+    with pytest.raises(SmoeError, match="model_type 'kimi_k2' is unknown to transformers"):
+        OpenedVault(vault)

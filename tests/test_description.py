@@ -27,7 +27,9 @@ CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a norm
 # group-limited families get two groups of two experts in their tiny model, so the groups matter
 GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "nemotron_h": {}, "mistral4": {},
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
-FAST = {"qwen3_moe", "mixtral"}  # the tiny families the fast decoders cover
+FUSED = {"qwen3_moe", "mixtral"}  # the tiny families the fused copies (compiled CPU step, GPU decoder) cover
+# and those the layer library runs on the CPU's fast decoder
+LIBRARY = FUSED | {"deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe"}
 
 
 def description_of(family: str, **overrides):
@@ -146,12 +148,12 @@ def test_attention_geometry_matches_the_family_modules(family):
             assert norm.weight.shape == (a.head_dim,)
 
 
-def test_fast_decoders_cover_exactly_the_plain_softmax_gqa_descriptions():
-    covered = {f for f in tiny_families() if fast_decoder_gap(description_of(f)) is None}
-    assert covered == FAST
-    gap = fast_decoder_gap(description_of("deepseek_v3"))
+def test_fast_decoders_cover_exactly_the_descriptions_their_layers_implement():
+    for device, expected in (("cpu", LIBRARY), ("cuda", FUSED)):
+        assert {f for f in tiny_families() if fast_decoder_gap(description_of(f), device) is None} == expected
+    gap = fast_decoder_gap(description_of("deepseek_v3"), "cuda")
     assert "mla attention" in gap and "a routing correction bias" in gap
-    assert "shared experts" in fast_decoder_gap(description_of("qwen2_moe"))
+    assert "gated shared experts" in fast_decoder_gap(description_of("qwen2_moe"))
     assert set(description_of("afmoe").extras) <= set(EXTRAS)
 
 

@@ -12,7 +12,9 @@ from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE
 from smoe.hf.model import forward_with_cache
 from smoe.runtime.fit import fit_report, format_fit, kv_cache
+from smoe.runtime.kv import sequence_state
 from smoe.runtime.model import OpenedVault
+from smoe.source.description import describe_model
 from smoe.source.inspect import blob_bytes, format_report, inspect_path, model_config
 from smoe.testing.tiny_models import tiny_model
 
@@ -113,15 +115,18 @@ MLA_CONFIG = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_laye
 SHARED_MLA_MODEL = FIXTURES.parents[1] / "models" / "deepseek-v3-30m"
 
 
-def test_an_mla_kv_cache_is_the_latent_and_shared_rotary_key_transformers_caches_per_layer():
+def test_an_mla_kv_cache_is_the_latent_and_shared_rotary_key_the_decoders_hold_per_layer():
     model = tiny_model("deepseek_v3")
     positions = 5
     _, cache = forward_with_cache(model, torch.arange(positions)[None])
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    want = {"bytes": held, "positions": positions, "decoder": "generic"}
+    state = sequence_state(describe_model(model.config.to_dict()), positions)  # the fast decoder's, in fp32
+    assert held == sum(layer.rows.numel() * layer.rows.element_size() for layer in state.layers)
+    want = {"bytes": held, "positions": positions, "decoder": "fast"}
     assert kv_cache(model.config.to_dict(), positions, torch.float32) == want
-    # per layer and position kv_lora_rank + qk_rope_head_dim, not 128 heads of 192-wide keys and 128-wide values
-    assert kv_cache(MLA_CONFIG, 4096, torch.bfloat16)["bytes"] == 61 * (512 + 64) * 2 * 4096
+    # per layer and position kv_lora_rank + qk_rope_head_dim in fp32, not 128 heads of 192-wide keys and
+    # 128-wide values
+    assert kv_cache(MLA_CONFIG, 4096, torch.bfloat16)["bytes"] == 61 * (512 + 64) * 4 * 4096
 
 
 @pytest.mark.skipif(not SHARED_MLA_MODEL.is_dir(), reason=f"{SHARED_MLA_MODEL} absent (the shared models live "
@@ -131,9 +136,9 @@ def test_inspect_shows_an_mla_checkpoints_kv_cache_at_its_context_length(capsys)
     status, out, _ = run(capsys, "inspect", SHARED_MLA_MODEL, "--json", "--disk-gbps", "1")
     kv = json.loads(out)["fit"]["kv_cache"]
     assert status == 0 and kv["positions"] == c["max_position_embeddings"]
-    assert kv["bytes"] == c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2 * kv["positions"]
+    assert kv["bytes"] == c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 * kv["positions"]
     status, text, _ = run(capsys, "inspect", SHARED_MLA_MODEL, "--disk-gbps", "1")
-    assert status == 0 and f"at {kv['positions']:,} positions (generic decoder)" in text
+    assert status == 0 and f"at {kv['positions']:,} positions (fast decoder)" in text
 
 
 @needs_fixtures

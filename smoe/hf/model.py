@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -127,8 +128,12 @@ def skeleton(config, dtype: torch.dtype):
 def check_buildable(config: dict, trunk: dict[str, tuple[int, ...]], where: str) -> None:
     """Before quantizing: transformers builds the model of `config` (on the meta device, nothing allocated)
     and holds every trunk tensor (name -> shape) at that shape, as opening the vault will require. A model
-    type transformers does not know is left to the family checks (an export may still take it)."""
+    type transformers does not know is left to the family checks (an export may still take it), with a
+    notice saying so: the vault will not open here."""
     if config.get("model_type") not in CONFIG_MAPPING:
+        print(f"smoe: notice: {where}: model_type {config.get('model_type')!r} is unknown to transformers "
+              f"{transformers.__version__}, so only smoe's family checks ran on its config; the vault can be "
+              "exported, but smoe runs it only with a transformers that knows the type", file=sys.stderr)
         return
     model = build_model(read_config(config, where), torch.float32, where=where)
     place_trunk(model, trunk, "the checkpoint")

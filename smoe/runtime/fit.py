@@ -23,8 +23,8 @@ from smoe.format import codec
 from smoe.format.dtypes import TORCH_NAMES
 from smoe.format.vault import DATA_FILE, QuantisedTensor, Vault, align
 from smoe.runtime.cpu import kernels as kernels_cpu
-from smoe.runtime.cpu.compiled import ACT
 from smoe.runtime.cpu.store import ExpertStore, mem_available
+from smoe.runtime.layers import ACT
 from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.checkpoint import open_checkpoint
 from smoe.source.description import ModelDescription, describe_model
@@ -145,17 +145,19 @@ def kv_cache(config: dict, positions: int | None, dtype: torch.dtype) -> dict:
 
 
 def mla_kv_cache(d: ModelDescription, positions: int, dtype: torch.dtype) -> dict:
-    """MLA's cache as the generic decoder holds it (the fast ones do not run MLA): transformers' modules
-    cache, per layer and position, the compressed K/V latent and the rotary key all heads share, at the
-    compute dtype; K and V are expanded per head from them at each step, never kept."""
+    """MLA's cache: per layer and position, the compressed K/V latent and the rotary key all heads share.
+    The fast CPU decoder keeps them in fp32 (smoe.runtime.kv.Latents) and never expands K and V; the generic
+    decoder's transformers modules cache the same two at the compute dtype and expand K and V per head at
+    each step, never keeping them."""
     a = d.attention
     if d.model_type == "deepseek_v32":  # keeps its indexer's keys besides, and K/V expanded in some releases
         return {"bytes": None, "why": "not estimated for DeepSeek-V3.2's sparse attention"}
     if not a.latent_dim:
         return {"bytes": None, "why": "the config gives no kv_lora_rank"}
     per_position = a.latent_dim + a.rope_key_dim
-    return {"bytes": per_position * dtype.itemsize * positions * d.num_layers, "positions": positions,
-            "decoder": "generic"}
+    fast = fast_decoder_gap(d) is None
+    return {"bytes": per_position * (ACT if fast else dtype).itemsize * positions * d.num_layers,
+            "positions": positions, "decoder": "fast" if fast else "generic"}
 
 
 # --- the report ----------------------------------------------------------------------------------------

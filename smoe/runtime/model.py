@@ -136,18 +136,19 @@ class OpenedVault:
                             f"token's {top_k} experts of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
 
     def fast_decoder(self, positions: int):
-        """The fast CPU decoder when this family has one (else None), with a KV cache of at least
-        `positions`; kept between calls and regrown (doubling) when a longer sequence comes."""
+        """The device's fast decoder when this family has one (else None), reset, with a KV cache of at least
+        `positions`. The CPU's is made once; its sequence state grows in place (doubling) when a longer
+        sequence comes, keeping the trunk bundle and the expert store."""
         from smoe.runtime.cpu import compiled as fast_decode
 
         if self.gpu is not None:
             return self.gpu.decoder(positions)
         if self.decoder != "fast":
             return None
-        current = getattr(self, "_fast", None)
-        if current is None or current.max_positions < positions:
-            self._fast = fast_decode.FastCpuDecoder(self, kv_capacity(current, positions, self.max_positions))
+        if getattr(self, "_fast", None) is None:
+            self._fast = fast_decode.FastCpuDecoder(self, kv_capacity(None, positions, self.max_positions))
         self._fast.reset()
+        self._fast.reserve(positions)
         return self._fast
 
     @property
@@ -231,8 +232,8 @@ def kv_capacity(current, positions: int, limit: int | None) -> int:
 
 
 def has_fast_decoder(sm: OpenedVault) -> bool:
-    """Whether the fast decoders (the CPU compiled step and the GPU's) cover the model's description."""
-    return fast_decoder_gap(sm.description) is None
+    """Whether the fast decoder of the vault's device covers the model's description."""
+    return fast_decoder_gap(sm.description, sm.device.type) is None
 
 
 def gpu_preferred(sm: OpenedVault, decoder: str) -> bool:
@@ -249,7 +250,7 @@ def pick_decoder(sm: OpenedVault, decoder: str) -> str:
     fast = has_fast_decoder(sm)
     if decoder == "fast" and not fast:
         raise SmoeError(f"no fast decoder for the {sm.vault.meta['family']} family: it has "
-                        f"{fast_decoder_gap(sm.description)} (use --decoder generic)")
+                        f"{fast_decoder_gap(sm.description, sm.device.type)} (use --decoder generic)")
     return "fast" if decoder != "generic" and fast else "generic"
 
 

@@ -3,50 +3,54 @@ transformers model (so both decoders compute with the very tensors the generic d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from smoe.errors import SmoeError
+from smoe.runtime.layers import GqaWeights, LayerWeights, MlaWeights
 from smoe.source.description import ModelDescription
 
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q; k; v] rows; the model's own q/k/v weights are views into it
-    q_norm: torch.Tensor | None  # per-head RMSNorm weights [head_dim], when the description has them
-    k_norm: torch.Tensor | None
-    o: torch.Tensor
-    post_norm: torch.Tensor
-    router: torch.Tensor | None  # None: a dense layer
-    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
-
-    def map(self, fn) -> LayerWeights:
-        """The bundle with fn applied to every tensor (None stays None)."""
-        def one(v):
-            if v is None:
-                return None
-            return tuple(fn(t) for t in v) if isinstance(v, tuple) else fn(v)
-
-        return LayerWeights(**{f.name: one(getattr(self, f.name)) for f in fields(self)})
-
-
 def layer_weights(layer, description: ModelDescription) -> LayerWeights:
-    """The trunk tensors of one decoder layer in the common layout (self_attn with q/k/v/o, an MoE
-    block with `gate` and `experts` or a gated dense MLP)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    fuse_qkv(attn)
+    """The trunk tensors of one decoder layer in the common layout (self_attn with q/k/v/o or MLA's
+    projections, an MoE block with `gate`, `experts` and optionally shared experts, or a gated dense MLP)."""
+    mlp = layer.mlp
     moe = hasattr(mlp, "experts")
-    qk_norm = description.attention.qk_norm == "head"
-    router = router_of(mlp)[0] if moe else None
+    router, _, correction = router_of(mlp) if moe else (None, None, None)
+    shared = getattr(mlp, "shared_experts", None) if moe else None
     return LayerWeights(
-        input_norm=layer.input_layernorm.weight.detach(), qkv=attn.smoe_qkv,
-        q_norm=attn.q_norm.weight.detach() if qk_norm else None, k_norm=attn.k_norm.weight.detach() if qk_norm else None,
-        o=attn.o_proj.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+        input_norm=layer.input_layernorm.weight.detach(), attention=attention_weights(layer.self_attn, description),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
         router=router.detach() if moe else None,
-        dense=None if moe else tuple(p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)),
+        correction=correction.detach() if correction is not None else None,
+        shared=mlp_weights(shared) if shared is not None else None,
+        dense=None if moe else mlp_weights(mlp),
     )
+
+
+def attention_weights(attn, description: ModelDescription) -> GqaWeights | MlaWeights:
+    if description.attention.kind == "mla":
+        return mla_weights(attn, description)
+    fuse_qkv(attn)
+    qk_norm = description.attention.qk_norm == "head"
+    return GqaWeights(qkv=attn.smoe_qkv, q_norm=attn.q_norm.weight.detach() if qk_norm else None,
+                      k_norm=attn.k_norm.weight.detach() if qk_norm else None, o=attn.o_proj.weight.detach())
+
+
+def mla_weights(attn, description: ModelDescription) -> MlaWeights:
+    """MLA's projections; kv_b [heads * (nope + v_head), latent] is viewed per head (nothing is copied)."""
+    a = description.attention
+    weight = lambda m: m.weight.detach() if m is not None else None
+    kv_b = weight(attn.kv_b_proj)
+    return MlaWeights(
+        q=weight(attn.q_proj), q_a=weight(attn.q_a_proj), q_a_norm=weight(attn.q_a_layernorm), q_b=weight(attn.q_b_proj),
+        kv_a=weight(attn.kv_a_proj_with_mqa), kv_a_norm=weight(attn.kv_a_layernorm),
+        kv_b=kv_b.view(a.heads, kv_b.shape[0] // a.heads, a.latent_dim), nope=int(attn.qk_nope_head_dim),
+        o=weight(attn.o_proj), scale=float(attn.scaling),
+    )
+
+
+def mlp_weights(mlp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
 ROUTER_WEIGHTS = ("gate", "router", "gate.wg", "router.layer", "router.gate", "router.proj")  # where MoE blocks keep the router
@@ -85,32 +89,58 @@ def fuse_qkv(attn) -> None:
     attn.smoe_qkv = fused
 
 
-def fast_decoder_gap(d: ModelDescription) -> str | None:
-    """Why the fast decoders (the compiled CPU step and the GPU's) do not cover description d, or None
-    when they do. They implement: GQA attention without biases, windows or sinks, optionally with
-    per-head q/k RMSNorm; softmax routing (normalised or not) without correction bias, groups, scale
-    or router bias; SiLU-gated experts without biases; no shared experts; gated SiLU dense layers;
-    none of the EXTRAS."""
+FAST_DEVICES = ("cpu", "cuda")
+
+
+def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
+    """Why the fast decoder of a device type does not cover description d, or None when it does. On the
+    CPU it runs the layer library (smoe.runtime.layers), fused where fused_gap admits; on CUDA only what
+    the GPU decoder's fused kernels implement (fused_gap)."""
+    return library_gap(d) if device == "cpu" else fused_gap(d)
+
+
+def library_gap(d: ModelDescription) -> str | None:
+    """What the layer library lacks for d: it runs GQA attention without biases, windows or sinks (per-head
+    q/k RMSNorm optional) and MLA without biases, rotary half-split or interleaved; every routing kind
+    smoe.moe.route computes; SiLU-gated experts without biases; shared experts without a gate; gated
+    SiLU dense layers; no other EXTRAS."""
     a, r, e = d.attention, d.routing, d.experts
-    gaps = [
-        (a.kind != "gqa", f"{a.kind} attention"),
-        (a.qk_norm not in (None, "head"), f"{a.qk_norm} q/k norm"),
+    return _gaps(
+        (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
+        (a.qk_norm not in (None, "head") or (a.kind == "mla" and a.qk_norm), f"{a.qk_norm} q/k norm"),
         (a.bias, "attention biases"),
         (bool(a.sliding_layers), "sliding-window attention"),
         (a.sinks, "attention sinks"),
         (bool(a.mixer_layers), "linear-attention or state-space layers"),
         (r.custom is not None, f"its own routing ({r.custom})"),
-        (r.scoring != "softmax", f"{r.scoring} routing"),
-        (r.correction_bias, "a routing correction bias"),
-        (r.n_group > 1, "group-limited routing"),
-        (r.scale != 1.0 or r.normalise_eps, "scaled routing weights"),
         (r.router_bias, "a router bias"),
         (r.weight_input, "routing weights on the experts' input"),
         (e.clamp is not None, "clamped SwiGLU experts"),
         (e.clamp is None and (not e.gated or e.activation != "silu"), f"{e.activation} experts"),
         (e.biases, "expert biases"),
+        (d.shared_experts > 0 and d.shared_gate, "gated shared experts"),
+        *((True, f"{extra}") for extra in d.extras if extra != "interleaved_rotary"),
+    )
+
+
+def fused_gap(d: ModelDescription) -> str | None:
+    """What the fused copies (the compiled CPU step, the GPU decoder's kernels and graphs) lack for d:
+    they implement GQA attention without biases, windows or sinks, optionally with per-head q/k RMSNorm;
+    softmax routing (normalised or not) without correction bias, groups, scale or router bias;
+    SiLU-gated experts without biases; no shared experts; gated SiLU dense layers; none of the EXTRAS."""
+    a, r = d.attention, d.routing
+    return _gaps(
+        (a.kind != "gqa", f"{a.kind} attention"),
+        (r.scoring != "softmax", f"{r.scoring} routing"),
+        (r.correction_bias, "a routing correction bias"),
+        (r.n_group > 1, "group-limited routing"),
+        (r.scale != 1.0 or r.normalise_eps, "scaled routing weights"),
         (d.shared_experts > 0, "shared experts"),
-        *((True, f"{extra}") for extra in d.extras),
-    ]
-    found = [what for gap, what in gaps if gap]
-    return ", ".join(found) if found else None
+        ("interleaved_rotary" in d.extras, "interleaved_rotary"),
+        (library_gap(d) is not None, library_gap(d)),
+    )
+
+
+def _gaps(*gaps) -> str | None:
+    found = [part for gap, what in gaps if gap for part in what.split(", ")]
+    return ", ".join(dict.fromkeys(found)) or None

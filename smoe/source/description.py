@@ -37,6 +37,7 @@ EXTRAS = {
     "router_norm": "a norm or scale on the router's input",
     "dense_mlp_activation": "dense layers with another activation than the experts'",
     "chunked_attention": "attention within fixed chunks",
+    "sparse_attention": "an indexer choosing the keys each query attends to",
     "undescribed": "a family this description does not cover",
 }
 
@@ -244,6 +245,11 @@ def _deepseek_v3(c, n):
                 extras=("interleaved_rotary",) if c.get("rope_interleave", default=True) else ())
 
 
+def _deepseek_v32(c, n):
+    facts = _deepseek_v3(c, n)
+    return facts | dict(extras=(*facts.get("extras", ()), "sparse_attention"))
+
+
 def _mistral4(c, n):
     return dict(routing=dict(normalise=_normalise(c, True), normalise_eps=1e-20, scale=_scale(c),
                              **_groups(c, "top2")),
@@ -370,7 +376,7 @@ def _dbrx(c, n):
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
-    "deepseek_v3": _deepseek_v3, "mistral4": _mistral4, "glm4_moe": _glm4_moe, "mixtral": _mixtral,
+    "deepseek_v3": _deepseek_v3, "deepseek_v32": _deepseek_v32, "mistral4": _mistral4, "glm4_moe": _glm4_moe, "mixtral": _mixtral,
     "minimax": _minimax, "minimax_m2": _minimax_m2, "phimoe": _phimoe, "jamba": _jamba, "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe, "dots1": _dots1, "exaone_moe": _exaone_moe, "afmoe": _afmoe,
     "lfm2_moe": _lfm2_moe, "gpt_oss": _gpt_oss, "llama4": _llama4, "granitemoe": _granitemoe,

@@ -186,7 +186,8 @@ def tiny_families() -> list[str]:
 _TEXT_MODEL = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, **architecture):
+    """The tiny config of `family`, with `architecture` values over its own (they may change shapes)."""
     from transformers import AutoConfig
 
     family = _TEXT_MODEL.get(family, family)
@@ -194,15 +195,16 @@ def tiny_config(family: str):
         raise SmoeError(f"no tiny model for family {family!r}; have: {', '.join(tiny_families())}")
     overrides = TINY_CONFIGS[family]
     kwargs = dict(overrides) if family == "dbrx" else {**_BASE, **overrides}
-    return AutoConfig.for_model(family, **kwargs)
+    return AutoConfig.for_model(family, **kwargs | architecture)
 
 
-def tiny_model(family: str, seed: int = 0):
-    """A randomly initialised text-only CausalLM of `family`, in float32, in eval mode."""
+def tiny_model(family: str, seed: int = 0, **architecture):
+    """A randomly initialised text-only CausalLM of `family` (config values `architecture` over the tiny
+    ones), in float32, in eval mode."""
     import transformers
 
     family = _TEXT_MODEL.get(family, family)
-    config = tiny_config(family)
+    config = tiny_config(family, **architecture)
     torch.manual_seed(seed)
     if family in _CAUSAL_LM:
         model = getattr(transformers, _CAUSAL_LM[family])(config)
@@ -217,7 +219,7 @@ def tiny_model(family: str, seed: int = 0):
     return model.float().eval()
 
 
-def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0, layout: str | None = None):
+def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0, layout: str | None = None, **architecture):
     """Save a tiny model of `family` to `out_dir` (config.json + model.safetensors); return the model.
 
     layout: None stores the routed experts the way the family's released checkpoints do;
@@ -226,7 +228,7 @@ def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0, layout: str
     """
     out_dir = Path(out_dir)
     family = _TEXT_MODEL.get(family, family)
-    model = tiny_model(family, seed)
+    model = tiny_model(family, seed, **architecture)
     model.save_pretrained(out_dir, safe_serialization=True)
     layout = layout or RELEASED_LAYOUT.get(family)
     if layout == "per_expert":

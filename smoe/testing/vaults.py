@@ -25,14 +25,15 @@ SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SH
 
 
 def tiny_model_dir(tmp: Path, family: str, seed: int = 0, layout: str | None = None, name: str = "model",
-                   **config_overrides) -> Path:
+                   architecture: dict | None = None, **config_overrides) -> Path:
     """A tiny random `family` model saved at tmp/name.
 
-    config_overrides are written into its config.json after saving, so they must leave the weights'
-    shapes alone (max_position_embeddings, say): the saved tensors are those of the tiny config.
+    `architecture` holds config values the model is built with (they may change shapes). config_overrides
+    are written into its config.json after saving, so they must leave the weights' shapes alone
+    (max_position_embeddings, say): the saved tensors are those of the tiny config.
     """
     model = Path(tmp) / name
-    save_tiny_model(family, model, seed=seed, layout=layout)
+    save_tiny_model(family, model, seed=seed, layout=layout, **(architecture or {}))
     if config_overrides:
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps(config | config_overrides))

@@ -21,109 +21,99 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from smoe.errors import SmoeError
 from smoe.moe.activation import activate
 from smoe.moe.dispatch import routed_sum
 from smoe.moe.routing import route
 from smoe.runtime.buckets import bucket
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu import kernels_numba as kn
-from smoe.runtime.weights import LayerWeights, layer_weights
+from smoe.runtime.kv import sequence_state
+from smoe.runtime.layers import ACT, LayerWeights, MlaWeights, Step, decoder_layer, matmul, rms_norm, rope_tables
+from smoe.runtime.weights import fused_gap, layer_weights, library_gap
 from smoe.switches import CPU_COMPILED, PREFETCH
 
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
 # is bandwidth-bound and cheaper in bf16: activations run in fp32, matrices up to this many weights
 # are held in fp32 (an exact upcast of the bf16 source), larger ones stay in the model's dtype.
 SMALL_MATRIX = 1 << 20
-ACT = torch.float32
 
 
 class FastCpuDecoder:
-    """Prefill and one-token steps over a OpenedVault's trunk and expert store."""
+    """Prefill and one-token steps over a OpenedVault's trunk and expert store, through the layer library;
+    the sequence's KV lives in `state` (smoe.runtime.kv), which grows in place."""
 
     def __init__(self, sm, max_positions: int):
         cfg = sm.config.get_text_config()
         self.sm, self.store = sm, sm.store
         self.dtype = sm.dtype
         self.eps = cfg.rms_norm_eps
-        attention = sm.description.attention
+        self.description = d = sm.description
+        attention = d.attention
         self.heads, self.kv_heads, self.head_dim = attention.heads, attention.kv_heads, attention.head_dim
-        self.routing, self.kind = sm.description.routing, sm.description.experts
+        self.routing, self.kind = d.routing, d.experts
         self.top_k = self.routing.top_k
         self.normalize = self.routing.normalise
         base = sm.model.model
         self.embed = base.embed_tokens.weight
         self.final_norm = compute_form(base.norm.weight)
         self.lm_head = compute_form(sm.model.lm_head.weight)
-        self.layers = [layer_weights(layer, sm.description).map(compute_form) for layer in base.layers]
-        self.cos, self.sin = rope_tables(base.rotary_emb, max_positions, self.head_dim)
-        shape = (1, self.kv_heads, max_positions, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=ACT) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=ACT) for _ in self.layers]
-        self.max_positions = max_positions
-        self.pos = 0
+        self.layers = [layer_weights(layer, d).map(compute_form) for layer in base.layers]
+        self.rotary = base.rotary_emb
+        self.rope_dim = attention.rope_key_dim if attention.kind == "mla" else attention.head_dim
+        self.interleaved = "interleaved_rotary" in d.extras
+        self.state = sequence_state(d, max_positions, ACT, limit=sm.max_positions)
+        self.cos, self.sin = rope_tables(self.rotary, max_positions, self.rope_dim)
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
         self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
 
+    @property
+    def pos(self) -> int:
+        return self.state.length
+
+    @property
+    def max_positions(self) -> int:
+        return self.state.capacity
+
     def reset(self) -> None:
-        self.pos = 0
+        self.state.length = 0
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` tokens: the state grows in place, the rotary tables with it."""
+        self.state.reserve(positions)
+        if self.cos.shape[0] < self.state.capacity:
+            self.cos, self.sin = rope_tables(self.rotary, self.state.capacity, self.rope_dim)
 
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits [T, V] of the new tokens, appended after the cached ones."""
-        start, t = self.pos, check_room(self.pos, len(ids), self.max_positions)
+        start, t = self.pos, len(ids)
+        self.reserve(start + t)
         if t == 1 and self.compiled.enabled:
             return self.compiled.step(ids[0])
         x = self.embed[torch.tensor(ids)].to(ACT)  # [T, H]
-        cos, sin = self.cos[start : start + t, None], self.sin[start : start + t, None]  # [T, 1, hd]
+        step = Step(start, self.cos[start : start + t, None], self.sin[start : start + t, None], self.eps,
+                    self.interleaved)
         for i, w in enumerate(self.layers):
-            x = x + self.attention(i, w, F.rms_norm(x, x.shape[-1:], w.input_norm, self.eps), cos, sin, start)
-            h = F.rms_norm(x, x.shape[-1:], w.post_norm, self.eps)
-            x = x + (self.experts(i, w, h) if w.router is not None else dense_mlp(w.dense, h))
-        self.pos = start + t
-        return matmul(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps), self.lm_head)
-
-    def attention(self, i: int, w: LayerWeights, h, cos, sin, start: int):
-        t, hd = h.shape[0], self.head_dim
-        q, k, v = matmul(h, w.qkv).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1)
-        q = q.view(t, self.heads, hd)
-        k = k.view(t, self.kv_heads, hd)
-        if w.q_norm is not None:
-            q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
-            k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
-        q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([self.heads, self.kv_heads], dim=1)
-        end = start + t
-        k_cache, v_cache = self.k_cache[i], self.v_cache[i]
-        k_cache[0, :, start:end] = k.transpose(0, 1)
-        v_cache[0, :, start:end] = v.view(t, self.kv_heads, hd).transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_cache[:, :, :end], v_cache[:, :, :end],
-            is_causal=t > 1 and start == 0, attn_mask=self.causal_mask(start, t) if t > 1 and start else None,
-            enable_gqa=True,
-        )
-        return matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
-
-    @staticmethod
-    def causal_mask(start: int, t: int) -> torch.Tensor:
-        """New tokens see every cached token and the new ones up to themselves."""
-        return torch.ones(t, start + t, dtype=torch.bool).tril(diagonal=start)
+            x = decoder_layer(self.description, w, x, self.state.layers[i], step,
+                              lambda h, top_i, top_w, i=i: self.experts(i, h, top_i, top_w))
+        self.state.length = start + t
+        return matmul(rms_norm(x, self.final_norm, self.eps), self.lm_head)
 
     def prefetch_next(self, i: int, h) -> None:
         """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
         residual stream changes little between layers) and start reading them."""
         if i + 1 < len(self.layers) and self.layers[i + 1].router is not None:
-            guess, _ = route(self.routing, matmul(h, self.layers[i + 1].router))
+            following = self.layers[i + 1]
+            guess, _ = route(self.routing, matmul(h, following.router), following.correction)
             self.store.prefetch(i + 1, torch.unique(guess).tolist())
 
-    def experts(self, i: int, w: LayerWeights, h):
+    def experts(self, i: int, h, top_i, top_w):
+        """Layer i's routed experts for rows h, as the store prepared them."""
         if self.prefetch:
             self.prefetch_next(i, h)
-        top_i, top_w = route(self.routing, matmul(h, w.router))
-        h = h.to(self.dtype)  # the experts were prepared for the model's dtype
-        top_w = top_w.to(self.dtype)
+        h, top_w = h.to(self.dtype), top_w.to(self.dtype)  # the experts were prepared for the model's dtype
         if h.shape[0] == 1:  # decode: one token, k experts: stack their outputs, weight them in one matmul
             ids = top_i[0].tolist()
             prepared = self.store.get(i, ids)
@@ -138,47 +128,15 @@ class FastCpuDecoder:
         return routed_sum(h, top_i, top_w, fetch, per_group=self.sm.routed.experts_per_group())
 
 
-def check_room(start: int, t: int, capacity: int) -> int:
-    """t, after checking that t more tokens fit the KV cache."""
-    if start + t > capacity:
-        raise SmoeError(f"sequence of {start + t} tokens is longer than the decoder's cache ({capacity})")
-    return t
-
-
-def rope_tables(rotary, n: int, head_dim: int):
-    """cos/sin [n, head_dim] exactly as the model's rotary module computes them."""
-    cos, sin = rotary(torch.zeros(1, n, head_dim, dtype=ACT), torch.arange(n)[None])
-    return cos[0], sin[0]
-
-
 def compute_form(w: torch.Tensor) -> torch.Tensor:
     """The weight as the fast decoder multiplies it: small matrices and vectors in fp32, large as stored."""
     return w.to(ACT) if w.dim() == 1 or w.numel() <= SMALL_MATRIX else w
-
-
-def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, in] (fp32) times w^T, in w's dtype when it differs (the result comes back in fp32)."""
-    if w.dtype == x.dtype:
-        return F.linear(x, w)
-    return F.linear(x.to(w.dtype), w).to(x.dtype)
-
-
-def dense_mlp(weights, x):
-    gate, up, down = weights
-    return matmul(F.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
 def expert_mlp(expert, x, kind):
     """One expert on rows x, with the activation of the description's experts (`kind`)."""
     gate, up = kernels_cpu.gate_and_up(x, expert)
     return kernels_cpu.linear(activate(kind, gate, up), expert, "down")
-
-
-def rotate(x, cos, sin):
-    """Rotary embedding, half-split layout (rotate_half), x [T, heads, hd], cos/sin [T, 1, hd]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def as_numpy(w: torch.Tensor) -> np.ndarray:
@@ -195,73 +153,111 @@ def as_numpy(w: torch.Tensor) -> np.ndarray:
 @dataclass
 class CompiledLayer:
     input_norm: np.ndarray
-    qkv: np.ndarray
-    q_norm: np.ndarray  # length 0: no per-head norm
-    k_norm: np.ndarray
-    o: np.ndarray
+    attention: tuple  # the attention kernel's weight arrays, in its argument order
     post_norm: np.ndarray
     router: np.ndarray  # [0, H] for a dense layer
+    correction: torch.Tensor | None
+    shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None
-    k_cache: np.ndarray  # [kv_heads, positions, hd], views of the decoder's caches
-    v_cache: np.ndarray
+    attention_scale: float = 0.0  # MLA's softmax scale
+    state: tuple = ()  # views of the sequence state's tensors: (k, v) or (latent rows,)
 
 
 class CompiledStep:
-    """One-token decode steps of a FastCpuDecoder through the compiled kernels. Every array is extracted
-    once and every buffer preallocated: per layer, Python only asks the store for the routed experts
-    and passes their arrays on."""
+    """One-token decode steps of a FastCpuDecoder through the compiled kernels: a layer's attention in one
+    call (GQA, with the softmax top-k fused in where the routing is that plain; or MLA, absorbed, over the
+    latent rows), the router's choice by smoe.moe.route otherwise, the routed experts straight from their
+    codes, the shared experts and dense layers compiled. Every array is extracted once and every buffer
+    preallocated: per layer, Python asks the store for the routed experts and passes arrays on."""
 
     def __init__(self, dec: FastCpuDecoder):
         self.dec = dec
-        hidden = dec.embed.shape[1]
-        empty = np.zeros(0, dtype=np.float32)
-        self.layers = [
-            CompiledLayer(
-                as_numpy(w.input_norm), as_numpy(w.qkv), as_numpy(w.q_norm) if w.q_norm is not None else empty,
-                as_numpy(w.k_norm) if w.k_norm is not None else empty, as_numpy(w.o), as_numpy(w.post_norm),
-                as_numpy(w.router) if w.router is not None else np.zeros((0, hidden), dtype=np.float32),
-                tuple(as_numpy(m) for m in w.dense) if w.dense is not None else None,
-                dec.k_cache[i][0].numpy(), dec.v_cache[i][0].numpy(),
-            )
-            for i, w in enumerate(dec.layers)
-        ]
-        self.embed, self.final_norm, self.lm_head = as_numpy(dec.embed), as_numpy(dec.final_norm), as_numpy(dec.lm_head)
-        self.cos, self.sin = dec.cos.contiguous().numpy(), dec.sin.contiguous().numpy()
+        d = dec.description
+        self.codes = CodesExperts(dec.top_k)
         # Matrices other than fp32 / bf16 (fp16 models) are held as fp32 copies; the eager path stays
         # the default there rather than doubling their memory. SMOE_CPU_COMPILED=0 turns the step off
         # (the eager path, for comparison).
-        self.enabled = dec.dtype in (torch.float32, torch.bfloat16) and CPU_COMPILED.on()
-        widest = max([hidden, *(m.shape[1] for layer in self.layers for m in (layer.qkv, layer.o, *(layer.dense or ())))])
-        self.wide = np.zeros(widest, dtype=np.uint32)
+        self.enabled = library_gap(d) is None and dec.dtype in (torch.float32, torch.bfloat16) and CPU_COMPILED.on()
+        if not self.enabled:
+            return
+        self.mla = d.attention.kind == "mla"
+        r = d.routing
+        self.fused_top_k = not self.mla and fused_gap(d) is None  # the kernel's softmax top-k is this routing
+        hidden = dec.embed.shape[1]
+        self.layers = [compiled_layer(w, hidden) for w in dec.layers]
+        self.embed, self.final_norm, self.lm_head = as_numpy(dec.embed), as_numpy(dec.final_norm), as_numpy(dec.lm_head)
+        matrices = [m for layer in self.layers for m in (*layer.attention, *(layer.dense or ()), *(layer.shared or ()))
+                    if isinstance(m, np.ndarray) and m.ndim >= 2]
+        self.wide = np.zeros(max([hidden, *(m.shape[-1] for m in matrices)]), dtype=np.uint32)
         self.x = np.zeros(hidden, dtype=np.float32)
         self.h = np.zeros(hidden, dtype=np.float32)
         self.logits = np.zeros(self.lm_head.shape[0], dtype=np.float32)
-        self.slots = bucket(dec.top_k)  # experts per call, padded: one compiled specialisation
+        self.router_logits = np.zeros(r.num_experts or 1, dtype=np.float32)
+        self.no_router = np.zeros((0, hidden), dtype=np.float32)
         self.top_i = np.zeros(dec.top_k, dtype=np.int64)
-        self.top_w = np.zeros(self.slots, dtype=np.float32)  # padding slots keep weight 0
-        rows = max(layer.qkv.shape[0] for layer in self.layers)
+        self.bound = None  # (state, its generation) the state views and work buffer were made for
+
+    def bind(self) -> None:
+        """Views of the current sequence state's tensors, and a work buffer for its capacity."""
+        dec, state = self.dec, self.dec.state
+        if self.bound == (id(state), state.generation):
+            return
+        for layer, held in zip(self.layers, state.layers):
+            layer.state = (held.rows.numpy(),) if self.mla else (held.k.numpy(), held.v.numpy())
+        self.cos, self.sin = dec.cos.contiguous().numpy(), dec.sin.contiguous().numpy()
+        mlps = [2 * m[0].shape[0] + self.x.shape[0] for layer in self.layers for m in (layer.dense, layer.shared) if m]
+        self.work = np.zeros(max([self.attention_work(state.capacity), *mlps]), dtype=np.float32)
+        self.bound = (id(state), state.generation)
+
+    def attention_work(self, positions: int) -> int:
+        a, hidden = self.dec.description.attention, self.x.shape[0]
+        if self.mla:
+            q_a, _, _, _, _, k_up, v_up, _ = self.layers[0].attention
+            return kn.mla_work_size(a.heads, k_up.shape[1], a.rope_key_dim, v_up.shape[1], q_a.shape[0], a.latent_dim,
+                                    positions, hidden)
+        rows = max(layer.attention[0].shape[0] for layer in self.layers)
         routers = max(layer.router.shape[0] for layer in self.layers)
-        inter = max([m[0].shape[0] for layer in self.layers if layer.dense for m in [layer.dense]] or [0])
-        self.work = np.zeros(max(kn.attention_work_size(rows, dec.head_dim, dec.max_positions, routers, hidden),
-                                 2 * inter + hidden), dtype=np.float32)
-        self.expert_work: dict[int, np.ndarray] = {}  # expert width -> scratch
+        return kn.attention_work_size(rows, a.head_dim, positions, routers, hidden)
 
     def step(self, token: int) -> torch.Tensor:
         """Logits [1, V] of one token appended after the cached ones."""
+        self.bind()
         dec, pos = self.dec, self.dec.pos
         kn.load_row(self.embed, token, self.x)
         for i, layer in enumerate(self.layers):
-            kn.attention_and_route(self.x, pos, dec.heads, dec.eps, layer.input_norm, layer.qkv, layer.q_norm,
-                                   layer.k_norm, layer.o, layer.post_norm, layer.router, layer.k_cache,
-                                   layer.v_cache, self.cos, self.sin, dec.top_k, dec.normalize, self.h,
-                                   self.top_i, self.top_w, self.work, self.wide)
+            self.attention(layer, pos)
             if layer.dense is not None:
                 kn.dense_mlp(self.x, self.h, *layer.dense, self.work, self.wide)
-            else:
-                self.experts(i)
-        dec.pos = pos + 1
+                continue
+            if not self.fused_top_k:
+                self.route(layer)
+            self.experts(i)
+            if layer.shared is not None:
+                kn.dense_mlp(self.x, self.h, *layer.shared, self.work, self.wide)
+        dec.state.length = pos + 1
         kn.final_logits(self.x, self.final_norm, dec.eps, self.lm_head, self.h, self.logits, self.wide)
         return torch.from_numpy(self.logits.copy())[None]
+
+    def attention(self, layer: CompiledLayer, pos: int) -> None:
+        """x += the layer's attention; h = the experts' input (and the top-k, when fused)."""
+        dec = self.dec
+        if self.mla:
+            kn.mla_attention(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.post_norm,
+                             *layer.state, self.cos, self.sin, layer.attention_scale, dec.interleaved, self.h,
+                             self.work, self.wide)
+            return
+        router = layer.router if self.fused_top_k else self.no_router
+        kn.attention_and_route(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.post_norm,
+                               router, *layer.state, self.cos, self.sin, dec.interleaved,
+                               dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w, self.work, self.wide)
+
+    def route(self, layer: CompiledLayer) -> None:
+        """The router's logits compiled, the choice by smoe.moe.route (every routing kind)."""
+        logits = self.router_logits[: layer.router.shape[0]]
+        kn.matvec(layer.router, self.h, logits, self.wide)
+        ids, weights = route(self.dec.routing, torch.from_numpy(logits)[None], layer.correction)
+        self.top_i[:] = ids[0].numpy()
+        self.codes.top_w[: len(self.top_i)] = weights[0].numpy()
 
     def experts(self, i: int) -> None:
         dec = self.dec
@@ -270,25 +266,64 @@ class CompiledStep:
             dec.prefetch_next(i, torch.from_numpy(self.h)[None])
         prepared = dec.store.get(i, ids)
         chosen = [prepared[e] for e in ids]
-        if not all(from_codes(p) for p in chosen):
-            return self.eager_experts(chosen)
-        pad = [chosen[0]] * (self.slots - len(chosen))  # never read: the kernel stops at len(chosen)
-        w = [p.weights for p in chosen + pad]
-        inter = w[0]["gate"].shape[0]
-        work = self.expert_work.get(inter)
-        if work is None:
-            work = self.expert_work[inter] = np.zeros(kn.experts_work_size(self.x.shape[0], inter), dtype=np.float32)
-        kn.experts(self.x, self.h, len(chosen), self.top_w,
-                   tuple(e["gate"].codes for e in w), tuple(e["gate"].steps for e in w),
-                   tuple(e["up"].codes for e in w), tuple(e["up"].steps for e in w),
-                   tuple(e["down"].codes for e in w), tuple(e["down"].steps for e in w),
-                   (w[0]["gate"].lead, w[0]["down"].lead), inter, work)
+        if not self.codes.run(self.x, self.h, chosen):
+            self.eager_experts(chosen)
 
     def eager_experts(self, chosen: list) -> None:
         """Experts in another form (dequant, int4, or a tensor the codes kernels cannot read)."""
         h = torch.from_numpy(self.h)[None].to(self.dec.dtype)
-        y = sum(float(w) * expert_mlp(p, h, self.dec.kind).float() for w, p in zip(self.top_w, chosen))
+        weights = self.codes.top_w
+        y = sum(float(w) * expert_mlp(p, h, self.dec.kind).float() for w, p in zip(weights, chosen))
         self.x += y[0].numpy()
+
+
+def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
+    """A layer's trunk tensors as the kernels read them (numpy views; bf16 as uint16)."""
+    empty, nothing = np.zeros(0, dtype=np.float32), np.zeros((0, hidden), dtype=np.float32)
+    a = w.attention
+    if isinstance(a, MlaWeights):
+        kv_b = as_numpy(a.kv_b)
+        q_a = as_numpy(a.q_a) if a.q_a is not None else nothing
+        attention = (q_a, as_numpy(a.q_a_norm) if a.q_a is not None else empty, as_numpy(a.q if a.q is not None else a.q_b),
+                     as_numpy(a.kv_a), as_numpy(a.kv_a_norm), kv_b[:, : a.nope], kv_b[:, a.nope :], as_numpy(a.o))
+    else:
+        attention = (as_numpy(a.qkv), as_numpy(a.q_norm) if a.q_norm is not None else empty,
+                     as_numpy(a.k_norm) if a.k_norm is not None else empty, as_numpy(a.o))
+    return CompiledLayer(
+        as_numpy(w.input_norm), attention, as_numpy(w.post_norm),
+        as_numpy(w.router) if w.router is not None else nothing, w.correction,
+        tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
+        tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
+        a.scale if isinstance(a, MlaWeights) else 0.0,
+    )
+
+
+class CodesExperts:
+    """One token's routed experts straight from their codes (kernels_numba.experts): x += sum_k w_k e_k(h).
+    The weights go in `top_w`, padded to a bucket of slots so one compiled specialisation serves."""
+
+    def __init__(self, top_k: int):
+        self.slots = bucket(top_k)  # experts per call, padded: one compiled specialisation
+        self.top_w = np.zeros(self.slots, dtype=np.float32)  # padding slots keep weight 0
+        self.work: dict[int, np.ndarray] = {}  # expert width -> scratch
+
+    def run(self, x: np.ndarray, h: np.ndarray, chosen: list) -> bool:
+        """Add the chosen experts' weighted outputs on h [hidden] to x; False (nothing done) when one of
+        them is not in a form the kernel reads."""
+        if not all(from_codes(p) for p in chosen):
+            return False
+        pad = [chosen[0]] * (self.slots - len(chosen))  # never read: the kernel stops at len(chosen)
+        w = [p.weights for p in chosen + pad]
+        inter = w[0]["gate"].shape[0]
+        work = self.work.get(inter)
+        if work is None:
+            work = self.work[inter] = np.zeros(kn.experts_work_size(x.shape[0], inter), dtype=np.float32)
+        kn.experts(x, h, len(chosen), self.top_w,
+                   tuple(e["gate"].codes for e in w), tuple(e["gate"].steps for e in w),
+                   tuple(e["up"].codes for e in w), tuple(e["up"].steps for e in w),
+                   tuple(e["down"].codes for e in w), tuple(e["down"].steps for e in w),
+                   (w[0]["gate"].lead, w[0]["down"].lead), inter, work)
+        return True
 
 
 def from_codes(expert) -> bool:

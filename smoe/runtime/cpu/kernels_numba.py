@@ -309,7 +309,7 @@ def top_k(logits, k, normalize, top_i, top_w):
 
 @jit
 def attention_and_route(x, pos, heads, eps, input_norm, qkv, q_norm, k_norm, o, post_norm, router, k_cache, v_cache,
-                        cos, sin, k, normalize, h, top_i, top_w, work, wide):
+                        cos, sin, interleaved, k, normalize, h, top_i, top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
     h = the experts' (post-norm) input, and the router's top-k (router of shape [0, H]: a dense layer,
     nothing routed). Caches are [kv_heads, positions, hd] fp32; q_norm / k_norm of length 0: none.
@@ -332,7 +332,7 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, q_norm, k_norm, o, 
         v = proj[head * hd : (head + 1) * hd]
         if q_norm.shape[0]:
             rms_norm(v, q_norm if head < heads else k_norm, eps, v)
-        rotate(v, cos[pos], sin[pos], tmp)
+        _rope(v, cos[pos], sin[pos], interleaved, tmp)
     for g in range(kv_heads):
         k_cache[g, pos] = proj[(heads + g) * hd : (heads + g + 1) * hd]
         v_cache[g, pos] = proj[(heads + kv_heads + g) * hd : (heads + kv_heads + g + 1) * hd]
@@ -347,6 +347,122 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, q_norm, k_norm, o, 
     if router.shape[0]:
         matvec(router, h, logits, wide)
         top_k(logits, k, normalize, top_i, top_w)
+
+
+@jit
+def rotate_pairs(v, cos, sin, tmp):
+    """Rotary embedding of one head in place, interleaved layout: pairs (v_2j, v_2j+1) rotated by frequency
+    j, written out half-split (as smoe.runtime.layers.rotate does: the query and key share the layout)."""
+    half = v.shape[0] // 2
+    for j in range(half):
+        tmp[j] = v[2 * j] * cos[j] - v[2 * j + 1] * sin[j]
+        tmp[j + half] = v[2 * j + 1] * cos[j] + v[2 * j] * sin[j]
+    for j in range(2 * half):
+        v[j] = tmp[j]
+
+
+@jit
+def add_rows(w, coeffs, y, wide):
+    """y = coeffs @ w for w fp32 or bf16-as-uint16 [rows, n] (a row combination: y[j] = sum_d c_d w[d, j])."""
+    rows, n = w.shape
+    for j in range(n):
+        y[j] = 0
+    f = wide[:n].view(np.float32)
+    for d in range(rows):
+        c = coeffs[d]
+        if w.itemsize == 2:
+            for j in range(n):
+                wide[j] = np.uint32(w[d, j]) << 16
+            for j in range(n):
+                y[j] += c * f[j]
+        else:
+            for j in range(n):
+                y[j] += c * np.float32(w[d, j])
+
+
+@jit
+def mla_attention(x, pos, heads, eps, input_norm, q_a, q_a_norm, q_b, kv_a, kv_a_norm, k_up, v_up, o, post_norm,
+                  rows, cos, sin, scale, interleaved, h, work, wide):
+    """One token's MLA at position `pos`, absorbed (smoe.runtime.layers.mla_attention): x += attention,
+    h = the post-attention norm of x. q_a of shape [0, H]: no query low rank, q_b is the query projection.
+    rows: the sequence's latents [positions, latent + rope]; k_up [heads, nope, latent] and v_up
+    [heads, v_head, latent] are views of kv_b. `work`: fp32 of mla_work_size(...) or more."""
+    n = x.shape[0]
+    positions, width = rows.shape
+    nope, latent = k_up.shape[1], k_up.shape[2]
+    rope = width - latent
+    per_head = nope + rope
+    v_head = v_up.shape[1]
+    at = 0
+    q = work[at : at + heads * per_head]
+    at += heads * per_head
+    qa = work[at : at + q_a.shape[0]]
+    at += q_a.shape[0]
+    compressed = work[at : at + width]
+    at += width
+    q_latent = work[at : at + latent]
+    at += latent
+    o_latent = work[at : at + latent]
+    at += latent
+    attn = work[at : at + heads * v_head]
+    at += heads * v_head
+    scores = work[at : at + positions]
+    at += positions
+    tmp = work[at : at + rope]
+    at += rope
+    out = work[at : at + n]
+    rms_norm(x, input_norm, eps, h)
+    if q_a.shape[0]:
+        matvec(q_a, h, qa, wide)
+        rms_norm(qa, q_a_norm, eps, qa)
+        matvec(q_b, qa, q, wide)
+    else:
+        matvec(q_b, h, q, wide)
+    matvec(kv_a, h, compressed, wide)
+    rms_norm(compressed[:latent], kv_a_norm, eps, rows[pos, :latent])
+    rows[pos, latent:] = compressed[latent:]
+    _rope(rows[pos, latent:], cos[pos], sin[pos], interleaved, tmp)
+    for head in range(heads):
+        q_rope = q[head * per_head + nope : (head + 1) * per_head]
+        _rope(q_rope, cos[pos], sin[pos], interleaved, tmp)
+        add_rows(k_up[head], q[head * per_head : head * per_head + nope], q_latent, wide)
+        best = -np.inf
+        for t in range(pos + 1):
+            acc = np.float32(0)
+            for j in range(latent):
+                acc += q_latent[j] * rows[t, j]
+            for j in range(rope):
+                acc += q_rope[j] * rows[t, latent + j]
+            scores[t] = acc * scale
+            best = max(best, scores[t])
+        total = np.float32(0)
+        for t in range(pos + 1):
+            scores[t] = np.exp(scores[t] - best)
+            total += scores[t]
+        for j in range(latent):
+            o_latent[j] = 0
+        for t in range(pos + 1):
+            p = scores[t] / total
+            for j in range(latent):
+                o_latent[j] += p * rows[t, j]
+        matvec(v_up[head], o_latent, attn[head * v_head : (head + 1) * v_head], wide)
+    matvec(o, attn, out, wide)
+    for j in range(n):
+        x[j] += out[j]
+    rms_norm(x, post_norm, eps, h)
+
+
+@jit
+def _rope(v, cos, sin, interleaved, tmp):
+    if interleaved:
+        rotate_pairs(v, cos, sin, tmp)
+    else:
+        rotate(v, cos, sin, tmp)
+
+
+def mla_work_size(heads: int, nope: int, rope: int, v_head: int, q_rank: int, latent: int, positions: int,
+                  hidden: int) -> int:
+    return heads * (nope + rope + v_head) + q_rank + 3 * latent + 2 * rope + positions + hidden
 
 
 def attention_work_size(qkv_rows: int, head_dim: int, positions: int, router_rows: int, hidden: int) -> int:

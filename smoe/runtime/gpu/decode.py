@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from smoe.errors import SmoeError
 from smoe.moe.dispatch import expert_groups
 from smoe.moe.routing import route
-from smoe.runtime.cpu.compiled import check_room, dense_mlp, rope_tables, rotate
 from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.runtime.gpu.cache import GpuExpertCache
+from smoe.runtime.layers import check_room, dense_mlp, rope_tables, rotate
 from smoe.runtime.weights import layer_weights
 from smoe.switches import GPU_INDUCTOR
 
@@ -47,13 +47,14 @@ class GpuLayer:
             return t.detach().to(device=device, dtype=as_dtype).contiguous()
 
         w = layer_weights(layer, description)
+        attn = w.attention
         # the residual stream is fp32, so are the norms applied to it
         self.input_norm, self.post_norm = put(w.input_norm, ACT), put(w.post_norm, ACT)
-        self.qkv, self.o = put(w.qkv), put(w.o)
+        self.qkv, self.o = put(attn.qkv), put(attn.o)
         self.qk_norm = None
-        if w.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
+        if attn.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
             a = description.attention
-            self.qk_norm = torch.cat([put(w.q_norm).expand(a.heads, -1), put(w.k_norm).expand(a.kv_heads, -1)])
+            self.qk_norm = torch.cat([put(attn.q_norm).expand(a.heads, -1), put(attn.k_norm).expand(a.kv_heads, -1)])
         self.moe = w.router is not None
         self.router = put(w.router) if self.moe else None
         self.dense = None if self.moe else tuple(put(p) for p in w.dense)

@@ -1,0 +1,214 @@
+"""The layer library: a decoder layer's math as plain torch ops on any device, chosen by the model
+description (smoe.source.description), over one layer's trunk tensors (`LayerWeights`) and one
+sequence's state (smoe.runtime.kv).
+
+- attention: `gqa` (grouped-query and multi-head, optional per-head q/k RMSNorm) or `mla` (DeepSeek's
+  latent attention, computed absorbed: the query is taken into the latent space through kv_b's key rows,
+  attention runs over the cached latents, and the output leaves through kv_b's value rows, so K and V
+  are never expanded per head); rotary in the half-split or interleaved layout;
+- the MoE block: routing through smoe.moe.route (correction bias, groups, scale), the routed experts
+  from the caller (the decoders differ only in where experts come from), plus shared experts;
+- dense layers: a gated SiLU MLP.
+
+Fused copies of parts of this (the compiled CPU step, the GPU's Triton kernels and graphs) are tested
+against it; a description with no fused copy runs these functions eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
+
+import torch
+import torch.nn.functional as F
+
+from smoe.errors import SmoeError
+from smoe.moe.routing import route
+from smoe.runtime.kv import KeyValues, Latents
+from smoe.source.description import ModelDescription
+
+ACT = torch.float32  # the residual stream and activations; matrices may stay in the model's dtype
+
+
+@dataclass
+class GqaWeights:
+    qkv: torch.Tensor  # [q; k; v] rows
+    q_norm: torch.Tensor | None  # per-head RMSNorm weights [head_dim], when the description has them
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+
+
+@dataclass
+class MlaWeights:
+    q: torch.Tensor | None  # [heads * (nope + rope), hidden] when the query has no low rank (DeepSeek-V2-Lite)
+    q_a: torch.Tensor | None  # [q_rank, hidden], its norm [q_rank], q_b [heads * (nope + rope), q_rank]
+    q_a_norm: torch.Tensor | None
+    q_b: torch.Tensor | None
+    kv_a: torch.Tensor  # [latent + rope, hidden]: the compressed K/V and the shared rotary key
+    kv_a_norm: torch.Tensor  # [latent]
+    kv_b: torch.Tensor  # [heads, nope + v_head, latent]: per head, the key rows then the value rows
+    nope: int  # the query's and key's width without rotary
+    o: torch.Tensor
+    scale: float  # the softmax scale (YaRN's mscale included)
+
+    @property
+    def k_up(self) -> torch.Tensor:
+        """[heads, nope, latent]: what a head's key is of the latent (a view of kv_b)."""
+        return self.kv_b[:, : self.nope]
+
+    @property
+    def v_up(self) -> torch.Tensor:
+        """[heads, v_head, latent]: what a head's value is of the latent."""
+        return self.kv_b[:, self.nope :]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    attention: GqaWeights | MlaWeights
+    post_norm: torch.Tensor
+    router: torch.Tensor | None  # None: a dense layer
+    correction: torch.Tensor | None = None  # the routing correction bias (choice only)
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of the shared experts
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
+
+    def map(self, fn) -> LayerWeights:
+        """The bundle with fn applied to every tensor (None and numbers stay as they are)."""
+        return _mapped(self, fn)
+
+
+def _mapped(bundle, fn):
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return fn(v)
+        if isinstance(v, tuple):
+            return tuple(fn(t) for t in v)
+        return _mapped(v, fn) if is_dataclass(v) else v
+
+    return type(bundle)(**{f.name: one(getattr(bundle, f.name)) for f in fields(bundle)})
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every layer of one forward shares: where the new tokens start and their rotary tables."""
+
+    start: int
+    cos: torch.Tensor  # [T, 1, rotary dims], the cat(freqs, freqs) layout
+    sin: torch.Tensor
+    eps: float
+    interleaved: bool  # rotary over adjacent pairs (DeepSeek) instead of the two halves
+
+
+Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, ids, weights) -> routed sum
+
+
+def decoder_layer(d: ModelDescription, w: LayerWeights, x, state: KeyValues | Latents, step: Step, experts: Experts):
+    """x [T, hidden] (fp32) after one decoder layer: pre-norm attention, then the MoE block or dense MLP."""
+    h = rms_norm(x, w.input_norm, step.eps)
+    x = x + (mla_attention(d, w.attention, h, state, step) if isinstance(w.attention, MlaWeights)
+             else gqa_attention(d, w.attention, h, state, step))
+    h = rms_norm(x, w.post_norm, step.eps)
+    return x + (moe_block(d, w, h, experts) if w.router is not None else dense_mlp(w.dense, h))
+
+
+def rms_norm(x, weight, eps: float):
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] (fp32) times w^T, in w's dtype when it differs (the result comes back in x's dtype)."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w)
+    return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Batched x [B, T, n] @ w [B, n, m], in w's dtype when it differs."""
+    if w.dtype == x.dtype:
+        return torch.bmm(x, w)
+    return torch.bmm(x.to(w.dtype), w).to(x.dtype)
+
+
+def rotate(x, cos, sin, interleaved: bool = False):
+    """Rotary embedding of x [T, heads, d] with tables [T, 1, d]. Half-split: (x_i, x_{i+d/2}) pairs
+    (rotate_half). Interleaved: (x_2i, x_2i+1) pairs, written out half-split; the query and the key get
+    the same permutation, so their dot products are those of the interleaved layout."""
+    half = x.shape[-1] // 2
+    if interleaved:
+        c, s = cos[..., :half], sin[..., :half]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat([even * c - odd * s, odd * c + even * s], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(query, key, value, start: int, scale: float | None = None):
+    """Causal attention of new queries [1, heads, T, e] over every held position [1, kv_heads, S, e]."""
+    t = query.shape[2]
+    mask = None
+    if t > 1 and start:  # new tokens see every cached token and the new ones up to themselves
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=query.device).tril(diagonal=start)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=t > 1 and not start,
+                                          scale=scale, enable_gqa=True)
+
+
+def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: Step):
+    a, t = d.attention, h.shape[0]
+    hd, start, end = a.head_dim, step.start, step.start + h.shape[0]
+    q, k, v = matmul(h, w.qkv).split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
+    q, k = q.view(t, a.heads, hd), k.view(t, a.kv_heads, hd)
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
+    q, k = rotate(torch.cat([q, k], dim=1), step.cos, step.sin, step.interleaved).split([a.heads, a.kv_heads], dim=1)
+    kv.k[:, start:end] = k.transpose(0, 1)
+    kv.v[:, start:end] = v.view(t, a.kv_heads, hd).transpose(0, 1)
+    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], start)
+    return matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
+
+
+def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step):
+    """Absorbed MLA: scores are q_nope·(k_up latent) + q_rope·k_rope = (q_nope k_up)·latent + q_rope·k_rope,
+    outputs v_up (probs·latent); one K/V head of width latent + rope shared by every query head."""
+    a, t = d.attention, h.shape[0]
+    start, end, nope, r = step.start, step.start + t, w.k_up.shape[1], a.latent_dim
+    q = matmul(h, w.q) if w.q is not None else matmul(rms_norm(matmul(h, w.q_a), w.q_a_norm, step.eps), w.q_b)
+    q_nope, q_rope = q.view(t, a.heads, nope + a.rope_key_dim).split([nope, a.rope_key_dim], dim=-1)
+    latent, k_rope = matmul(h, w.kv_a).split([r, a.rope_key_dim], dim=-1)
+    kv.latent[start:end] = rms_norm(latent, w.kv_a_norm, step.eps)
+    kv.rope[start:end] = rotate(k_rope[:, None], step.cos, step.sin, step.interleaved)[:, 0]
+    q_rope = rotate(q_rope, step.cos, step.sin, step.interleaved)
+    query = torch.cat([bmm(q_nope.transpose(0, 1), w.k_up), q_rope.transpose(0, 1)], dim=-1)  # [heads, T, r + rope]
+    key = kv.rows[:end]  # [S, r + rope]
+    out = attend(query[None], key[None, None], key[None, None, :, :r], start, w.scale)  # [1, heads, T, r]
+    out = bmm(out[0], w.v_up.transpose(1, 2))  # [heads, T, v_head]
+    return matmul(out.transpose(0, 1).reshape(t, -1), w.o)
+
+
+def moe_block(d: ModelDescription, w: LayerWeights, h, experts: Experts):
+    """Routed experts (weights by smoe.moe.route) plus the shared experts, on the post-attention input h."""
+    top_i, top_w = route(d.routing, matmul(h, w.router), w.correction)
+    out = experts(h, top_i, top_w)
+    return out if w.shared is None else out + dense_mlp(w.shared, h)
+
+
+def dense_mlp(weights, x):
+    gate, up, down = weights
+    return matmul(F.silu(matmul(x, gate)) * matmul(x, up), down)
+
+
+def check_room(start: int, t: int, capacity: int) -> int:
+    """t, after checking that t more tokens fit the KV cache."""
+    if start + t > capacity:
+        raise SmoeError(f"sequence of {start + t} tokens is longer than the decoder's cache ({capacity})")
+    return t
+
+
+def rope_tables(rotary, n: int, dim: int):
+    """cos/sin [n, dim] in the cat(freqs, freqs) layout, exactly as the model's rotary module computes them
+    (a module that returns complex frequencies, DeepSeek-V2's, gives their real and imaginary parts)."""
+    out = rotary(torch.zeros(1, n, dim, dtype=ACT), torch.arange(n)[None])
+    if isinstance(out, torch.Tensor) and out.is_complex():
+        half = out[0].to(torch.complex64)
+        return torch.cat([half.real, half.real], dim=-1), torch.cat([half.imag, half.imag], dim=-1)
+    cos, sin = out
+    return cos[0], sin[0]

@@ -1,0 +1,106 @@
+"""The layer library (smoe.runtime.layers) run by the fast CPU decoder, against transformers' modules on the
+dequantised checkpoint: every family it covers, DeepSeek's MLA in each of its forms, and the sequence state
+(smoe.runtime.kv) growing in place."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime import TOLERANCE, relative_error, small_budget
+
+from smoe.quality.evaluate import load_reference
+from smoe.runtime.cpu.compiled import FastCpuDecoder
+from smoe.runtime.generate import next_logits_function
+from smoe.runtime.kv import Latents
+from smoe.runtime.model import OpenedVault
+from smoe.runtime.weights import fast_decoder_gap, fused_gap
+from smoe.source.description import describe_model
+from smoe.testing import vaults
+from smoe.testing.tiny_models import tiny_config, tiny_families
+
+LIBRARY = [f for f in tiny_families() if fast_decoder_gap(describe_model(tiny_config(f).to_dict())) is None]
+
+# DeepSeek's variants beyond the tiny defaults: a query low rank, half-split rotary, group-limited routing
+# with a routed scale, YaRN with its attention scale, and V2's softmax groups; then (family, values the model
+# is built with, values written into its config.json after): GLM-4.7-Flash is DeepSeek-V3's layout under its
+# own model type.
+MLA_VARIANTS = {
+    "v3-q-rank-groups": ("deepseek_v3", dict(q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
+                                             routed_scaling_factor=2.5)),
+    "v3-half-split-rotary": ("deepseek_v3", dict(rope_interleave=False)),
+    "glm4_moe_lite": ("deepseek_v3", dict(q_lora_rank=24), dict(model_type="glm4_moe_lite",
+                                                                architectures=["Glm4MoeLiteForCausalLM"])),
+    "v3-yarn": ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                                    "original_max_position_embeddings": 64, "mscale": 1.0,
+                                                    "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+    "v2-group-limited": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_routed_experts=8, n_group=4,
+                                             topk_group=2, routed_scaling_factor=16.0, q_lora_rank=24)),
+}
+
+
+def test_the_library_covers_deepseek_v2_and_v3_and_the_fused_copies_do_not():
+    assert {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"} <= set(LIBRARY)
+    for family in ("deepseek_v2", "deepseek_v3"):
+        d = describe_model(tiny_config(family).to_dict())
+        assert "mla attention" in fused_gap(d) and fast_decoder_gap(d, "cuda") == fused_gap(d)
+
+
+def check_fast_against_reference(vault: Path, reference: Path, kernel_path: str) -> None:
+    """Prefill, one-token steps and a second prefill on the fast decoder with a cache that evicts: within fp32
+    tolerance of transformers recomputing the whole sequence, and of the generic decoder step by step."""
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path=kernel_path)
+    sm.store.cache_bytes = sm.store.min_budget(sm.description.routing.top_k)  # one token's experts: it evicts
+    assert sm.decoder == "fast" and sm.fast_decoder(64).compiled.enabled  # one-token steps run compiled
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = load_reference(reference)(torch.tensor([ids]))[0]
+    fast, slow = next_logits_function(sm, 64, "fast"), next_logits_function(sm, 64, "generic")
+    seen = 0
+    for chunk in (ids[:30], ids[30:31], ids[31:32], ids[32:40]):
+        a, b = fast(chunk), slow(chunk)
+        seen += len(chunk)
+        assert relative_error(whole[seen - 1], a) < TOLERANCE
+        assert relative_error(b, a) < TOLERANCE
+    assert sm.store.stats.evictions > 0
+    sm.close()
+
+
+@pytest.mark.parametrize("kernel_path", ["dequant", "codes"])
+@pytest.mark.parametrize("family", LIBRARY)
+def test_fast_decoder_matches_transformers_on_every_family_the_library_covers(family, kernel_path, tmp_path):
+    vault, reference = vaults.tiny_vault_and_reference(tmp_path, family, seed=2)
+    check_fast_against_reference(vault, reference, kernel_path)
+
+
+@pytest.mark.parametrize("variant", MLA_VARIANTS)
+def test_absorbed_mla_matches_transformers_in_every_deepseek_variant(variant, tmp_path):
+    family, architecture, *written = MLA_VARIANTS[variant]
+    model = vaults.tiny_model_dir(tmp_path, family, seed=3, architecture=architecture, **(written[0] if written else {}))
+    vault = vaults.vault_of(model, tmp_path / "vault")
+    check_fast_against_reference(vault, vaults.dequantised_reference(vault, tmp_path), "codes")
+
+
+def test_mla_keeps_only_the_compressed_latent_and_rotary_key_per_position(tmp_path):
+    vault = vaults.tiny_vault(tmp_path, "deepseek_v3", seed=2)
+    sm = OpenedVault(vault, dtype="float32")
+    a = sm.description.attention
+    state = sm.fast_decoder(8).state
+    assert all(isinstance(layer, Latents) for layer in state.layers)
+    assert state.layers[0].rows.shape[1] == a.latent_dim + a.rope_key_dim < 2 * a.heads * a.head_dim
+    sm.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_sequence_state_grows_in_place_keeping_the_decoder_and_what_it_holds(family, tmp_path):
+    vault = vaults.tiny_vault(tmp_path, family, seed=2)
+    sm = OpenedVault(vault, dtype="float32")
+    ids = torch.randint(0, 100, (48,), generator=torch.Generator().manual_seed(4)).tolist()
+    roomy = next_logits_function(sm, 64, "generic")
+    expected = [roomy(ids[:20])] + [roomy([t]) for t in ids[20:]]
+    decoder = FastCpuDecoder(sm, 4)  # a state of 4 positions, to grow from
+    layers = decoder.layers
+    got = [decoder.forward(ids[:20])[-1]] + [decoder.forward([t])[-1] for t in ids[20:]]
+    assert decoder.state.capacity >= 48 and decoder.layers is layers
+    for a, b in zip(expected, got):
+        assert relative_error(a, b) < TOLERANCE
+    assert sm.fast_decoder(8) is sm.fast_decoder(5000)  # the opened vault's decoder grows, it is not rebuilt
+    sm.close()
