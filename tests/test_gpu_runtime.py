@@ -127,7 +127,7 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 # --- the decoder ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
@@ -167,12 +167,17 @@ def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 
 
-def test_sequence_longer_than_the_decoder_cache_is_an_error(tiny_vault):
-    vault, _ = tiny_vault
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_sequence_past_the_kv_capacity_grows_the_state_in_place(family, tmp_path):
+    vault, reference = tiny_vault_and_reference(tmp_path, family, 4, seed=2)
     sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=16)
-    with pytest.raises(SmoeError, match="longer than the decoder's cache"):
-        dec.forward(list(range(17)))
+    cache, layers = dec.cache, dec.layers
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    pieces = [ids[:8], *[[t] for t in ids[8:24]], ids[24:]]  # one-token steps grow it at position 16
+    got = torch.cat([dec.forward(p).reshape(len(p), -1).cpu() for p in pieces])
+    assert dec.max_positions >= 40 and dec.cache is cache and dec.layers is layers
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 
 
 INTERPRETED = """
@@ -227,7 +232,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2"])
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):
@@ -288,7 +293,7 @@ def test_benchmark_vault_has_the_config_shapes_and_replayed_routing_picks_the_ex
         assert dec.static.top_i[0].tolist() == replay[step, -1].tolist()  # the last layer's experts
         assert all(dec.cache.resident(layer, e) for layer, e in enumerate(replay[step]) for e in e)
     blob = sm.vault.entry(0, 0).size
-    trunk = sum(t.numel() * 4 for w in dec.layers for t in (w.qkv, w.o, w.router, w.input_norm, w.post_norm))
+    trunk = sum(t.numel() * 4 for w in dec.layers for t in (w.qkv, w.qk_norm, w.o, w.router, w.input_norm, w.post_norm))
     kv = 2 * 2 * 2 * 5 * 32 * 4
     assert gpu_bytes_per_token(dec, 5) == dec.lm_head.numel() * 4 + trunk + 2 * 2 * blob + kv
 
@@ -298,3 +303,33 @@ def test_bench_decode_without_a_gpu_is_a_one_line_error(tmp_path):
     r = smoe_cli("bench", "decode", "--workdir", tmp_path, "--no-baseline")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "smoe: error: smoe bench decode measures the GPU runtime: no CUDA device is available" in r.stderr
+
+
+SMALL_V2_LITE_LIKE = {"hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256, "num_hidden_layers": 3,
+                      "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                      "n_shared_experts": 1, "vocab_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
+                      "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                      "head_dim": 16, "bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 4096}
+
+
+def test_deepseek_shaped_benchmark_vault_loads_every_trunk_tensor_and_decodes_on_the_fast_path(tmp_path):
+    import numpy as np
+
+    from smoe.bench.decode import DEEPSEEK_V2_LITE, gpu_bytes_per_token, write_model_vault
+    from smoe.bench.replay import ReplayDecoder
+
+    cfg = dict(DEEPSEEK_V2_LITE) | SMALL_V2_LITE_LIKE
+    vault = write_model_vault(tmp_path / "v", cfg, progress=False)
+    with Vault(vault) as v:
+        assert len(v.entries) == 2 * 8 and v.meta["moe_layers"] == [1, 2]
+        assert v.meta["expert_shapes"]["down"] == [128, 64]
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")  # every trunk tensor loads: none missing
+    assert sm.decoder == "fast" and sm.description.attention.kind == "mla"
+    replay = np.array([[[0, 0], [3, 5], [7, 0]], [[0, 0], [1, 2], [4, 6]]])  # [steps, layers, k]; layer 0 is dense
+    dec = ReplayDecoder(sm, "cpu", 4 * blob_slot_bytes(sm.vault), max_positions=8, route_replay=torch.from_numpy(replay))
+    for step in range(2):
+        dec.replay_step = step
+        assert torch.isfinite(dec.forward([step + 2])).all()
+        assert all(dec.cache.resident(layer, e) for layer, e in enumerate(replay[step]) if layer for e in e)
+    latents = 3 * (64 + 16) * 4  # per position: each layer's latent and rotary key, fp32
+    assert gpu_bytes_per_token(dec, 6) - gpu_bytes_per_token(dec, 5) == latents

@@ -236,12 +236,25 @@ def remove_tree_entries(folder: Path) -> None:
 
 
 def stop_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
-    """SIGSTOP `proc` as soon as `ready()` holds; False if it ended first."""
+    """SIGSTOP `proc` as soon as `ready()` holds, returning once it is stopped; False if it ended first."""
     deadline = time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
         if ready():
             proc.send_signal(signal.SIGSTOP)
-            return True
+            return wait_stopped(proc, deadline)
+        time.sleep(0.001)
+    return False
+
+
+def wait_stopped(proc: subprocess.Popen, deadline: float) -> bool:
+    """Whether proc reached the stopped state (signals are delivered asynchronously: until then it runs on)."""
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while time.time() < deadline:
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        except OSError:  # it ended
+            return False
         time.sleep(0.001)
     return False
 

@@ -22,6 +22,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,49 +45,57 @@ QWEN3_30B = {  # Qwen3-30B-A3B's config.json, text part
 }
 
 
+# DeepSeek-V2-Lite's sizes (27 layers, the first dense; 64 experts of 2048 x 1408, top 6, 2 shared; MLA with
+# kv_lora_rank 512 and no query low rank; its YaRN rope) written as a deepseek_v3 config: sigmoid scores with a
+# correction bias, 8 groups of which 4 are used, routed scaling.
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "first_k_dense_replace": 1,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64, "num_experts_per_tok": 6,
+    "n_shared_experts": 2, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "head_dim": 64, "rope_interleave": True, "vocab_size": 102400, "max_position_embeddings": 163840,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 100000,
+    "eos_token_id": 100001, "dtype": "bfloat16",
+}
+MODELS = {"qwen3-30b-a3b": QWEN3_30B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+
+
 # --- building the model --------------------------------------------------------------------------
 
 
-def trunk_specs(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    specs = [("model.embed_tokens.weight", (cfg["vocab_size"], h)), ("model.norm.weight", (h,)),
-             ("lm_head.weight", (cfg["vocab_size"], h))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                  (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                  (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                  (p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
-                  (p + "mlp.gate.weight", (cfg["num_experts"], h))]
-    return specs
-
-
-def random_trunk_tensor(name: str, shape) -> torch.Tensor:
-    """Norm weights 1, matrices N(0, 0.02): activations stay in a sane range through 48 layers."""
+def random_trunk_tensor(name: str, shape, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Norm weights (and routing biases) 1, matrices N(0, 0.02): activations stay in a sane range through
+    48 layers."""
     if len(shape) == 1:
-        return torch.ones(shape, dtype=torch.bfloat16)
+        return torch.ones(shape, dtype=dtype)
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    return (torch.randn(shape, generator=gen) * 0.02).to(dtype)
 
 
 def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress: bool = True) -> Path:
-    """A vault of random expert codes and a random trunk, with the config of `cfg`."""
+    """A vault of random expert codes and a random trunk (every tensor the model of `cfg` loads), with the
+    config of `cfg`."""
     import json
 
+    from smoe.hf.model import trunk_shapes
     from smoe.progress import bar
+    from smoe.source.description import describe_model
 
     path = Path(path)
     if (path / "index.json").exists():
         return path
-    h, inter, layers, experts = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["num_experts"]
+    d = describe_model(cfg)
+    h, inter, experts = d.hidden_size, d.experts.intermediate_size, d.routing.num_experts
     writer = VaultWriter(path, bits)
     # one block of random bytes, read at a different offset per expert: random-looking codes at disk speed
     rng = np.random.default_rng(0)
     noise = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
     shapes = (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter)))
     done = writer.done()
-    for layer in bar(range(layers), progress, desc="experts", unit="layer"):
+    for layer in bar(d.moe_layers, progress, desc="experts", unit="layer"):
         for e in range(experts):
             if (layer, e) in done:
                 continue
@@ -99,12 +108,12 @@ def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress
                 scales = torch.from_numpy(rng.uniform(0.01, 0.05, groups).astype(np.float16))
                 tensors.append(QuantisedTensor(role, shape, bits, codes, scales))
             writer.add(layer, e, tensors)
-    specs = trunk_specs(cfg)
-    write_safetensors(path / TRUNK_FILE, [(n, torch.bfloat16, s) for n, s in specs],
-                      lambda name: random_trunk_tensor(name, dict(specs)[name]))
+    specs = trunk_shapes(cfg)
+    write_safetensors(path / TRUNK_FILE, [(n, dtype, shape) for n, (shape, dtype) in specs.items()],
+                      lambda name: random_trunk_tensor(name, *specs[name]))
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
-    writer.finish({"family": "qwen3_moe", "model_type": "qwen3_moe", "moe_layers": list(range(layers)),
-                   "num_experts": experts, "top_k": cfg["num_experts_per_tok"], "roles": ["gate", "up", "down"],
+    writer.finish({"family": d.family, "model_type": d.model_type, "moe_layers": list(d.moe_layers),
+                   "num_experts": experts, "top_k": d.routing.top_k, "roles": ["gate", "up", "down"],
                    "expert_shapes": {"gate": [inter, h], "up": [inter, h], "down": [h, inter]},
                    "encoder": "random", "source": {"path": "synthetic", "formats": ["random"]}})
     return path
@@ -212,15 +221,21 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         torch.cuda.empty_cache()
 
 
+def tensor_bytes(v) -> int:
+    """Bytes of the tensors in v: a tensor, a tuple of them, or a weight bundle (a dataclass)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, tuple):
+        return sum(map(tensor_bytes, v))
+    return sum(tensor_bytes(getattr(v, f.name)) for f in fields(v)) if is_dataclass(v) else 0
+
+
 def gpu_bytes_per_token(dec, position: int) -> int:
     """Bytes the GPU must read for one token: trunk matrices, the k experts of each layer, the KV cache."""
     trunk = dec.lm_head.numel() * dec.lm_head.element_size()
-    for w in dec.layers:
-        for t in (w.qkv, w.o, w.router, w.input_norm, w.post_norm):
-            trunk += t.numel() * t.element_size() if t is not None else 0
+    trunk += sum(tensor_bytes(v) for w in dec.layers for v in vars(w).values())
     experts = sum(dec.top_k * dec.cache.vault.entry(layer, 0).size for layer in dec.layouts)
-    kv = 2 * len(dec.layers) * dec.kv_heads * position * dec.head_dim * dec.k_cache[0].element_size()
-    return trunk + experts + kv
+    return trunk + experts + position * sum(layer.position_bytes for layer in dec.state.layers)
 
 
 def transformers_run(cfg: dict, tokens: int) -> dict:
@@ -245,16 +260,19 @@ def transformers_run(cfg: dict, tokens: int) -> dict:
 
 
 def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, threads: int = 16,
-                 baseline: bool = True, layers: int | None = None) -> dict:
+                 baseline: bool = True, layers: int | None = None, model: str = "qwen3-30b-a3b") -> dict:
     from smoe.runtime.model import OpenedVault
+    from smoe.source.description import describe_model
 
     if not torch.cuda.is_available():
         raise SmoeError("smoe bench decode measures the GPU runtime: no CUDA device is available")
-    cfg = dict(QWEN3_30B) | ({"num_hidden_layers": layers} if layers else {})
-    vault_dir = write_model_vault(Path(workdir) / f"qwen3-30b-shaped-q4-{cfg['num_hidden_layers']}L", cfg)
+    cfg = dict(MODELS[model]) | ({"num_hidden_layers": layers} if layers else {})
+    vault_dir = write_model_vault(Path(workdir) / f"{model}-shaped-q4-{cfg['num_hidden_layers']}L", cfg)
+    d = describe_model(cfg)
     limits = {"pinned_copy_gbps": pinned_copy_gbps("cuda"), "hbm_gbps": hbm_gbps("cuda"), "disk_gbps": disk_gbps(vault_dir)}
     sm = OpenedVault(vault_dir, dtype="bfloat16", kernel_path="dequant")  # its CPU store stays unused
-    routing = skewed_routing(cfg["num_hidden_layers"], warmup + tokens + 8, seed=0)
+    routing = skewed_routing(cfg["num_hidden_layers"], warmup + tokens + 8, seed=0, experts=d.routing.num_experts,
+                             top_k=d.routing.top_k)
     rows = []
     try:
         for fraction in budgets:
@@ -270,7 +288,7 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
         sm.close()
     with Vault(vault_dir) as v:
         vault_gb = sum(e.size for e in v.entries.values()) / 1e9
-    result = {"benchmark": "decode", "vault": str(vault_dir), "vault_expert_gb": vault_gb, "limits": limits,
+    result = {"benchmark": "decode", "model": model, "vault": str(vault_dir), "vault_expert_gb": vault_gb, "limits": limits,
               "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "rows": rows}
     if baseline:
         result["transformers_bf16"] = transformers_run(cfg, min(tokens, 32))

@@ -67,12 +67,12 @@ def parse_budgets(text: str) -> list[float]:
 
 
 def bench_decode_main(args) -> int:
-    """The GPU runtime on a Qwen3-30B-A3B-shaped vault (smoe/bench/decode.py)."""
+    """The GPU runtime on a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped vault (smoe/bench/decode.py)."""
     from smoe.bench import decode as bench_decode
 
     budgets = parse_budgets(args.budgets)
     result = bench_decode.bench_decode(args.workdir, budgets, args.tokens, args.warmup, args.threads,
-                                       baseline=not args.no_baseline, layers=args.layers)
+                                       baseline=not args.no_baseline, layers=args.layers, model=args.model)
     result["machine"] = machine_description("cuda")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_decode.format_result(result))
     return 0

@@ -190,12 +190,13 @@ def random_tensor(rng, role: str, shape: tuple[int, int], bits: int) -> Quantise
     return QuantisedTensor(role, shape, bits, codes, scales)
 
 
-def skewed_routing(layers: int, tokens: int, seed: int = 0, zipf: float = 1.2) -> np.ndarray:
+def skewed_routing(layers: int, tokens: int, seed: int = 0, zipf: float = 1.2, experts: int = SYNTH["experts"],
+                   top_k: int = SYNTH["top_k"]) -> np.ndarray:
     """[tokens, layers, top_k] expert ids drawn without replacement from a Zipf-like popularity,
     a different popularity order per layer (real routers are skewed; uniform routing makes hit
     rates meaningless)."""
     rng = np.random.default_rng(seed)
-    e, k = SYNTH["experts"], SYNTH["top_k"]
+    e, k = experts, top_k
     weights = 1.0 / np.arange(1, e + 1) ** zipf
     weights /= weights.sum()
     order = [rng.permutation(e) for _ in range(layers)]

@@ -139,6 +139,14 @@ def check_buildable(config: dict, trunk: dict[str, tuple[int, ...]], where: str)
     place_trunk(model, trunk, "the checkpoint")
 
 
+def trunk_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor the model of `config` loads but its routed experts, as the model
+    holds them (built on the meta device): a trunk of these loads (a synthetic vault's, for benchmarks)."""
+    model = build_model(read_config(config, "config"), torch.bfloat16, where="config")
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+            if not is_experts_param(model, name)}
+
+
 def load_trunk(model, vault: Vault, dtype: torch.dtype | None, is_experts=is_experts_module) -> None:
     """Assign the trunk tensors (renamed as transformers renames checkpoint keys), each checked against
     the model built from config. Floating tensors take the dtype the model holds them in (built with

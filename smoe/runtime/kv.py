@@ -10,8 +10,8 @@ model description:
 
 Growing a state (`reserve`) reallocates its tensors only, keeping what they hold: the trunk and the
 expert cache are untouched. Other kinds (a sliding window's ring, recurrent and convolution state,
-an indexer's key cache, fixed-size blocks for paged batching) are further classes with the same two
-methods, `capacity` and `grow`.
+an indexer's key cache, fixed-size blocks for paged batching) are further classes with the same
+members: `capacity`, `position_bytes` and `grow`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ class KeyValues:
     def capacity(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def position_bytes(self) -> int:
+        return 2 * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
+
     def grow(self, capacity: int, held: int) -> None:
         self.k, self.v = (regrown(t, 1, capacity, held) for t in (self.k, self.v))
 
@@ -46,12 +50,8 @@ class Latents:
         return self.rows.shape[0]
 
     @property
-    def latent(self) -> torch.Tensor:
-        return self.rows[:, : self.latent_dim]
-
-    @property
-    def rope(self) -> torch.Tensor:
-        return self.rows[:, self.latent_dim :]
+    def position_bytes(self) -> int:
+        return self.rows.shape[1] * self.rows.element_size()
 
     def grow(self, capacity: int, held: int) -> None:
         self.rows = regrown(self.rows, 0, capacity, held)
@@ -80,17 +80,39 @@ class SequenceState:
         return min(layer.capacity for layer in self.layers)
 
     def reserve(self, positions: int) -> None:
-        """Room for `positions` tokens, keeping what is held: doubling (at least 1,024 positions), not past
-        the model's context unless `positions` itself is (teacher-forced rows may be longer, as the generic
-        decoder allows; generation refuses them first)."""
+        """Room for `positions` tokens, keeping what is held (grown_capacity: teacher-forced rows may be longer
+        than the context, as the generic decoder allows; generation refuses them first)."""
         if positions <= self.capacity:
             return
-        capacity = max(positions, 2 * self.capacity, 1024)
-        if self.limit is not None:
-            capacity = min(capacity, max(self.limit, positions))
+        capacity = grown_capacity(self.capacity, positions, self.limit)
         for layer in self.layers:
             layer.grow(capacity, self.length)
         self.generation += 1
+
+
+class HoldsSequence:
+    """What a decoder holding one sequence's state at a time says of it: where it is, how far it may go."""
+
+    state: SequenceState
+
+    @property
+    def pos(self) -> int:
+        return self.state.length
+
+    @property
+    def max_positions(self) -> int:
+        return self.state.capacity
+
+    def reset(self) -> None:
+        """A new sequence from position 0 (the state's tensors are kept and overwritten)."""
+        self.state.length = 0
+
+
+def grown_capacity(current: int, positions: int, limit: int | None) -> int:
+    """Positions for a state of `current` that must hold `positions`: doubling, at least 1,024, not past the
+    model's context `limit` unless `positions` itself is."""
+    capacity = max(positions, 2 * current, 1024)
+    return capacity if limit is None else min(capacity, max(limit, positions))
 
 
 def sequence_state(description: ModelDescription, capacity: int, dtype: torch.dtype = torch.float32,

@@ -22,7 +22,6 @@ from dataclasses import dataclass, fields, is_dataclass
 import torch
 import torch.nn.functional as F
 
-from smoe.errors import SmoeError
 from smoe.moe.routing import route
 from smoe.runtime.kv import KeyValues, Latents
 from smoe.source.description import ModelDescription
@@ -74,29 +73,47 @@ class LayerWeights:
 
     def map(self, fn) -> LayerWeights:
         """The bundle with fn applied to every tensor (None and numbers stay as they are)."""
-        return _mapped(self, fn)
+        return mapped(self, fn)
 
 
-def _mapped(bundle, fn):
+def mapped(bundle, fn):
+    """A weight bundle (a dataclass) with fn applied to every tensor in it, nested bundles included."""
     def one(v):
         if isinstance(v, torch.Tensor):
             return fn(v)
         if isinstance(v, tuple):
             return tuple(fn(t) for t in v)
-        return _mapped(v, fn) if is_dataclass(v) else v
+        return mapped(v, fn) if is_dataclass(v) else v
 
     return type(bundle)(**{f.name: one(getattr(bundle, f.name)) for f in fields(bundle)})
 
 
 @dataclass(frozen=True)
 class Step:
-    """What every layer of one forward shares: where the new tokens start and their rotary tables."""
+    """What every layer of one forward shares: the new tokens' positions and rotary tables, and what each of
+    them sees of the sequence state."""
 
-    start: int
+    pos: torch.Tensor  # [T] the new tokens' positions, where the state keeps them
     cos: torch.Tensor  # [T, 1, rotary dims], the cat(freqs, freqs) layout
     sin: torch.Tensor
     eps: float
     interleaved: bool  # rotary over adjacent pairs (DeepSeek) instead of the two halves
+    end: int  # attention reads the state's first `end` positions
+    mask: torch.Tensor | None = None  # [T, end]: what each new token sees; None: causally, after end - T held ones
+
+
+def eager_step(start: int, t: int, cos, sin, eps: float, interleaved: bool) -> Step:
+    """T new tokens after `start` held ones, attending over exactly the positions held (rotary tables
+    [positions, d] for the whole state)."""
+    return Step(torch.arange(start, start + t, device=cos.device), cos[start : start + t, None],
+                sin[start : start + t, None], eps, interleaved, end=start + t)
+
+
+def static_step(pos: torch.Tensor, positions: torch.Tensor, cos, sin, eps: float, interleaved: bool) -> Step:
+    """New tokens at `pos` (a device tensor) attending over the whole state, masked to what each may see:
+    shapes that never change, so a CUDA graph can hold the step (positions: arange of the state's capacity)."""
+    return Step(pos, cos[pos][:, None], sin[pos][:, None], eps, interleaved, end=positions.shape[0],
+                mask=positions[None, :] <= pos[:, None])
 
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (h, ids, weights) -> routed sum
@@ -142,27 +159,29 @@ def rotate(x, cos, sin, interleaved: bool = False):
     return x * cos + rotated * sin
 
 
-def attend(query, key, value, start: int, scale: float | None = None):
-    """Causal attention of new queries [1, heads, T, e] over every held position [1, kv_heads, S, e]."""
-    t = query.shape[2]
-    mask = None
-    if t > 1 and start:  # new tokens see every cached token and the new ones up to themselves
-        mask = torch.ones(t, start + t, dtype=torch.bool, device=query.device).tril(diagonal=start)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=t > 1 and not start,
-                                          scale=scale, enable_gqa=True)
+def attend(query, key, value, step: Step, scale: float | None = None):
+    """Attention of new queries [1, heads, T, e] over the state's first step.end positions [1, kv_heads, S, e],
+    in the state's dtype; the result in fp32."""
+    t, held = query.shape[2], step.end - query.shape[2]
+    mask = step.mask
+    if mask is None and t > 1 and held:  # new tokens see every held token and the new ones up to themselves
+        mask = torch.ones(t, step.end, dtype=torch.bool, device=query.device).tril(diagonal=held)
+    out = F.scaled_dot_product_attention(query.to(key.dtype), key, value, attn_mask=mask[None, None] if mask is not None
+                                         else None, is_causal=mask is None and t > 1, scale=scale, enable_gqa=True)
+    return out.to(ACT)
 
 
 def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: Step):
     a, t = d.attention, h.shape[0]
-    hd, start, end = a.head_dim, step.start, step.start + h.shape[0]
+    hd, end = a.head_dim, step.end
     q, k, v = matmul(h, w.qkv).split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
     q, k = q.view(t, a.heads, hd), k.view(t, a.kv_heads, hd)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
     q, k = rotate(torch.cat([q, k], dim=1), step.cos, step.sin, step.interleaved).split([a.heads, a.kv_heads], dim=1)
-    kv.k[:, start:end] = k.transpose(0, 1)
-    kv.v[:, start:end] = v.view(t, a.kv_heads, hd).transpose(0, 1)
-    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], start)
+    kv.k.index_copy_(1, step.pos, k.transpose(0, 1).to(kv.k.dtype))
+    kv.v.index_copy_(1, step.pos, v.view(t, a.kv_heads, hd).transpose(0, 1).to(kv.v.dtype))
+    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], step)
     return matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
 
 
@@ -170,16 +189,17 @@ def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step
     """Absorbed MLA: scores are q_nope·(k_up latent) + q_rope·k_rope = (q_nope k_up)·latent + q_rope·k_rope,
     outputs v_up (probs·latent); one K/V head of width latent + rope shared by every query head."""
     a, t = d.attention, h.shape[0]
-    start, end, nope, r = step.start, step.start + t, w.k_up.shape[1], a.latent_dim
+    nope, r = w.nope, a.latent_dim
     q = matmul(h, w.q) if w.q is not None else matmul(rms_norm(matmul(h, w.q_a), w.q_a_norm, step.eps), w.q_b)
     q_nope, q_rope = q.view(t, a.heads, nope + a.rope_key_dim).split([nope, a.rope_key_dim], dim=-1)
     latent, k_rope = matmul(h, w.kv_a).split([r, a.rope_key_dim], dim=-1)
-    kv.latent[start:end] = rms_norm(latent, w.kv_a_norm, step.eps)
-    kv.rope[start:end] = rotate(k_rope[:, None], step.cos, step.sin, step.interleaved)[:, 0]
+    row = torch.cat([rms_norm(latent, w.kv_a_norm, step.eps),
+                     rotate(k_rope[:, None], step.cos, step.sin, step.interleaved)[:, 0]], dim=-1)
+    kv.rows.index_copy_(0, step.pos, row.to(kv.rows.dtype))
     q_rope = rotate(q_rope, step.cos, step.sin, step.interleaved)
     query = torch.cat([bmm(q_nope.transpose(0, 1), w.k_up), q_rope.transpose(0, 1)], dim=-1)  # [heads, T, r + rope]
-    key = kv.rows[:end]  # [S, r + rope]
-    out = attend(query[None], key[None, None], key[None, None, :, :r], start, w.scale)  # [1, heads, T, r]
+    key = kv.rows[: step.end]  # [S, r + rope]
+    out = attend(query[None], key[None, None], key[None, None, :, :r], step, w.scale)  # [1, heads, T, r]
     out = bmm(out[0], w.v_up.transpose(1, 2))  # [heads, T, v_head]
     return matmul(out.transpose(0, 1).reshape(t, -1), w.o)
 
@@ -196,11 +216,9 @@ def dense_mlp(weights, x):
     return matmul(F.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
-def check_room(start: int, t: int, capacity: int) -> int:
-    """t, after checking that t more tokens fit the KV cache."""
-    if start + t > capacity:
-        raise SmoeError(f"sequence of {start + t} tokens is longer than the decoder's cache ({capacity})")
-    return t
+def rotary_dim(d: ModelDescription) -> int:
+    """The width the rotary tables cover: MLA's rotary key, else the whole head."""
+    return d.attention.rope_key_dim if d.attention.kind == "mla" else d.attention.head_dim
 
 
 def rope_tables(rotary, n: int, dim: int):

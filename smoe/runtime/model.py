@@ -21,6 +21,7 @@ from smoe.moe.dispatch import routed_sum
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu.store import ExpertStore, default_cache_bytes
 from smoe.runtime.decoder import SequenceStep, open_decoder
+from smoe.runtime.kv import grown_capacity
 from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.description import describe_model
 
@@ -146,7 +147,7 @@ class OpenedVault:
         if self.decoder != "fast":
             return None
         if getattr(self, "_fast", None) is None:
-            self._fast = fast_decode.FastCpuDecoder(self, kv_capacity(None, positions, self.max_positions))
+            self._fast = fast_decode.FastCpuDecoder(self, grown_capacity(0, positions, self.max_positions))
         self._fast.reset()
         self._fast.reserve(positions)
         return self._fast
@@ -186,32 +187,26 @@ class OpenedVault:
 
 
 class GpuRuntime:
-    """The GPU side of a OpenedVault: one GpuDecoder (trunk on the GPU, GPU expert cache), made on
-    first use and remade with a longer KV cache when a longer sequence comes."""
+    """The GPU side of a OpenedVault: one GpuDecoder (trunk on the GPU, GPU expert cache), made at open; a
+    longer sequence grows its sequence state in place."""
 
     def __init__(self, sm: OpenedVault, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int,
                  direct_io: bool):
-        self.sm, self.host_cache_bytes, self.threads, self.direct_io = sm, host_cache_bytes, threads, direct_io
-        self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
-        self._decoder = None
-        self.decoder(1)  # fail early: budget too small, out of memory
-
-    def decoder(self, positions: int):
         from smoe.runtime.gpu.decode import GpuDecoder
 
-        current = self._decoder
-        if current is None or current.max_positions < positions:
-            capacity = kv_capacity(current, positions, self.sm.max_positions)
-            stats = current.cache.stats if current else None
-            if current is not None:
-                current.close()
-                self._decoder = None
-                torch.cuda.empty_cache()
-            self._decoder = GpuDecoder(self.sm, self.sm.device, self.gpu_cache_bytes, capacity, self.host_cache_bytes,
-                                       threads=self.threads, direct_io=self.direct_io)
-            if stats is not None:
-                self._decoder.cache.stats = stats
+        self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
+        self._decoder = None
+        # made now, so a budget too small or out of memory fails the open
+        self._decoder = GpuDecoder(sm, sm.device, self.gpu_cache_bytes, grown_capacity(0, 1, sm.max_positions),
+                                   host_cache_bytes, threads=threads, direct_io=direct_io)
+
+    def decoder(self, positions: int):
+        """The decoder, reset, with room for `positions` tokens."""
         self._decoder.reset()
+        try:
+            self._decoder.reserve(positions)
+        except torch.OutOfMemoryError:
+            raise SmoeError(f"out of GPU memory growing the KV cache to {positions} positions") from None
         return self._decoder
 
     def decoder_stats(self) -> dict:
@@ -221,14 +216,6 @@ class GpuRuntime:
     def close(self) -> None:
         if self._decoder is not None:
             self._decoder.close()
-
-
-def kv_capacity(current, positions: int, limit: int | None) -> int:
-    """KV-cache positions for a decoder that must hold `positions`: at least 1024, doubling the
-    current decoder's, not past the model's context `limit` unless `positions` itself is (teacher-forced
-    rows may be longer, as the generic decoder allows; generation refuses them first)."""
-    capacity = max(positions, 2 * current.max_positions if current else 1024)
-    return min(capacity, max(limit or capacity, positions))
 
 
 def has_fast_decoder(sm: OpenedVault) -> bool:

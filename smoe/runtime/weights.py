@@ -89,14 +89,13 @@ def fuse_qkv(attn) -> None:
     attn.smoe_qkv = fused
 
 
-FAST_DEVICES = ("cpu", "cuda")
-
-
 def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
-    """Why the fast decoder of a device type does not cover description d, or None when it does. On the
-    CPU it runs the layer library (smoe.runtime.layers), fused where fused_gap admits; on CUDA only what
-    the GPU decoder's fused kernels implement (fused_gap)."""
-    return library_gap(d) if device == "cpu" else fused_gap(d)
+    """Why the fast decoder of a device type ("cpu" | "cuda") does not cover description d, or None when it
+    does. Both run the layer library's kinds (smoe.runtime.layers, library_gap); the GPU's own GQA block
+    rotates the two halves only."""
+    interleaved_gqa = d.attention.kind == "gqa" and "interleaved_rotary" in d.extras
+    return _gaps((library_gap(d) is not None, library_gap(d) or ""),
+                 (device != "cpu" and interleaved_gqa, "interleaved rotary in GQA attention"))
 
 
 def library_gap(d: ModelDescription) -> str | None:
@@ -120,24 +119,6 @@ def library_gap(d: ModelDescription) -> str | None:
         (e.biases, "expert biases"),
         (d.shared_experts > 0 and d.shared_gate, "gated shared experts"),
         *((True, f"{extra}") for extra in d.extras if extra != "interleaved_rotary"),
-    )
-
-
-def fused_gap(d: ModelDescription) -> str | None:
-    """What the fused copies (the compiled CPU step, the GPU decoder's kernels and graphs) lack for d:
-    they implement GQA attention without biases, windows or sinks, optionally with per-head q/k RMSNorm;
-    softmax routing (normalised or not) without correction bias, groups, scale or router bias;
-    SiLU-gated experts without biases; no shared experts; gated SiLU dense layers; none of the EXTRAS."""
-    a, r = d.attention, d.routing
-    return _gaps(
-        (a.kind != "gqa", f"{a.kind} attention"),
-        (r.scoring != "softmax", f"{r.scoring} routing"),
-        (r.correction_bias, "a routing correction bias"),
-        (r.n_group > 1, "group-limited routing"),
-        (r.scale != 1.0 or r.normalise_eps, "scaled routing weights"),
-        (d.shared_experts > 0, "shared experts"),
-        ("interleaved_rotary" in d.extras, "interleaved_rotary"),
-        (library_gap(d) is not None, library_gap(d)),
     )
 
 

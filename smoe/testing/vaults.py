@@ -73,7 +73,7 @@ def kernel_sized_vault(tmp: Path, family: str, bits: int = 4) -> tuple[Path, Pat
 
     tmp = Path(tmp)
     config = tiny_config(family)
-    setattr(config, "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size", 64)
+    setattr(config, "intermediate_size" if family == "mixtral" else "moe_intermediate_size", 64)
     config.num_hidden_layers = 2
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()

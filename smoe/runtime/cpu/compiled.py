@@ -28,9 +28,19 @@ from smoe.moe.routing import route
 from smoe.runtime.buckets import bucket
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu import kernels_numba as kn
-from smoe.runtime.kv import sequence_state
-from smoe.runtime.layers import ACT, LayerWeights, MlaWeights, Step, decoder_layer, matmul, rms_norm, rope_tables
-from smoe.runtime.weights import fused_gap, layer_weights, library_gap
+from smoe.runtime.kv import HoldsSequence, sequence_state
+from smoe.runtime.layers import (
+    ACT,
+    LayerWeights,
+    MlaWeights,
+    decoder_layer,
+    eager_step,
+    matmul,
+    rms_norm,
+    rope_tables,
+    rotary_dim,
+)
+from smoe.runtime.weights import layer_weights, library_gap
 from smoe.switches import CPU_COMPILED, PREFETCH
 
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
@@ -39,7 +49,7 @@ from smoe.switches import CPU_COMPILED, PREFETCH
 SMALL_MATRIX = 1 << 20
 
 
-class FastCpuDecoder:
+class FastCpuDecoder(HoldsSequence):
     """Prefill and one-token steps over a OpenedVault's trunk and expert store, through the layer library;
     the sequence's KV lives in `state` (smoe.runtime.kv), which grows in place."""
 
@@ -60,24 +70,13 @@ class FastCpuDecoder:
         self.lm_head = compute_form(sm.model.lm_head.weight)
         self.layers = [layer_weights(layer, d).map(compute_form) for layer in base.layers]
         self.rotary = base.rotary_emb
-        self.rope_dim = attention.rope_key_dim if attention.kind == "mla" else attention.head_dim
+        self.rope_dim = rotary_dim(d)
         self.interleaved = "interleaved_rotary" in d.extras
         self.state = sequence_state(d, max_positions, ACT, limit=sm.max_positions)
         self.cos, self.sin = rope_tables(self.rotary, max_positions, self.rope_dim)
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
         self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
-
-    @property
-    def pos(self) -> int:
-        return self.state.length
-
-    @property
-    def max_positions(self) -> int:
-        return self.state.capacity
-
-    def reset(self) -> None:
-        self.state.length = 0
 
     def reserve(self, positions: int) -> None:
         """Room for `positions` tokens: the state grows in place, the rotary tables with it."""
@@ -93,8 +92,7 @@ class FastCpuDecoder:
         if t == 1 and self.compiled.enabled:
             return self.compiled.step(ids[0])
         x = self.embed[torch.tensor(ids)].to(ACT)  # [T, H]
-        step = Step(start, self.cos[start : start + t, None], self.sin[start : start + t, None], self.eps,
-                    self.interleaved)
+        step = eager_step(start, t, self.cos, self.sin, self.eps, self.interleaved)
         for i, w in enumerate(self.layers):
             x = decoder_layer(self.description, w, x, self.state.layers[i], step,
                               lambda h, top_i, top_w, i=i: self.experts(i, h, top_i, top_w))
@@ -182,7 +180,9 @@ class CompiledStep:
             return
         self.mla = d.attention.kind == "mla"
         r = d.routing
-        self.fused_top_k = not self.mla and fused_gap(d) is None  # the kernel's softmax top-k is this routing
+        # the GQA kernel's own top-k computes softmax routing without bias, groups or scale
+        self.fused_top_k = not self.mla and (r.scoring, r.correction_bias, r.n_group, r.scale, r.normalise_eps) == (
+            "softmax", False, 1, 1.0, 0.0)
         hidden = dec.embed.shape[1]
         self.layers = [compiled_layer(w, hidden) for w in dec.layers]
         self.embed, self.final_norm, self.lm_head = as_numpy(dec.embed), as_numpy(dec.final_norm), as_numpy(dec.lm_head)

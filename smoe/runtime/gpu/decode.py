@@ -32,7 +32,18 @@ from smoe.moe.dispatch import expert_groups
 from smoe.moe.routing import route
 from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.runtime.gpu.cache import GpuExpertCache
-from smoe.runtime.layers import check_room, dense_mlp, rope_tables, rotate
+from smoe.runtime.kv import HoldsSequence, sequence_state
+from smoe.runtime.layers import (
+    MlaWeights,
+    dense_mlp,
+    mapped,
+    mla_attention,
+    rms_norm,
+    rope_tables,
+    rotary_dim,
+    rotate,
+    static_step,
+)
 from smoe.runtime.weights import layer_weights
 from smoe.switches import GPU_INDUCTOR
 
@@ -40,27 +51,34 @@ ACT = torch.float32  # the residual stream; matrices run in the model's dtype
 
 
 class GpuLayer:
-    """One decoder layer's trunk weights (smoe.runtime.weights.LayerWeights) on the device."""
+    """One decoder layer's trunk weights (smoe.runtime.layers.LayerWeights) on the device: matrices in the
+    model's dtype, vectors (norms, correction bias) in fp32 like the residual stream they apply to."""
 
     def __init__(self, layer, description, device, dtype):
-        def put(t, as_dtype=dtype):
-            return t.detach().to(device=device, dtype=as_dtype).contiguous()
+        def put(t, as_dtype=None):
+            return t.detach().to(device=device, dtype=as_dtype or (ACT if t.dim() == 1 else dtype)).contiguous()
 
         w = layer_weights(layer, description)
         attn = w.attention
-        # the residual stream is fp32, so are the norms applied to it
-        self.input_norm, self.post_norm = put(w.input_norm, ACT), put(w.post_norm, ACT)
-        self.qkv, self.o = put(attn.qkv), put(attn.o)
-        self.qk_norm = None
-        if attn.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
-            a = description.attention
-            self.qk_norm = torch.cat([put(attn.q_norm).expand(a.heads, -1), put(attn.k_norm).expand(a.kv_heads, -1)])
+        self.input_norm, self.post_norm = put(w.input_norm), put(w.post_norm)
+        self.mla = isinstance(attn, MlaWeights)
+        if self.mla:
+            self.attention = mapped(attn, put)
+        else:
+            self.qkv, self.o = put(attn.qkv), put(attn.o)
+            self.qk_norm = None
+            if attn.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
+                a = description.attention
+                self.qk_norm = torch.cat([put(attn.q_norm, dtype).expand(a.heads, -1),
+                                          put(attn.k_norm, dtype).expand(a.kv_heads, -1)])
         self.moe = w.router is not None
         self.router = put(w.router) if self.moe else None
+        self.correction = put(w.correction) if w.correction is not None else None
+        self.shared = tuple(put(p) for p in w.shared) if w.shared is not None else None
         self.dense = None if self.moe else tuple(put(p) for p in w.dense)
 
 
-class GpuDecoder:
+class GpuDecoder(HoldsSequence):
     """forward(ids) -> logits [T, V] (fp32) of the new tokens, continuing the cached sequence."""
 
     def __init__(self, sm, device: torch.device, gpu_cache_bytes: int, max_positions: int, host_cache_bytes: int = 0,
@@ -98,32 +116,49 @@ class GpuDecoder:
         self.layouts = {i: layer_layout(self.vault, i) for i, w in enumerate(self.layers) if w.moe}
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
-        self.max_positions = max_positions
-        cos, sin = rope_tables(base.rotary_emb, max_positions, self.head_dim)
-        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
-        shape = (1, self.kv_heads, max_positions, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.positions = torch.arange(max_positions, device=self.device)
-        self.pos = 0
+        self.rotary = base.rotary_emb
+        self.state = sequence_state(self.description, max_positions, self.dtype, self.device, limit=sm.max_positions)
+        self.rope_for_capacity()
 
-    def reset(self) -> None:
-        self.pos = 0
+    def rope_for_capacity(self) -> None:
+        """Rotary tables and the position index for the state's capacity."""
+        cos, sin = rope_tables(self.rotary, self.state.capacity, rotary_dim(self.description))
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        self.positions = torch.arange(self.state.capacity, device=self.device)
+
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` tokens: the sequence state grows in place (the trunk and the expert cache stay);
+        the captured graphs read the old tensors, so they are dropped and captured again on the next step."""
+        if positions <= self.state.capacity:
+            return
+        self.state.reserve(positions)
+        self.rope_for_capacity()
+        self.segments = self.whole_token = None
 
     # --- many tokens: eager, grouped kernel ------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> torch.Tensor:
-        start, t = self.pos, check_room(self.pos, len(ids), self.max_positions)
+        start, t = self.pos, len(ids)
+        self.reserve(start + t)
         if t == 1:
             return self.step(ids[0])
         x = self.embed[torch.tensor(ids, device=self.device)].to(ACT)
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
-            x, h, top_i, top_w = attention_block(x, None, pos, **self.block_args(i))
-            x = x + (self.experts_chunked(i, h, top_i, top_w) if w.moe else dense_mlp(w.dense, h))
-        self.pos = start + t
+            x, h, top_i, top_w = block_of(w, attention_block)(x, None, pos, **self.block_args(i))
+            x = x + self.mlp(i, h, top_i, top_w)
+        self.state.length = start + t
         return self.logits(x)
+
+    def mlp(self, i: int, h, top_i, top_w, one=None):
+        """Layer i's MLP output: its routed experts (one token: from the segment's offsets) plus its shared
+        experts, or its dense MLP."""
+        w = self.layers[i]
+        if not w.moe:
+            return dense_mlp(w.dense, h)
+        out = self.experts_one(i, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
+        return out if w.shared is None else out + dense_mlp(w.shared, h)
 
     def experts_chunked(self, i: int, h, top_i, top_w):
         """The layer's experts for every token, in groups of experts that fit the cache's slots together
@@ -148,12 +183,15 @@ class GpuDecoder:
     # --- the pieces of a layer -------------------------------------------------------------------
 
     def block_args(self, i: int) -> dict:
-        """Everything attention_block needs for layer i but the residual and the positions."""
-        w = self.layers[i]
-        return dict(k_cache=self.k_cache[i], v_cache=self.v_cache[i], positions=self.positions, cos=self.cos,
-                    sin=self.sin, input_norm=w.input_norm, qkv=w.qkv, qk_norm=w.qk_norm, o=w.o,
-                    post_norm=w.post_norm, router=w.router, heads=self.heads, kv_heads=self.kv_heads, eps=self.eps,
-                    routing=self.routing, dtype=self.dtype)
+        """Everything layer i's block needs but the residual and the positions."""
+        w, held = self.layers[i], self.state.layers[i]
+        shared = dict(positions=self.positions, cos=self.cos, sin=self.sin, input_norm=w.input_norm,
+                      post_norm=w.post_norm, router=w.router, correction=w.correction, eps=self.eps,
+                      routing=self.routing, dtype=self.dtype)
+        if w.mla:
+            return shared | dict(state=held, attention=w.attention, description=self.description)
+        return shared | dict(k_cache=held.k[None], v_cache=held.v[None], qkv=w.qkv, qk_norm=w.qk_norm, o=w.o,
+                             heads=self.heads, kv_heads=self.kv_heads)
 
     def logits(self, x):
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
@@ -171,7 +209,7 @@ class GpuDecoder:
                 self.run_segment(seg)
                 if seg < len(self.layers) and self.layers[seg].moe:
                     self.load_offsets(seg)
-        self.pos += 1
+        self.state.length += 1
         return s.logits.clone()
 
     def load_offsets(self, i: int) -> None:
@@ -185,12 +223,11 @@ class GpuDecoder:
             s.x.copy_(self.embed[s.token].to(ACT))
             added = None
         else:
-            prev = self.layers[seg - 1]
-            added = self.experts_one(seg - 1, s.offsets) if prev.moe else dense_mlp(prev.dense, s.h)
+            added = self.mlp(seg - 1, s.h, None, None, one=s.offsets)
         if seg == len(self.layers):
             s.logits.copy_(self.logits(s.x + added))
             return
-        x, h, top_i, top_w = self.run_block(s.x, added, s.pos, self.block_args(seg))
+        x, h, top_i, top_w = self.run_block(self.layers[seg], s.x, added, s.pos, self.block_args(seg))
         s.x.copy_(x)
         s.h.copy_(h)
         if top_i is not None:
@@ -201,11 +238,12 @@ class GpuDecoder:
         """The experts layer seg runs: its router's (a benchmark's subclass replays recorded ones)."""
         return top_i
 
-    def run_block(self, x, added, pos, args):
+    def run_block(self, layer: GpuLayer, x, added, pos, args):
+        block = block_of(layer, self.block)
         try:
-            return self.block(x, added, pos, **args)
+            return block(x, added, pos, **args)
         except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
-            if self.block is attention_block:
+            if block in (attention_block, mla_block):
                 raise
             kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
             self.block = attention_block
@@ -264,8 +302,28 @@ class GpuDecoder:
         self.cache.close()
 
 
+def block_of(layer: GpuLayer, gqa_block):
+    """The function that runs a layer up to its experts: the GQA block given (compiled or not), or MLA's."""
+    return mla_block if layer.mla else gqa_block
+
+
+def mla_block(x, added, pos, *, state, positions, cos, sin, input_norm, attention, post_norm, router, correction,
+              description, eps: float, routing, dtype):
+    """attention_block's contract for an MLA layer, through the layer library's absorbed attention over the
+    compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it."""
+    if added is not None:
+        x = x + added
+    step = static_step(pos, positions, cos, sin, eps, "interleaved_rotary" in description.extras)
+    x = x + mla_attention(description, attention, rms_norm(x, input_norm, eps), state, step)
+    h = rms_norm(x, post_norm, eps).to(dtype)
+    if router is None:
+        return x, h, None, None
+    top_i, top_w = route(routing, F.linear(h, router), correction)
+    return x, h, top_i, top_w
+
+
 def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qk_norm, o, post_norm,
-                    router, heads: int, kv_heads: int, eps: float, routing, dtype):
+                    router, correction, heads: int, kv_heads: int, eps: float, routing, dtype):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
     (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
     cache, then the experts' input h and the routing (top-k ids and weights; None for a dense layer).
@@ -290,7 +348,7 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
     if router is None:
         return x, h, None, None
-    top_i, top_w = route(routing, F.linear(h, router))
+    top_i, top_w = route(routing, F.linear(h, router), correction)
     return x, h, top_i, top_w
 
 
