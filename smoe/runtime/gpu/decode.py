@@ -23,6 +23,7 @@ kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, th
 from __future__ import annotations
 
 import functools
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from smoe.moe.dispatch import expert_groups
 from smoe.moe.routing import route
 from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.runtime.gpu.cache import GpuExpertCache
-from smoe.runtime.kv import HoldsSequence, sequence_state
+from smoe.runtime.kv import HoldsSequence, Latents, sequence_state
 from smoe.runtime.layers import (
     MlaWeights,
     dense_mlp,
@@ -101,7 +102,7 @@ class GpuDecoder(HoldsSequence):
             layout.unsupported() is None for layout in self.layouts.values())
         # inductor fuses a single-token step's small kernels (SMOE_GPU_INDUCTOR=0: eager, as on the CPU)
         compile_ok = self.graphs and GPU_INDUCTOR.on()
-        self.block = compiled_attention_block() if compile_ok else attention_block
+        self.blocks = {kind: compiled_block(kind) if compile_ok else EAGER_BLOCKS[kind] for kind in EAGER_BLOCKS}
         self.segments: list | None = None  # captured CUDA graphs, one per segment
         self.whole_token = None  # one graph for the whole token when every expert is resident
         self.table = None  # [layers, experts] blob offsets in the pool (whole-token mode)
@@ -146,7 +147,7 @@ class GpuDecoder(HoldsSequence):
         x = self.embed[torch.tensor(ids, device=self.device)].to(ACT)
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
-            x, h, top_i, top_w = block_of(w, attention_block)(x, None, pos, **self.block_args(i))
+            x, h, top_i, top_w = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, **self.block_args(i))
             x = x + self.mlp(i, h, top_i, top_w)
         self.state.length = start + t
         return self.logits(x)
@@ -189,7 +190,8 @@ class GpuDecoder(HoldsSequence):
                       post_norm=w.post_norm, router=w.router, correction=w.correction, eps=self.eps,
                       routing=self.routing, dtype=self.dtype)
         if w.mla:
-            return shared | dict(state=held, attention=w.attention, description=self.description)
+            weights = {f.name: getattr(w.attention, f.name) for f in fields(w.attention)}
+            return shared | weights | dict(rows=held.rows, latent_dim=held.latent_dim, description=self.description)
         return shared | dict(k_cache=held.k[None], v_cache=held.v[None], qkv=w.qkv, qk_norm=w.qk_norm, o=w.o,
                              heads=self.heads, kv_heads=self.kv_heads)
 
@@ -239,15 +241,15 @@ class GpuDecoder(HoldsSequence):
         return top_i
 
     def run_block(self, layer: GpuLayer, x, added, pos, args):
-        block = block_of(layer, self.block)
+        kind = "mla" if layer.mla else "gqa"
         try:
-            return block(x, added, pos, **args)
+            return self.blocks[kind](x, added, pos, **args)
         except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
-            if block in (attention_block, mla_block):
+            if self.blocks[kind] is EAGER_BLOCKS[kind]:
                 raise
             kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
-            self.block = attention_block
-            return self.block(x, added, pos, **args)
+            self.blocks[kind] = EAGER_BLOCKS[kind]
+            return self.blocks[kind](x, added, pos, **args)
 
     def experts_one(self, i: int, offsets):
         s = self.static
@@ -302,19 +304,17 @@ class GpuDecoder(HoldsSequence):
         self.cache.close()
 
 
-def block_of(layer: GpuLayer, gqa_block):
-    """The function that runs a layer up to its experts: the GQA block given (compiled or not), or MLA's."""
-    return mla_block if layer.mla else gqa_block
-
-
-def mla_block(x, added, pos, *, state, positions, cos, sin, input_norm, attention, post_norm, router, correction,
-              description, eps: float, routing, dtype):
+def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router, correction,
+              description, eps: float, routing, dtype, **attention):
     """attention_block's contract for an MLA layer, through the layer library's absorbed attention over the
-    compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it."""
+    compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it. Its
+    weights come as plain tensors (`attention`: MlaWeights' fields) and the bundles are made inside, so one
+    compiled function serves every layer."""
     if added is not None:
         x = x + added
     step = static_step(pos, positions, cos, sin, eps, "interleaved_rotary" in description.extras)
-    x = x + mla_attention(description, attention, rms_norm(x, input_norm, eps), state, step)
+    x = x + mla_attention(description, MlaWeights(**attention), rms_norm(x, input_norm, eps), Latents(rows, latent_dim),
+                          step)
     h = rms_norm(x, post_norm, eps).to(dtype)
     if router is None:
         return x, h, None, None
@@ -352,11 +352,14 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     return x, h, top_i, top_w
 
 
+EAGER_BLOCKS = {"gqa": attention_block, "mla": mla_block}
+
+
 @functools.cache
-def compiled_attention_block():
-    """attention_block compiled by inductor: its ~30 small kernels fused into a few (one compile serves
-    every layer and every decoder of the process; shapes are static in single-token steps)."""
-    return torch.compile(attention_block, fullgraph=True, dynamic=False)
+def compiled_block(kind: str):
+    """A layer's block ("gqa" | "mla") compiled by inductor: its ~30 small kernels fused into a few (one
+    compile serves every layer and every decoder of the process; shapes are static in single-token steps)."""
+    return torch.compile(EAGER_BLOCKS[kind], fullgraph=True, dynamic=False)
 
 
 class StaticBuffers:
