@@ -103,3 +103,34 @@ def test_a_sequence_state_grows_in_place_keeping_the_decoder_and_what_it_holds(f
         assert relative_error(a, b) < TOLERANCE
     assert sm.fast_decoder(8) is sm.fast_decoder(5000)  # the opened vault's decoder grows, it is not rebuilt
     sm.close()
+
+
+DEEPSEEK_MODEL = vaults.SHARED_MODELS["deepseek_v3"]
+
+
+@pytest.mark.skipif(not DEEPSEEK_MODEL.is_dir(), reason=f"{DEEPSEEK_MODEL} absent (the shared models live beside the "
+                    "repository; the tiny deepseek models above check the same paths)")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_the_trained_deepseek_model_runs_the_fast_decoder_as_transformers_does(bits, tmp_path):
+    """The shared trained DeepSeek-V3-layout model (MLA, sigmoid group routing with its trained correction
+    biases, a shared expert, a dense first layer): fast-decoder logits within fp32 tolerance of transformers
+    on the dequantised checkpoint, and greedy tokens equal wherever the reference's margin allows."""
+    from test_runtime import greedy_reference
+    from transformers import AutoTokenizer
+
+    from smoe.runtime.generate import generate
+    from smoe.runtime.sampling import GREEDY
+
+    vault = vaults.vault_of(DEEPSEEK_MODEL, tmp_path / "vault", bits)
+    reference = load_reference(vaults.dequantised_reference(vault, tmp_path))
+    check_fast_against_reference(vault, tmp_path / "reference", "codes")
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="codes")
+    prompt = AutoTokenizer.from_pretrained(vault)("It was a dark and stormy night; the rain")["input_ids"]
+    tokens, _ = generate(sm, prompt, max_tokens=24, params=GREEDY)
+    expected, margins = greedy_reference(reference, prompt, 24)
+    for i, (got, want) in enumerate(zip(tokens, expected)):
+        if got != want:
+            assert margins[i] < 1e-3, f"token {i} differs with a reference margin of {margins[i]}"
+            break
+    assert sm.describe()["decoder"] == "fast"
+    sm.close()

@@ -248,7 +248,7 @@ def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> 
                    help="cuda: trunk and expert cache on the GPU; auto (default): cuda when there is a GPU and its "
                    "fast decoder runs every layer of this vault on its kernels, else cpu (BENCHMARKS.md)")
     p.add_argument("--decoder", default="auto", choices=("auto", "fast", "generic"),
-                   help="fast: the compiled decode step (the models it covers, e.g. Qwen3-MoE, Mixtral); generic: the model's own transformers "
+                   help="fast: the compiled decode step (the models it covers, e.g. Qwen3-MoE, Mixtral, DeepSeek-V3/V2); generic: the model's own transformers "
                    "modules (every family); auto (default): fast where the family has it")
     p.add_argument("--cache-gb", type=numeric.NON_NEGATIVE_REAL.parse, default=None,
                    help="expert cache budget in host RAM, GB (CPU default: half of the available RAM, at most all "

@@ -1,5 +1,5 @@
-"""The one per-layer weight bundle of the fast decoders: a decoder layer's trunk tensors, taken from the
-transformers model (so both decoders compute with the very tensors the generic decoder uses)."""
+"""The fast decoders' per-layer weight bundle (smoe.runtime.layers.LayerWeights) read from the transformers
+model (so they compute with the very tensors the generic decoder uses), and what the fast decoders cover."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from smoe.testing.tiny_models import save_tiny_model
 # Beside the repository (its parent directory), as in a development checkout; absent elsewhere,
 # and every test that uses it skips or falls back to a tiny model then.
 SHARED = Path(__file__).resolve().parents[3] / "shared"
-SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b"}
+SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b",
+                 "deepseek_v3": SHARED / "models" / "deepseek-v3-30m"}
 
 
 def tiny_model_dir(tmp: Path, family: str, seed: int = 0, layout: str | None = None, name: str = "model",

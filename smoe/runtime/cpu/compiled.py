@@ -1,18 +1,21 @@
-"""The fast CPU decoder: a forward pass for the common decoder layout (the model descriptions
-smoe.runtime.weights.fast_decoder_gap admits: Qwen3-MoE and Mixtral checkpoints): few Python-level ops per layer.
+"""The fast CPU decoder: the layer library (smoe.runtime.layers) over the expert store, for the model
+descriptions smoe.runtime.weights.fast_decoder_gap admits (Qwen3-MoE, Mixtral, DeepSeek-V3/V2, ...):
+few Python-level ops per layer.
 
 At batch 1 on a CPU, time per token is mostly per-op overhead, not arithmetic: transformers' modules
 spend ~1,000 small ops per token on a 6-layer model. This path reads the same trunk tensors from the
 transformers model (q/k/v fused into one matrix whose slices become the model's own weights, so
-nothing is copied and both paths compute the same function), keeps a static KV cache, precomputes
-the rotary tables with the model's own rotary module, and calls the expert store once per layer. The
-generic decoder (the transformers modules) stays the reference and runs every other family.
+nothing is copied and both paths compute the same function), keeps the sequence's KV in a
+smoe.runtime.kv.SequenceState that grows in place, precomputes the rotary tables with the model's own
+rotary module, and calls the expert store once per layer. The generic decoder (the transformers
+modules) stays the reference and runs every other family.
 
-One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): two calls per layer (attention
-and routing; then the routed experts straight from their codes when the store prepared them in the
-"codes" form, else the eager expert path) over numpy views of the same weights and KV cache, so a
-prefill on the eager path and steps on the compiled one share one cache. Activations stay in fp32
-there (the eager path rounds them to the model's dtype before bf16 matmuls).
+One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): per layer one call for
+attention (GQA, or MLA absorbed over the latent rows) and, where the routing is plain softmax, its top-k;
+then the routed experts straight from their codes when the store prepared them in the "codes" form, else
+the eager expert path; shared experts and dense layers compiled too. They work on numpy views of the
+same weights and state, so a prefill on the eager path and steps on the compiled one share one cache.
+Activations stay in fp32 there (the eager path rounds them to the model's dtype before bf16 matmuls).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The decode path on an NVIDIA GPU: trunk resident on the GPU, routed experts in the GPU expert cache,
-computed by the Triton kernels straight from their blobs (the descriptions fast_decoder_gap admits).
+computed by the Triton kernels straight from their blobs (the descriptions fast_decoder_gap admits for
+"cuda"). A GQA layer runs this module's attention_block, an MLA layer the layer library's absorbed
+attention on a static step (mla_block); both are compiled by inductor and captured in the graphs.
 
 One token is cut into segments at the points where the host must learn the routing:
 
