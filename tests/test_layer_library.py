@@ -134,3 +134,35 @@ def test_the_trained_deepseek_model_runs_the_fast_decoder_as_transformers_does(b
             break
     assert sm.describe()["decoder"] == "fast"
     sm.close()
+
+
+# DeepSeek config values that still parse but disagree with the checkpoint's tensors or experts
+DISAGREEING = {
+    "kv_lora_rank": {"kv_lora_rank": 8},
+    "qk_rope_head_dim": {"qk_rope_head_dim": 4},
+    "qk_nope_head_dim": {"qk_nope_head_dim": 8},
+    "v_head_dim": {"v_head_dim": 4},
+    "num_attention_heads": {"num_attention_heads": 2, "num_key_value_heads": 2},
+    "n_group": {"n_group": 3, "topk_group": 1},
+    "n_shared_experts": {"n_shared_experts": 2},
+}
+
+
+@pytest.mark.parametrize("key", DISAGREEING)
+def test_a_deepseek_config_that_disagrees_with_its_tensors_is_one_line_at_quantize_and_at_open(key, tmp_path):
+    import json
+
+    from smoe.errors import SmoeError
+    from smoe.format.vault import CONFIG_FILE
+
+    edit = DISAGREEING[key]
+    bad = vaults.tiny_model_dir(tmp_path, "deepseek_v3", name="bad", **edit)
+    with pytest.raises(SmoeError) as refused:
+        vaults.vault_of(bad, tmp_path / "bad-vault")
+    assert "\n" not in str(refused.value) and not (tmp_path / "bad-vault").exists()
+    vault = vaults.tiny_vault(tmp_path, "deepseek_v3", seed=2)
+    config = json.loads((vault / CONFIG_FILE).read_text())
+    vaults.reseal(vault, CONFIG_FILE, json.dumps(config | edit).encode())
+    with pytest.raises(SmoeError) as refused:
+        OpenedVault(vault, dtype="float32")
+    assert "\n" not in str(refused.value)

@@ -226,8 +226,11 @@ def test_an_output_that_appears_while_writing_is_not_replaced_without_force(tmp_
 
 
 def smoe_process(*args) -> subprocess.Popen:
+    """`smoe ARGS` as a terminal starts it: SIGINT at its default (a suite run in the background of a
+    non-interactive shell inherits it ignored, and Python then never raises KeyboardInterrupt)."""
     return subprocess.Popen([sys.executable, "-m", "smoe.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def remove_tree_entries(folder: Path) -> None:
