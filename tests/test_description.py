@@ -11,12 +11,13 @@ import torch.nn.functional as F
 
 from smoe.errors import SmoeError
 from smoe.hf.experts import is_experts_module
+from smoe.hf.trunk import router_of
 from smoe.moe.activation import activate
 from smoe.moe.dispatch import expert_groups, routed_sum
 from smoe.moe.routing import route
 from smoe.runtime.cpu import kernels_numba
 from smoe.runtime.model import OpenedVault
-from smoe.runtime.weights import fast_decoder_gap, router_of
+from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.description import EXTRAS, Routing, describe_model
 from smoe.testing import vaults
 from smoe.testing.tiny_models import tiny_config, tiny_families, tiny_model

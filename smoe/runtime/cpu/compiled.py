@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from smoe.hf.trunk import model_trunk
 from smoe.moe.activation import activate
 from smoe.moe.dispatch import routed_sum
 from smoe.moe.routing import route
@@ -67,12 +68,12 @@ class FastCpuDecoder(HoldsSequence):
         self.routing, self.kind = d.routing, d.experts
         self.top_k = self.routing.top_k
         self.normalize = self.routing.normalise
-        base = sm.model.model
-        self.embed = base.embed_tokens.weight
-        self.final_norm = compute_form(base.norm.weight)
-        self.lm_head = compute_form(sm.model.lm_head.weight)
-        self.layers = [layer_weights(layer, d).map(compute_form) for layer in base.layers]
-        self.rotary = base.rotary_emb
+        trunk = model_trunk(sm.model)
+        self.embed = trunk["embed"]
+        self.final_norm = compute_form(trunk["final_norm"])
+        self.lm_head = compute_form(trunk["lm_head"])
+        self.layers = [layer_weights(layer, d).map(compute_form) for layer in trunk["layers"]]
+        self.rotary = trunk["rotary"]
         self.rope_dim = rotary_dim(d)
         self.interleaved = "interleaved_rotary" in d.extras
         self.state = sequence_state(d, max_positions, ACT, limit=sm.max_positions)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from smoe.errors import SmoeError
+from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
 from smoe.moe.routing import route
 from smoe.runtime.gpu import kernels as kernels_triton
@@ -111,15 +112,15 @@ class GpuDecoder(HoldsSequence):
 
     def load(self, sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io) -> None:
         """Trunk, expert cache and KV cache onto the device."""
-        base = sm.model.model
+        trunk = model_trunk(sm.model)
         put = lambda t: t.detach().to(device=self.device, dtype=self.dtype).contiguous()
-        self.embed, self.lm_head = put(base.embed_tokens.weight), put(sm.model.lm_head.weight)
-        self.final_norm = base.norm.weight.detach().to(device=self.device, dtype=ACT)
-        self.layers = [GpuLayer(layer, self.description, self.device, self.dtype) for layer in base.layers]
+        self.embed, self.lm_head = put(trunk["embed"]), put(trunk["lm_head"])
+        self.final_norm = trunk["final_norm"].detach().to(device=self.device, dtype=ACT)
+        self.layers = [GpuLayer(layer, self.description, self.device, self.dtype) for layer in trunk["layers"]]
         self.layouts = {i: layer_layout(self.vault, i) for i, w in enumerate(self.layers) if w.moe}
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
-        self.rotary = base.rotary_emb
+        self.rotary = trunk["rotary"]
         self.state = sequence_state(self.description, max_positions, self.dtype, self.device, limit=sm.max_positions)
         self.rope_for_capacity()
 
