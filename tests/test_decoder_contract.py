@@ -49,19 +49,28 @@ def test_a_step_that_does_not_continue_its_sequence_is_refused(opened):
             dec.forward([SequenceStep("never-begun", [1], 2)])
 
 
-def test_fast_decoder_holds_one_sequence_and_takes_the_next_after_release(opened):
+def test_fast_decoder_keeps_each_sequence_of_a_batch_on_its_own_state(opened):
+    a, b = tokens(4, 12), tokens(5, 7)
     dec = open_decoder(opened, "fast", 64)
-    assert isinstance(dec, FastDecoder) and dec.max_sequences == 1
-    a, b = tokens(4, 6), tokens(5, 6)
-    with pytest.raises(SmoeError, match="at most 1 sequence"):
-        dec.forward([SequenceStep("a", a, 0), SequenceStep("b", b, 0)])
-    dec.forward([SequenceStep("a", a, 0)])
-    with pytest.raises(SmoeError, match="at most 1 sequence"):
-        dec.forward([SequenceStep("b", b, 0)])
+    assert isinstance(dec, FastDecoder) and dec.max_sequences == 16
+    want_a, want_b = alone(GenericDecoder(opened), a, 5), alone(GenericDecoder(opened), b, 3)
+    first = dec.forward([SequenceStep("a", a[:5], 0), SequenceStep("b", b[:3], 0)])
+    second = dec.forward([SequenceStep("b", b[3:], 3), SequenceStep("a", a[5:], 5)])
+    for got, want in ((first[0], want_a[0]), (first[1], want_b[0]), (second[1], want_a[1]), (second[0], want_b[1])):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    with pytest.raises(SmoeError, match="at most 16 sequence"):
+        dec.forward([SequenceStep(i, [1], 0) for i in range(15)])
+
+
+def test_a_released_sequence_state_serves_the_next_sequence_from_its_beginning(opened):
+    dec = open_decoder(opened, "fast", 64)
+    dec.forward([SequenceStep("a", tokens(12, 9), 0)])
+    held = dec.states["a"]
     dec.release("a")
-    fast_b = dec.forward([SequenceStep("b", b, 0)])[0]
-    generic_b = GenericDecoder(opened).forward([SequenceStep("b", b, 0)])[0]
-    torch.testing.assert_close(fast_b, generic_b, rtol=1e-3, atol=1e-3)
+    b = tokens(13, 6)
+    got = dec.forward([SequenceStep("b", b, 0)])[0]
+    assert dec.states["b"] is held and held.length == 6  # reused, not reallocated, and begun again
+    torch.testing.assert_close(got, GenericDecoder(opened).forward([SequenceStep("b", b, 0)])[0], rtol=1e-3, atol=1e-3)
 
 
 def test_generic_decoder_refuses_more_sequences_than_it_holds(opened):
@@ -106,20 +115,21 @@ def test_fast_decoder_continues_a_sequence_as_the_generic_decoder_does(opened):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
-def test_fast_decoder_refuses_to_continue_after_another_user_ran_the_vault(opened):
+def test_a_fast_decoder_sequence_is_not_disturbed_by_other_users_of_the_vault(opened):
+    a = tokens(8, 9)
+    want = GenericDecoder(opened).forward([SequenceStep("a", a, 0)])[0][-1]
     first, second = open_decoder(opened, "fast", 64), open_decoder(opened, "fast", 64)
-    first.forward([SequenceStep("a", tokens(8, 5), 0)])
-    second.forward([SequenceStep("b", tokens(9, 5), 0)])  # the vault's one fast decoder now holds "b"
-    with pytest.raises(SmoeError, match="has run another sequence since"):
-        first.forward([SequenceStep("a", [1], 5)])
+    first.forward([SequenceStep("a", a[:5], 0)])
+    second.forward([SequenceStep("b", tokens(9, 5), 0)])  # the vault's one fast decoder runs another sequence
     opened.logits(torch.tensor([tokens(10, 4)]))  # teacher-forced rows use it too
-    with pytest.raises(SmoeError, match="has run another sequence since"):
-        second.forward([SequenceStep("b", [1], 5)])
+    opened.fast_decoder(16).forward(tokens(14, 3))  # and a caller of the decoder itself, on its own state
+    got = first.forward([SequenceStep("a", a[5:], 5)])[0][-1]
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_a_refused_batch_leaves_the_held_sequences_as_they_were(opened):
     dec, ids = open_decoder(opened, "fast", 64), tokens(11, 6)
     dec.forward([SequenceStep("a", ids[:5], 0)])
-    with pytest.raises(SmoeError, match="at most 1 sequence"):
-        dec.forward([SequenceStep("a", ids[:5], 0), SequenceStep("b", [1], 0)])
+    with pytest.raises(SmoeError, match="at most 16 sequence"):
+        dec.forward([SequenceStep("a", ids[:5], 0), *(SequenceStep(i, [1], 0) for i in range(16))])
     assert dec.forward([SequenceStep("a", ids[5:], 5)])[0].shape[0] == 1

@@ -333,3 +333,22 @@ def test_deepseek_shaped_benchmark_vault_loads_every_trunk_tensor_and_decodes_on
         assert all(dec.cache.resident(layer, e) for layer, e in enumerate(replay[step]) if layer for e in e)
     latents = 3 * (64 + 16) * 4  # per position: each layer's latent and rotary key, fp32
     assert gpu_bytes_per_token(dec, 6) - gpu_bytes_per_token(dec, 5) == latents
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_gpu_decoder_runs_sequence_states_of_different_capacities_in_turn(family, tmp_path):
+    vault, reference = tiny_vault_and_reference(tmp_path, family, 4, seed=2)
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=16)
+    other = dec.new_state(40)
+    assert other.capacity != dec.own.capacity
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randint(0, 100, (12,), generator=gen).tolist(), torch.randint(0, 100, (12,), generator=gen).tolist()
+    got = {"a": [], "b": []}
+    for start, end in ((0, 6), (6, 7), (7, 8), (8, 12)):  # the two sequences alternate, each on its own state
+        for name, ids, state in (("a", a, None), ("b", b, other)):
+            dec.use(state)
+            got[name].append(dec.forward(ids[start:end]).reshape(end - start, -1).cpu())
+    ref = load_reference(reference)
+    for name, ids in (("a", a), ("b", b)):
+        assert relative_error(ref(torch.tensor([ids]))[0], torch.cat(got[name])) < TOLERANCE

@@ -7,14 +7,16 @@ is refused (a silent mismatch would compute with the wrong context); start 0 beg
 
 - `GenericDecoder` runs the family's transformers modules, one KV cache per sequence, up to
   `max_sequences` sequences at once; the steps of a batch run one after another.
-- `FastDecoder` runs the fast decoder of the device (the compiled CPU step, the GPU's CUDA graphs),
-  which holds one sequence (`max_sequences` 1): a batch of several sequences is refused.
+- `FastDecoder` runs the fast decoder of the device (the compiled CPU step, the GPU's CUDA graphs) with a
+  sequence state per sequence, up to 16 on the CPU and 1 on the GPU; the steps of a batch run one after
+  another.
 
 Batched serving fills in batches that run together; the contract stays.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -89,44 +91,40 @@ class GenericDecoder(Decoder):
 
 
 class FastDecoder(Decoder):
-    """The device's fast decoder (OpenedVault.fast_decoder): one sequence at a time.
-
-    That decoder belongs to the opened vault, and any user of it (another FastDecoder, OpenedVault.logits)
-    may reset it; a step continues a sequence only while the decoder is still at that sequence's end
-    with this FastDecoder's mark on it, else it is refused."""
+    """The device's fast decoder (OpenedVault.running_decoder) with one sequence state per sequence
+    (smoe.runtime.kv.SequenceState), taken from the opened vault and returned on release or when this object
+    goes: the steps of a batch run one after another, each on its own state, so no other user of the vault
+    disturbs a sequence. The GPU holds one sequence at a time (each state is GPU memory, and its CUDA graphs
+    are captured over one state's tensors)."""
 
     name = "fast"
-    max_sequences = 1
 
     def __init__(self, sm, positions: int):
         self.sm, self.positions = sm, positions
-        self.held: dict[Hashable, int] = {}
-        self.decoder = None
+        self.max_sequences = 1 if sm.gpu is not None else 16
+        self.states: dict[Hashable, object] = {}
+        weakref.finalize(self, sm.return_states, self.states.values())
 
     @torch.inference_mode()
     def forward(self, steps: Sequence[SequenceStep]) -> list[torch.Tensor]:
-        restarted = {s.sequence for s in steps if s.start == 0}  # a sequence begun again gives its cache up
-        held = {name: n for name, n in self.held.items() if name not in restarted}
-        self.check(steps, held)
+        restarted = {s.sequence for s in steps if s.start == 0}  # a sequence begun again starts afresh
+        self.check(steps, {name: st.length for name, st in self.states.items() if name not in restarted})
+        decoder, out = self.sm.running_decoder(self.positions), []
         for s in steps:
-            if s.start and not self.continues(s):
-                raise SmoeError(f"sequence {s.sequence!r}: the vault's fast decoder has run another sequence since; "
-                                "begin this one again from position 0")
-        self.held, out = held, []
-        for s in steps:
-            if s.start == 0:
-                self.decoder = self.sm.fast_decoder(max(self.positions, len(s.tokens)))  # reset for a new sequence
-                self.decoder.smoe_owner = (self, s.sequence)
-            out.append(self.decoder.forward(s.tokens).float().cpu())
-            self.held[s.sequence] = s.start + len(s.tokens)
+            state = self.states.get(s.sequence)
+            if state is None:
+                state = self.states[s.sequence] = self.sm.take_state(max(self.positions, len(s.tokens)))
+            elif s.start == 0:
+                state.length = 0
+            decoder.use(state)
+            self.sm.reserve(decoder, s.start + len(s.tokens))
+            out.append(decoder.forward(s.tokens).float().cpu())
         return out
 
-    def continues(self, s: SequenceStep) -> bool:
-        d = self.decoder
-        return d is not None and getattr(d, "smoe_owner", None) == (self, s.sequence) and d.pos == s.start
-
     def release(self, sequence: Hashable) -> None:
-        self.held.pop(sequence, None)
+        state = self.states.pop(sequence, None)
+        if state is not None:
+            self.sm.return_states([state])
 
 
 def open_decoder(sm, decoder: str, positions: int) -> Decoder:

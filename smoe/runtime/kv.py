@@ -91,9 +91,15 @@ class SequenceState:
 
 
 class HoldsSequence:
-    """What a decoder holding one sequence's state at a time says of it: where it is, how far it may go."""
+    """A decoder that runs one sequence state at a time: one a caller passes in (`use`), or its own (for
+    callers that hold none). Where it is and how far it may go are that state's."""
 
-    state: SequenceState
+    state: SequenceState  # the state it runs now
+    own: SequenceState
+
+    def use(self, state: SequenceState | None) -> None:
+        """Run `state` from now on (None: the decoder's own)."""
+        self.state = state if state is not None else self.own
 
     @property
     def pos(self) -> int:

@@ -26,6 +26,7 @@ from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.description import describe_model
 
 DECODERS = ("auto", "fast", "generic")
+FREE_STATES = 4  # sequence states an opened vault keeps for reuse
 
 
 @dataclass
@@ -88,6 +89,7 @@ class OpenedVault:
         self.device = resolve_device(device)
         self.vault = Vault(vault_dir)
         self.store = self.gpu = None
+        self.free_states = []  # returned sequence states, reused by the next sequences
         try:
             self._open(dtype, cache_bytes, threads, direct_io, kernel_path, device, gpu_cache_bytes, decoder, model)
         except BaseException:  # a failed open holds no file, thread or GPU memory: callers may retry
@@ -137,20 +139,47 @@ class OpenedVault:
                             f"token's {top_k} experts of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
 
     def fast_decoder(self, positions: int):
-        """The device's fast decoder when this family has one (else None), reset, with a KV cache of at least
-        `positions`. The CPU's is made once; its sequence state grows in place (doubling) when a longer
-        sequence comes, keeping the trunk bundle and the expert store."""
+        """The device's fast decoder when this family has one (else None) on its own sequence state, reset,
+        with room for `positions` tokens. It is made once; a state grows in place (doubling) when a longer
+        sequence comes, keeping the trunk bundle and the expert cache."""
+        dec = self.running_decoder(positions)
+        if dec is not None:
+            dec.use(None)
+            dec.reset()
+            self.reserve(dec, positions)
+        return dec
+
+    def running_decoder(self, positions: int = 1):
+        """The device's fast decoder as it is (else None), made on first use."""
         from smoe.runtime.cpu import compiled as fast_decode
 
         if self.gpu is not None:
-            return self.gpu.decoder(positions)
+            return self.gpu.decoder()
         if self.decoder != "fast":
             return None
         if getattr(self, "_fast", None) is None:
             self._fast = fast_decode.FastCpuDecoder(self, grown_capacity(0, positions, self.max_positions))
-        self._fast.reset()
-        self._fast.reserve(positions)
         return self._fast
+
+    @staticmethod
+    def reserve(dec, positions: int) -> None:
+        try:
+            dec.reserve(positions)
+        except torch.OutOfMemoryError:
+            raise SmoeError(f"out of GPU memory growing the KV cache to {positions} positions") from None
+
+    def take_state(self, positions: int):
+        """A sequence state for a decoder-contract sequence, empty, with room for `positions` tokens: a
+        returned one when there is one (on the GPU the same tensors keep its captured graphs), else new."""
+        dec = self.running_decoder(positions)
+        state = self.free_states.pop() if self.free_states else dec.new_state(positions)
+        state.length = 0
+        return state
+
+    def return_states(self, states) -> None:
+        """States a sequence no longer needs, kept for the next (at most a few: each holds its KV memory)."""
+        self.free_states.extend(states)
+        del self.free_states[FREE_STATES:]
 
     @property
     def max_positions(self) -> int | None:
@@ -200,13 +229,7 @@ class GpuRuntime:
         self._decoder = GpuDecoder(sm, sm.device, self.gpu_cache_bytes, grown_capacity(0, 1, sm.max_positions),
                                    host_cache_bytes, threads=threads, direct_io=direct_io)
 
-    def decoder(self, positions: int):
-        """The decoder, reset, with room for `positions` tokens."""
-        self._decoder.reset()
-        try:
-            self._decoder.reserve(positions)
-        except torch.OutOfMemoryError:
-            raise SmoeError(f"out of GPU memory growing the KV cache to {positions} positions") from None
+    def decoder(self):
         return self._decoder
 
     def decoder_stats(self) -> dict:

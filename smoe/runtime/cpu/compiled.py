@@ -32,7 +32,7 @@ from smoe.moe.routing import route
 from smoe.runtime.buckets import bucket
 from smoe.runtime.cpu import kernels as kernels_cpu
 from smoe.runtime.cpu import kernels_numba as kn
-from smoe.runtime.kv import HoldsSequence, sequence_state
+from smoe.runtime.kv import HoldsSequence, SequenceState, grown_capacity, sequence_state
 from smoe.runtime.layers import (
     ACT,
     LayerWeights,
@@ -76,11 +76,15 @@ class FastCpuDecoder(HoldsSequence):
         self.rotary = trunk["rotary"]
         self.rope_dim = rotary_dim(d)
         self.interleaved = "interleaved_rotary" in d.extras
-        self.state = sequence_state(d, max_positions, ACT, limit=sm.max_positions)
+        self.state = self.own = sequence_state(d, max_positions, ACT, limit=sm.max_positions)
         self.cos, self.sin = rope_tables(self.rotary, max_positions, self.rope_dim)
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
         self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
+
+    def new_state(self, positions: int) -> SequenceState:
+        """An empty state for another sequence, with room for `positions` tokens."""
+        return sequence_state(self.description, grown_capacity(0, positions, self.own.limit), ACT, limit=self.own.limit)
 
     def reserve(self, positions: int) -> None:
         """Room for `positions` tokens: the state grows in place, the rotary tables with it."""

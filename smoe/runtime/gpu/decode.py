@@ -36,7 +36,7 @@ from smoe.moe.dispatch import expert_groups
 from smoe.moe.routing import route
 from smoe.runtime.gpu import kernels as kernels_triton
 from smoe.runtime.gpu.cache import GpuExpertCache
-from smoe.runtime.kv import HoldsSequence, Latents, sequence_state
+from smoe.runtime.kv import HoldsSequence, Latents, SequenceState, grown_capacity, sequence_state
 from smoe.runtime.layers import (
     MlaWeights,
     dense_mlp,
@@ -121,7 +121,8 @@ class GpuDecoder(HoldsSequence):
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
         self.rotary = trunk["rotary"]
-        self.state = sequence_state(self.description, max_positions, self.dtype, self.device, limit=sm.max_positions)
+        self.state = self.own = sequence_state(self.description, max_positions, self.dtype, self.device,
+                                               limit=sm.max_positions)
         self.rope_for_capacity()
 
     def rope_for_capacity(self) -> None:
@@ -129,6 +130,21 @@ class GpuDecoder(HoldsSequence):
         cos, sin = rope_tables(self.rotary, self.state.capacity, rotary_dim(self.description))
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.positions = torch.arange(self.state.capacity, device=self.device)
+
+    def new_state(self, positions: int) -> SequenceState:
+        """An empty state for another sequence, with room for `positions` tokens."""
+        return sequence_state(self.description, grown_capacity(0, positions, self.own.limit), self.dtype, self.device,
+                              limit=self.own.limit)
+
+    def use(self, state: SequenceState | None) -> None:
+        """Run `state` from now on: graphs captured over another state's tensors are dropped (a state reused
+        for the next sequence keeps them)."""
+        before = self.state
+        super().use(state)
+        if self.state is not before:
+            self.segments = self.whole_token = None
+        if self.positions.shape[0] != self.state.capacity:  # the attention masks span the state's positions
+            self.rope_for_capacity()
 
     def reserve(self, positions: int) -> None:
         """Room for `positions` tokens: the sequence state grows in place (the trunk and the expert cache stay);
