@@ -117,7 +117,6 @@ class FastDecoder(Decoder):
             elif s.start == 0:
                 state.length = 0
             decoder.use(state)
-            self.sm.reserve(decoder, s.start + len(s.tokens))
             out.append(decoder.forward(s.tokens).float().cpu())
         return out
 

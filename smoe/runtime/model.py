@@ -146,7 +146,7 @@ class OpenedVault:
         if dec is not None:
             dec.use(None)
             dec.reset()
-            self.reserve(dec, positions)
+            dec.reserve(positions)
         return dec
 
     def running_decoder(self, positions: int = 1):
@@ -160,13 +160,6 @@ class OpenedVault:
         if getattr(self, "_fast", None) is None:
             self._fast = fast_decode.FastCpuDecoder(self, grown_capacity(0, positions, self.max_positions))
         return self._fast
-
-    @staticmethod
-    def reserve(dec, positions: int) -> None:
-        try:
-            dec.reserve(positions)
-        except torch.OutOfMemoryError:
-            raise SmoeError(f"out of GPU memory growing the KV cache to {positions} positions") from None
 
     def take_state(self, positions: int):
         """A sequence state for a decoder-contract sequence, empty, with room for `positions` tokens: a
@@ -224,7 +217,6 @@ class GpuRuntime:
         from smoe.runtime.gpu.decode import GpuDecoder
 
         self.gpu_cache_bytes = gpu_cache_bytes if gpu_cache_bytes is not None else default_gpu_cache_bytes(sm)
-        self._decoder = None
         # made now, so a budget too small or out of memory fails the open
         self._decoder = GpuDecoder(sm, sm.device, self.gpu_cache_bytes, grown_capacity(0, 1, sm.max_positions),
                                    host_cache_bytes, threads=threads, direct_io=direct_io)

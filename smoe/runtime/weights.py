@@ -28,7 +28,8 @@ def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
     does. Both run the layer library's kinds (smoe.runtime.layers, library_gap); the GPU's own GQA block
     rotates the two halves only."""
     interleaved_gqa = d.attention.kind == "gqa" and "interleaved_rotary" in d.extras
-    return _gaps((library_gap(d) is not None, library_gap(d) or ""),
+    gap = library_gap(d)
+    return _gaps((gap is not None, gap or ""),
                  (device != "cpu" and interleaved_gqa, "interleaved rotary in GQA attention"))
 
 

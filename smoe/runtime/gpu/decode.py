@@ -133,8 +133,11 @@ class GpuDecoder(HoldsSequence):
 
     def new_state(self, positions: int) -> SequenceState:
         """An empty state for another sequence, with room for `positions` tokens."""
-        return sequence_state(self.description, grown_capacity(0, positions, self.own.limit), self.dtype, self.device,
-                              limit=self.own.limit)
+        try:
+            return sequence_state(self.description, grown_capacity(0, positions, self.own.limit), self.dtype,
+                                  self.device, limit=self.own.limit)
+        except torch.OutOfMemoryError:
+            raise SmoeError(f"out of GPU memory for the KV cache of another sequence ({positions} positions)") from None
 
     def use(self, state: SequenceState | None) -> None:
         """Run `state` from now on: graphs captured over another state's tensors are dropped (a state reused
@@ -151,7 +154,10 @@ class GpuDecoder(HoldsSequence):
         the captured graphs read the old tensors, so they are dropped and captured again on the next step."""
         if positions <= self.state.capacity:
             return
-        self.state.reserve(positions)
+        try:
+            self.state.reserve(positions)
+        except torch.OutOfMemoryError:
+            raise SmoeError(f"out of GPU memory growing the KV cache to {positions} positions") from None
         self.rope_for_capacity()
         self.segments = self.whole_token = None
 
