@@ -1,5 +1,5 @@
-"""Tiny models the GGUF and MLX exports can hold: every layer MoE, rows that Q4_1 / MLX groups fit,
-and a byte-level BPE tokenizer (what llama.cpp's "gpt2" tokenizer reads)."""
+"""Tiny models the GGUF and MLX exports can hold: every layer MoE (DeepSeek: after its dense first layer), rows
+that Q4_1 / MLX groups fit, and a byte-level BPE tokenizer (what llama.cpp's "gpt2" tokenizer reads)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from smoe.convert.sculpt import sculpt
 from smoe.testing.tiny_models import TOKENIZER_TEXT, tiny_config
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b"}
+SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b",
+                 "deepseek_v3": SHARED / "models" / "deepseek-v3-30m"}
+# DeepSeek's routing at its fullest: sigmoid with correction bias, 4 groups of which 2 are used, q_lora (V3);
+# softmax without groups and YaRN, as V2-Lite (V2)
+DEEPSEEK = {"deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=32),
+            "deepseek_v2": dict(n_routed_experts=8, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})}
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
 
@@ -24,6 +31,10 @@ def exportable_config(family: str, expert_width: int = 32):
         config.moe_intermediate_size = expert_width
         config.decoder_sparse_step = 1
         config.norm_topk_prob = True
+    elif family in DEEPSEEK:
+        config.moe_intermediate_size = expert_width
+        for key, value in DEEPSEEK[family].items():
+            setattr(config, key, value)
     else:
         config.intermediate_size = expert_width
     config.bos_token_id = config.eos_token_id = 0

@@ -260,6 +260,98 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
         assert np.array_equal(f.get_tensor(f"{module}.weight"), want)
 
 
+# --- GGUF: DeepSeek's MLA as llama.cpp's deepseek2 ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek_vault(tmp_path_factory):
+    """A tiny DeepSeek-V3 of the exportable shapes: dense first layer, 4 groups of 2 experts, q_lora."""
+    return exportable_vault(tmp_path_factory.mktemp("deepseek"), "deepseek_v3", 4)
+
+
+def test_gguf_deepseek_writes_mla_as_one_latent_head_with_the_routing_smoe_computes(deepseek_vault, tmp_path):
+    out = export(deepseek_vault, "gguf", tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(out)
+    c = json.loads((deepseek_vault / "config.json").read_text())
+    get = lambda key: field(reader, f"deepseek2.{key}")
+    assert field(reader, "general.architecture") == "deepseek2"
+    assert get("attention.head_count_kv") == 1
+    assert get("attention.key_length") == c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    assert get("attention.value_length") == c["kv_lora_rank"]
+    assert get("attention.key_length_mla") == c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    assert get("attention.value_length_mla") == c["v_head_dim"]
+    assert get("attention.q_lora_rank") == c["q_lora_rank"] and get("rope.dimension_count") == c["qk_rope_head_dim"]
+    assert get("leading_dense_block_count") == c["first_k_dense_replace"] == 1
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID  # the config has no scoring_func
+    assert (get("expert_group_count"), get("expert_group_used_count")) == (c["n_group"], c["topk_group"]) == (4, 2)
+    assert get("expert_weights_scale") == pytest.approx(c["routed_scaling_factor"]) and get("expert_weights_norm")
+    assert get("expert_shared_count") == c["n_shared_experts"]
+    assert (get("feed_forward_length"), get("expert_feed_forward_length")) == (c["intermediate_size"], 32)
+    tensors = gguf_tensors(out)
+    assert {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"} <= set(tensors)
+    assert not any(n.startswith("blk.0.") and ("exps" in n or "shexp" in n) for n in tensors)
+    assert {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_shexp.weight", "blk.1.exp_probs_b.bias"} <= set(tensors)
+    assert not any("attn_kv_b" in n for n in tensors)
+
+
+def test_gguf_deepseek_kv_b_is_split_into_key_and_value_rows_as_llama_cpp_reads_them(deepseek_vault, tmp_path):
+    tensors = gguf_tensors(export(deepseek_vault, "gguf", tmp_path / "m.gguf"))
+    trunk = load_file(deepseek_vault / TRUNK_FILE)
+    c = json.loads((deepseek_vault / "config.json").read_text())
+    heads, nope, v, latent = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    value = lambda name: torch.from_numpy(tensors[name].data.copy())
+    for layer in range(c["num_hidden_layers"]):
+        kv_b = trunk[f"model.layers.{layer}.self_attn.kv_b_proj.weight"].view(heads, nope + v, latent)
+        # GGUF lists dimensions innermost first: k_b [nope, latent, heads], v_b [latent, v, heads]
+        assert list(tensors[f"blk.{layer}.attn_k_b.weight"].shape) == [nope, latent, heads]
+        assert torch.equal(value(f"blk.{layer}.attn_k_b.weight"), kv_b[:, :nope].transpose(1, 2))
+        assert torch.equal(value(f"blk.{layer}.attn_v_b.weight"), kv_b[:, nope:])
+    bias = trunk["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(value("blk.1.exp_probs_b.bias"), bias.float())
+
+
+DEEPSEEK_REFUSALS = [
+    ("deepseek_v2", dict(n_group=4, topk_group=2, topk_method="group_limited_greedy"), "best expert"),
+    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave"),
+    ("deepseek_v3", dict(num_hidden_layers=27, q_lora_rank=32), "V2-Lite"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                          "mscale": 1.0, "mscale_all_dim": 0.707}), "mscale"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "'linear'"),
+]
+
+
+@pytest.mark.parametrize("family,changes,named", DEEPSEEK_REFUSALS)
+def test_gguf_deepseek_refuses_what_llama_cpp_computes_differently(family, changes, named):
+    from smoe.errors import SmoeError
+    from smoe.export import gguf_mla
+    from smoe.source.description import describe_model
+    from smoe.testing.tiny_models import tiny_config
+
+    config = tiny_config(family).to_dict() | {"n_routed_experts": 8, "moe_intermediate_size": 32} | changes
+    layers = config["num_hidden_layers"]
+    with pytest.raises(SmoeError, match=named):
+        gguf_mla.check(family, config, describe_model(config), list(range(1, layers)), {}, 32)
+
+
+def test_gguf_deepseek_v2_with_group_limited_routing_is_refused_at_export_by_name(tmp_path):
+    model = tiny_model_dir(tmp_path, "deepseek_v2", architecture=dict(n_routed_experts=8, n_group=4, topk_group=2,
+                                                                      topk_method="group_limited_greedy"))
+    vault_of(model, tmp_path / "vault")
+    r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "group_limited_greedy" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob("m.gguf.partial-*"))
+
+
+def test_a_deepseek2_gguf_is_written_but_not_read_back(deepseek_vault, tmp_path):
+    """smoe writes llama.cpp's deepseek2 but does not read it as a checkpoint: refused by name, not misread."""
+    from smoe.errors import SmoeError
+    from smoe.source.gguf import GgufCheckpoint
+
+    out = export(deepseek_vault, "gguf", tmp_path / "m.gguf")
+    with pytest.raises(SmoeError, match="'deepseek2' is not one smoe reads"):
+        GgufCheckpoint(out)
+
+
 # --- errors and atomic output --------------------------------------------------------------------
 
 

@@ -335,6 +335,25 @@ def test_deepseek_shaped_benchmark_vault_loads_every_trunk_tensor_and_decodes_on
     assert gpu_bytes_per_token(dec, 6) - gpu_bytes_per_token(dec, 5) == latents
 
 
+def test_benchmark_gguf_is_the_vault_without_a_vocabulary_and_n_cpu_moe_leaves_the_budget_on_the_gpu(tmp_path):
+    """What `smoe bench decode --llama-bench` gives llama-bench: the same vault as GGUF, token ids only, and
+    the --n-cpu-moe that keeps about the budget's share of the MoE layers' experts on the GPU."""
+    import gguf
+
+    from smoe.bench.decode import DEEPSEEK_V2_LITE, cpu_moe_layers, gguf_of, write_model_vault
+
+    vault = write_model_vault(tmp_path / "v", dict(DEEPSEEK_V2_LITE) | SMALL_V2_LITE_LIKE, progress=False)
+    path = gguf_of(vault)
+    fields = gguf.GGUFReader(path).fields
+    assert fields["tokenizer.ggml.model"].contents() == "none" and "tokenizer.ggml.tokens" not in fields
+    assert fields["deepseek2.vocab_size"].contents() == 256
+    assert fields["deepseek2.leading_dense_block_count"].contents() == 1
+    mtime = path.stat().st_mtime_ns
+    assert gguf_of(vault) == path and path.stat().st_mtime_ns == mtime  # written once, kept for reruns
+    # layer 0 is dense: with 4 MoE layers, 75% on the GPU puts layers 0-1 on the CPU
+    assert [cpu_moe_layers([1, 2, 3, 4], f) for f in (1, 0.75, 0.5, 0.25, 0.1)] == [0, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_the_gpu_decoder_runs_sequence_states_of_different_capacities_in_turn(family, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, 4, seed=2)

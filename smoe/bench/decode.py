@@ -17,7 +17,9 @@ resident in bf16 on the same GPU.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 import zlib
@@ -259,8 +261,43 @@ def transformers_run(cfg: dict, tokens: int) -> dict:
         torch.cuda.empty_cache()
 
 
+# --- llama.cpp on the same model -----------------------------------------------------------------
+
+
+def gguf_of(vault_dir: Path) -> Path:
+    """The vault as llama.cpp's GGUF (the experts' codes as Q4_1, the same trunk), written once beside it.
+    No vocabulary: llama-bench runs token ids."""
+    from smoe.export.writer import export
+
+    path = vault_dir.parent / f"{vault_dir.name}.gguf"
+    if not path.exists():
+        export(vault_dir, "gguf", path, tokenizer=False, progress=True)
+    return path
+
+
+def cpu_moe_layers(moe_layers: list[int], fraction: float) -> int:
+    """llama.cpp's --n-cpu-moe N keeps the experts of layers 0..N-1 in host RAM, computed by the CPU:
+    the N that leaves about `fraction` of the MoE layers' experts on the GPU."""
+    on_cpu = round((1 - fraction) * len(moe_layers))
+    return moe_layers[on_cpu - 1] + 1 if on_cpu else 0
+
+
+def llama_bench_run(binary: str, gguf: Path, tokens: int, n_cpu_moe: int) -> dict:
+    """llama-bench's token generation (no prompt), every layer on the GPU (-ngl 99), 3 repetitions."""
+    cmd = [binary, "-m", str(gguf), "-ngl", "99", "-p", "0", "-n", str(tokens), "-r", "3", "-o", "json",
+           "--n-cpu-moe", str(n_cpu_moe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SmoeError(f"llama-bench failed ({' '.join(cmd)}): {proc.stderr.strip()[-400:]}")
+    run = json.loads(proc.stdout)[0]
+    return {"tok_s": run["avg_ts"], "stdev_tok_s": run["stddev_ts"], "n_cpu_moe": n_cpu_moe,
+            "n_threads": run.get("n_threads"), "flash_attn": run.get("flash_attn"), "build": run.get("build_commit"),
+            "gpu": run.get("gpu_info")}
+
+
 def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, threads: int = 16,
-                 baseline: bool = True, layers: int | None = None, model: str = "qwen3-30b-a3b") -> dict:
+                 baseline: bool = True, layers: int | None = None, model: str = "qwen3-30b-a3b",
+                 sources: tuple[str, ...] = ("host", "disk"), llama_bench: str | None = None) -> dict:
     from smoe.runtime.model import OpenedVault
     from smoe.source.description import describe_model
 
@@ -276,7 +313,7 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
     rows = []
     try:
         for fraction in budgets:
-            for source in (("host", "disk") if fraction < 1 else ("host",)):
+            for source in (sources if fraction < 1 else ("host",)):
                 r = decode_run(sm, fraction, source, routing, warmup, tokens, threads)
                 src_gbps = limits["pinned_copy_gbps"] if source == "host" else limits["disk_gbps"]
                 moved = r["copied_bytes_per_token"] if source == "host" else r["disk_bytes_per_token"]
@@ -292,6 +329,10 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
               "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "rows": rows}
     if baseline:
         result["transformers_bf16"] = transformers_run(cfg, min(tokens, 32))
+    if llama_bench:
+        gguf = gguf_of(vault_dir)
+        result["llama_cpp"] = [llama_bench_run(llama_bench, gguf, tokens, cpu_moe_layers(list(d.moe_layers), f))
+                               | {"budget_fraction": f} for f in budgets]
     return result
 
 
@@ -308,6 +349,11 @@ def format_result(result: dict) -> str:
              f"pinned copy {lim['pinned_copy_gbps']:.1f} GB/s, HBM {lim['hbm_gbps']:.0f} GB/s (read+write), "
              f"disk {lim['disk_gbps']:.2f} GB/s"]
     lines += [format_row(r) for r in result["rows"]]
+    for run in result.get("llama_cpp", []):
+        ours = [r["tok_s"] for r in result["rows"] if r["budget_fraction"] == run["budget_fraction"] and r["source"] == "host"]
+        lines.append(f"  llama.cpp CUDA, --n-cpu-moe {run['n_cpu_moe']:2d} (budget {100 * run['budget_fraction']:5.1f}%): "
+                     f"{run['tok_s']:7.1f} ± {run['stdev_tok_s']:.1f} tok/s"
+                     + (f"  (smoe host / llama.cpp = {ours[0] / run['tok_s']:.2f})" if ours else ""))
     if "transformers_bf16" in result:
         base = result["transformers_bf16"]["tok_s"]
         best = max(r["tok_s"] for r in result["rows"])

@@ -517,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--layers", type=numeric.COUNT.parse, default=None, help="fewer layers than the real 48 (quick checks)")
     bd.add_argument("--threads", type=numeric.THREADS.parse, default=16, help="parallel expert reads")
     bd.add_argument("--no-baseline", action="store_true", help="skip transformers bf16 resident on the GPU")
+    bd.add_argument("--sources", default="host,disk", help="where a partial budget's misses come from: host, disk or "
+                    "host,disk (default)")
+    bd.add_argument("--llama-bench", metavar="PATH", default=None, help="llama.cpp's llama-bench (a CUDA build): also run "
+                    "the model exported to GGUF, resident and with --n-cpu-moe for each partial budget")
     bd.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=cmd_bench)
 

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from smoe.errors import SmoeError
+from smoe.export import gguf_mla
 from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
 from smoe.format import codec
 from smoe.format.dtypes import FLOAT_NAMES
 from smoe.format.jsonfile import read_json
+from smoe.source.description import describe_model
 from smoe.source.gguf import ARCHITECTURES, EXPERT_TENSORS, Architecture, permute_rope, tensor_name_map
 
 TRUNK_TYPES = ("bf16", "f16", "f32", "q8_0")
@@ -36,10 +38,12 @@ SPLIT_PATTERNS = {
 
 
 def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, progress: bool = False,
-               decoded_experts: bool = False) -> None:
+               decoded_experts: bool = False, tokenizer: bool = True) -> None:
     """`trunk_type` (bf16, f16, f32, q8_0) converts the trunk's matrices; by default they keep the
     vault's dtype, which is exact. `decoded_experts` writes the experts' SMOE-decoded weights in F32
-    instead of Q4_1 (4x larger; for checking llama.cpp's graph against smoe without Q4_1 arithmetic)."""
+    instead of Q4_1 (4x larger; for checking llama.cpp's graph against smoe without Q4_1 arithmetic).
+    `tokenizer=False` writes no vocabulary (tokenizer model "none"): llama.cpp then runs token ids only,
+    which is what a benchmark of random weights needs."""
     arch = architecture(source)
     config = source.vault.config
     check_config(source, config)
@@ -48,7 +52,10 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)])
     writer.add_name(source.dir.name)
     write_hyperparameters(writer, source, config, arch)
-    write_tokenizer(writer, source.dir, config["vocab_size"])
+    if tokenizer:
+        write_tokenizer(writer, source.dir, config["vocab_size"])
+    else:
+        writer.add_tokenizer_model("none")
     plan = trunk_plan(source, config, arch, trunk_type) + experts_plan(source, decoded_experts)
     for p in plan:
         writer.add_tensor_info(p.name, p.shape, np.uint8, p.nbytes, raw_dtype=p.dtype)
@@ -73,6 +80,12 @@ def check_config(source: ExportSource, config: dict) -> None:
     """What llama.cpp's graph for the architecture assumes and a config could contradict."""
     name = source.model_type
     layers = config["num_hidden_layers"]
+    if architecture(source).arch == gguf_mla.ARCH:
+        shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
+        gguf_mla.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
+                       source.expert_shape(source.roles[0])[0])
+        require(not config.get("attention_bias"), f"{name}: attention biases are not exported to GGUF")
+        return
     require(source.meta["moe_layers"] == list(range(layers)),
             f"{name}: llama.cpp needs every layer to be MoE; this model's MoE layers are {source.meta['moe_layers']}")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -100,10 +113,14 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
-    writer.add_key_length(head_dim(config))
-    writer.add_value_length(head_dim(config))
-    writer.add_rope_dimension_count(head_dim(config))
+    if arch.arch == gguf_mla.ARCH:
+        gguf_mla.write_attention(writer, config)
+        gguf_mla.write_moe(writer, describe_model(config), source.meta["moe_layers"], config["num_hidden_layers"])
+    else:
+        writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+        writer.add_key_length(head_dim(config))
+        writer.add_value_length(head_dim(config))
+        writer.add_rope_dimension_count(head_dim(config))
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
@@ -212,25 +229,32 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
     for key in source.trunk_names():
         if key.endswith("rotary_emb.inv_freq"):
             continue  # recomputed by every runtime
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")
-        shape = source.trunk_shape(key)
-        is_router = any(name == router.format(bid=b) + ".weight" for b in range(config["num_hidden_layers"]))
-        if len(shape) <= 1 or name.endswith("_norm.weight") or is_router:
-            qtype = ggml_type("f32")  # llama.cpp reads norms, biases and routers as F32
-        elif trunk_type == "q8_0" and shape[-1] % 32:
-            qtype = ggml_type("f16")  # as llama.cpp's converter does for rows Q8_0 cannot hold
-        else:
-            qtype = ggml_type(trunk_type or FLOAT_NAMES.get(source.trunk_dtype(key), "f32"))
-        plan.append(planned(name, shape, qtype, lambda key=key, qtype=qtype: trunk_bytes(source, key, config, arch, qtype)))
+        for name, shape, transform in trunk_pieces(key, source.trunk_shape(key), names, config, arch):
+            is_router = any(name == router.format(bid=b) + ".weight" for b in range(config["num_hidden_layers"]))
+            if len(shape) <= 1 or name.endswith("_norm.weight") or is_router:
+                qtype = ggml_type("f32")  # llama.cpp reads norms, biases and routers as F32
+            elif trunk_type == "q8_0" and shape[-1] % 32:
+                qtype = ggml_type("f16")  # as llama.cpp's converter does for rows Q8_0 cannot hold
+            else:
+                qtype = ggml_type(trunk_type or FLOAT_NAMES.get(source.trunk_dtype(key), "f32"))
+            load = lambda key=key, qtype=qtype, transform=transform: tensor_bytes(transform(source.trunk_tensor(key)), qtype)
+            plan.append(planned(name, shape, qtype, load))
     return plan
 
 
-def trunk_bytes(source: ExportSource, key: str, config: dict, arch: Architecture, qtype) -> np.ndarray:
-    t = source.trunk_tensor(key)
+def trunk_pieces(key: str, shape: tuple[int, ...], names, config: dict, arch: Architecture) -> list[gguf_mla.Piece]:
+    """The GGUF tensors (name, shape, how to make it from the trunk tensor) one trunk tensor becomes."""
+    if arch.arch == gguf_mla.ARCH and (split := gguf_mla.pieces(key, shape, config)) is not None:
+        return split
+    name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")
     if arch.permute_qk and key.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config["num_attention_heads"] if key.endswith("q_proj.weight") else config["num_key_value_heads"]
-        t = permute_rope(t, heads)
+        return [(name, shape, lambda t: permute_rope(t, heads))]
+    return [(name, shape, lambda t: t)]
+
+
+def tensor_bytes(t: torch.Tensor, qtype) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.BF16:
         return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8).reshape(*t.shape[:-1], -1)
     data = gguf.quants.quantize(t.float().numpy(), qtype)

@@ -45,12 +45,18 @@ class Architecture:
     expert_width_key: bool  # expert width in `expert_feed_forward_length` (else `feed_forward_length`)
     experts_key: str  # the config key of the expert count, as the family's released configs spell it
     implied: tuple[tuple[str, object], ...] = ()  # config values llama.cpp's graph for the architecture assumes
+    readable: bool = True  # smoe reads this architecture's GGUFs back (else it only writes them)
 
 
 ARCHITECTURES = {
     "qwen3_moe": Architecture("QWEN3MOE", permute_qk=False, expert_width_key=True, experts_key="num_experts",
                               implied=(("norm_topk_prob", True),)),
     "mixtral": Architecture("LLAMA", permute_qk=True, expert_width_key=False, experts_key="num_local_experts"),
+    # DeepSeek's MLA as llama.cpp's deepseek2 (kv_b split in two, see smoe.export.gguf_mla): written, not read back
+    "deepseek_v3": Architecture("DEEPSEEK2", permute_qk=False, expert_width_key=True, experts_key="n_routed_experts",
+                                readable=False),
+    "deepseek_v2": Architecture("DEEPSEEK2", permute_qk=False, expert_width_key=True, experts_key="n_routed_experts",
+                                readable=False),
 }
 EXPERT_TENSORS = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
                   "down": gguf.MODEL_TENSOR.FFN_DOWN_EXP}
@@ -374,10 +380,11 @@ def dequantise(raw: bytearray, kind, shape: tuple[int, ...], name: str, path: Pa
 
 def family_of(gguf_arch: str, path: Path) -> tuple[str, Architecture]:
     """The family the export writes as this llama.cpp architecture (each architecture holds one family)."""
-    for family, arch in ARCHITECTURES.items():
+    readable = {family: arch for family, arch in ARCHITECTURES.items() if arch.readable}
+    for family, arch in readable.items():
         if gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)] == gguf_arch:
             return family, arch
-    known = ", ".join(f"{gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, a.arch)]} ({f})" for f, a in ARCHITECTURES.items())
+    known = ", ".join(f"{gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, a.arch)]} ({f})" for f, a in readable.items())
     raise SmoeError(f"{path}: GGUF architecture {gguf_arch!r} is not one smoe reads (it reads {known})")
 
 

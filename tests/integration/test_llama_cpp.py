@@ -1,6 +1,7 @@
 """GGUF exports loaded by llama.cpp itself (llama-cpp-python, built from source): tokenizer, logits and
 greedy tokens against smoe's streaming runtime on the same vault."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from export_models import (  # noqa: E402
 from llama_cpp import Llama  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from smoe.export.gguf import write_gguf  # noqa: E402
+from smoe.export.source import ExportSource  # noqa: E402
 from smoe.export.writer import export  # noqa: E402
 
 # llama.cpp multiplies Q4_1 weights with activations it rounds to 8 bits (Q8_1) per 32 values, and a
@@ -35,7 +38,7 @@ def load(path: Path) -> Llama:
 
 
 @pytest.mark.parametrize("bits", [4, 2])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_llama_cpp_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
     vault = integration_vault(tmp_path_factory, family, bits)
     llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
@@ -76,19 +79,28 @@ def test_llama_cpp_greedy_tokens_are_smoe_argmax(tmp_path_factory, tmp_path):
     assert share >= TOP1
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+# The shared DeepSeek model's sigmoid router has a near-tie at one of the 128 positions, which summation
+# order flips (Δlogit 0.43 there, ≤ 0.014 at every other position): its mean KL is 3e-5.
+DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "tiny-deepseek_v3", "tiny-deepseek_v2"])
 def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_factory, tmp_path, family):
     """With F32 trunk and F32 decoded experts llama.cpp computes what smoe computes (up to summation
     order, which can still flip a near-tie of the router at a rare position): the metadata, tensor
-    names and q/k layout are right, and the gap above is Q4_1/BF16 arithmetic alone."""
-    vault = integration_vault(tmp_path_factory, family, 4)
+    names and q/k layout are right, and the gap above is Q4_1/BF16 arithmetic alone. The tiny DeepSeeks
+    add what the shared one lacks: group-limited sigmoid routing with q_lora (V3), YaRN and softmax (V2)."""
+    if family.startswith("tiny-"):
+        vault = exportable_vault(tmp_path, family.removeprefix("tiny-"), 4)
+    else:
+        vault = integration_vault(tmp_path_factory, family, 4)
     llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True))
     ids = prompt_ids(vault)
     llm.eval(ids)
     a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
     print("\n" + figures_line(f"llama.cpp {family} Q4, F32 trunk and decoded experts", a))
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
-    assert a["mean_kl"] < 1e-5 and a["top1"] == 1.0
+    assert a["mean_kl"] < DECODED_MEAN_KL.get(family, 1e-5) and a["top1"] == 1.0
 
 
 @pytest.mark.parametrize("name", [".", "model.safetensors", "experts.bin"])
@@ -97,3 +109,20 @@ def test_llama_cpp_refuses_a_vault_and_its_files(tmp_path_factory, name):
     vault = integration_vault(tmp_path_factory, "qwen3_moe", 4)
     with pytest.raises(ValueError, match="Failed to load model from file"):
         load(vault / name)
+
+
+def test_llama_cpp_runs_token_ids_of_a_gguf_written_without_a_vocabulary(tmp_path):
+    """What `smoe bench decode --llama-bench` writes for a random-weight model: tokenizer model "none" and the
+    vocabulary size; llama.cpp loads it and its logits follow smoe's like the full file's."""
+    vault = exportable_vault(tmp_path, "deepseek_v3", 4)
+    source = ExportSource(vault)
+    try:
+        write_gguf(source, tmp_path / "ids.gguf", trunk_type="f32", decoded_experts=True, tokenizer=False)
+    finally:
+        source.close()
+    llm = load(tmp_path / "ids.gguf")
+    ids = prompt_ids(vault)
+    llm.eval(ids)
+    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
+    assert llm.n_vocab() == json.loads((vault / "config.json").read_text())["vocab_size"]
+    assert a["mean_kl"] < 1e-5 and a["top1"] == 1.0

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# smoe's GPU decoder against llama.cpp CUDA on the same synthetic models, in one run: the DeepSeek-V2-Lite-
+# and Qwen3-30B-A3B-shaped vaults of `smoe bench decode` (experts from pinned host RAM for partial budgets)
+# and their GGUF exports under llama-bench (-ngl 99; --n-cpu-moe for partial budgets).
+# PART=prepare: start the llama.cpp build in the background (sources in LLAMA_SRC, default .dev/llama.cpp,
+# llama-cpp-python's vendored tree with the other backends removed) and write the vaults and GGUFs;
+# PART=bench: wait for the build, then both benchmarks. Each part starts from nothing if it must.
+# Usage (on a CUDA machine, repository root): PART=prepare bash scripts/h200_llama.sh; PART=bench bash scripts/h200_llama.sh
+set -uo pipefail
+source scripts/device_env.sh
+src=${LLAMA_SRC:-.dev/llama.cpp}
+build=/tmp/llama-build
+bench=$build/bin/llama-bench
+work=/tmp/bench
+qwen_layers=${QWEN_LAYERS:-8}
+
+start_build() {
+  [ -x "$bench" ] && return
+  pgrep -f "cmake --build $build" >/dev/null && return
+  setsid nohup bash -c "cmake -S $src -B $build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
+    && cmake --build $build --target llama-bench -j $(nproc)" > /tmp/llama-build.log 2>&1 < /dev/null &
+}
+
+prepare() {
+  python3 - "$work" "$qwen_layers" <<'PY'
+import sys, time
+from pathlib import Path
+from smoe.bench.decode import MODELS, gguf_of, write_model_vault
+work, qwen_layers = Path(sys.argv[1]), int(sys.argv[2])
+for model, layers in (("deepseek-v2-lite", None), ("qwen3-30b-a3b", qwen_layers)):
+    cfg = dict(MODELS[model]) | ({"num_hidden_layers": layers} if layers else {})
+    start = time.time()
+    vault = write_model_vault(work / f"{model}-shaped-q4-{cfg['num_hidden_layers']}L", cfg, progress=False)
+    gguf = gguf_of(vault)
+    print(f"{model}: vault and {gguf.stat().st_size / 1e9:.1f} GB GGUF in {time.time() - start:.0f} s", flush=True)
+PY
+}
+
+start_build
+if [ "${PART:-prepare}" = prepare ]; then
+  prepare
+  tail -2 /tmp/llama-build.log
+else
+  prepare
+  while [ ! -x "$bench" ] && pgrep -f "cmake --build $build" >/dev/null; do sleep 5; done
+  [ -x "$bench" ] || { tail -20 /tmp/llama-build.log; exit 1; }
+  for run in "deepseek-v2-lite 27" "qwen3-30b-a3b $qwen_layers"; do
+    set -- $run
+    timeout 280 python3 -m smoe.cli bench decode --model "$1" --layers "$2" --workdir "$work" --budgets 1,0.25,0.1 \
+      --sources host --tokens 64 --warmup 32 --no-baseline --llama-bench "$bench" --json > "$OUT/$1.json" \
+      && python3 -c "import json, sys; from smoe.bench.decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/$1.json"
+  done
+fi

@@ -1,0 +1,136 @@
+"""DeepSeek-V2/V3 (MLA) as llama.cpp's `deepseek2` architecture: what `smoe export --to gguf` adds for it.
+
+llama.cpp runs MLA absorbed, as smoe's fast decoders do: the cache holds the latent (kv_lora_rank) and
+the shared rotary key, so the file declares one K/V head of width kv_lora_rank + rope and the real
+head sizes under the `_mla` keys, and kv_b_proj is written as two tensors — k_b, each head's key rows
+transposed ([heads, kv_lora_rank, nope]), and v_b, its value rows ([heads, v_head_dim, kv_lora_rank]) —
+as llama.cpp's own converter writes them. Routing comes from smoe's description of the model (the
+same facts smoe.moe.route computes with), not from config keys the converter guesses at: a
+DeepSeek-V3 config without `scoring_func` still says sigmoid. Leading dense layers are written as
+dense FFNs, shared experts as `ffn_*_shexp`, the correction bias as `exp_probs_b`.
+
+What llama.cpp's graph cannot compute the same way is refused by name: a group score other than the
+top-2 sum (DeepSeek-V2's group-limited greedy ranks groups by their best expert), half-split rotary
+(rope_interleave = false), YaRN whose two mscales differ, dense layers after a MoE layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gguf
+import torch
+
+from smoe.export.source import require
+from smoe.source.description import ModelDescription
+
+ARCH = "DEEPSEEK2"
+# llama.cpp takes a deepseek2 of these depths for V2-Lite (and its kin), which has no q_lora, and does
+# not read q_lora_rank for them
+LITE_LAYERS = (26, 27)
+KV_B = "self_attn.kv_b_proj.weight"
+CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
+
+
+def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int], shapes: dict[str, tuple[int, ...]],
+          expert_width: int) -> None:
+    """What the deepseek2 graph assumes that this config (and the trunk's `shapes`) could contradict."""
+    layers = config["num_hidden_layers"]
+    first = moe_layers[0] if moe_layers else layers
+    require(moe_layers == list(range(first, layers)),
+            f"{name}: llama.cpp's deepseek2 takes dense layers only before the MoE ones; this model's MoE layers are "
+            f"{moe_layers}")
+    require(desc.attention.kind == "mla", f"{name}: llama.cpp's deepseek2 needs MLA attention")
+    require("interleaved_rotary" in desc.extras,
+            f"{name}: rope_interleave = false (half-split rotary) is not what llama.cpp's deepseek2 computes")
+    r = desc.routing
+    require(r.n_group <= 1 or r.topk_group >= r.n_group or r.group_score == "top2",
+            f"{name}: llama.cpp ranks expert groups by their top-2 sum; this model's router ranks them by their best "
+            f"expert (topk_method group_limited_greedy)")
+    require(r.scoring in ("softmax", "sigmoid"), f"{name}: router scoring {r.scoring!r} has no llama.cpp gating function")
+    for key, shape in shapes.items():  # llama.cpp sizes the shared experts as that many routed ones side by side
+        if ".mlp.shared_experts." in key:
+            width = shape[0] if key.endswith(("gate_proj.weight", "up_proj.weight")) else shape[-1]
+            require(width == expert_width * desc.shared_experts,
+                    f"{name}: shared experts {width} wide; llama.cpp's deepseek2 takes {desc.shared_experts} × the "
+                    f"routed experts' {expert_width}")
+    lite = layers in LITE_LAYERS
+    require(not (lite and config.get("q_lora_rank")),
+            f"{name}: llama.cpp reads a {layers}-layer deepseek2 as DeepSeek-V2-Lite, without q_lora; this model has "
+            f"q_lora_rank {config.get('q_lora_rank')}")
+    rope = rope_parameters(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    require(kind in ("default", "yarn"), f"{name}: RoPE scaling {kind!r} is not exported to GGUF")
+    if kind == "yarn":
+        require(rope.get("mscale", 1.0) == rope.get("mscale_all_dim", rope.get("mscale", 1.0)),
+                f"{name}: YaRN with mscale {rope.get('mscale')} != mscale_all_dim {rope.get('mscale_all_dim')} is not "
+                "what llama.cpp's deepseek2 computes")
+
+
+def rope_parameters(config: dict) -> dict:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def write_attention(writer: gguf.GGUFWriter, config: dict) -> None:
+    """One K/V head of the latent plus the rotary key; the real head sizes under the `_mla` keys."""
+    latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    writer.add_head_count_kv(1)
+    writer.add_q_lora_rank(config.get("q_lora_rank") or 0)  # 0: q is one projection
+    writer.add_kv_lora_rank(latent)
+    writer.add_key_length(latent + rope)
+    writer.add_value_length(latent)
+    writer.add_key_length_mla(config["qk_nope_head_dim"] + rope)
+    writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_rope_dimension_count(rope)
+    write_yarn(writer, rope_parameters(config))
+
+
+def write_yarn(writer: gguf.GGUFWriter, rope: dict) -> None:
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+        if rope.get(key) is not None:
+            add(rope[key])
+    if rope.get("mscale_all_dim") is not None:
+        # llama.cpp divides this key by 0.1 on load (its converter writes it so)
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def write_moe(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int], num_layers: int) -> None:
+    r = desc.routing
+    writer.add_leading_dense_block_count(moe_layers[0] if moe_layers else num_layers)
+    writer.add_expert_shared_count(desc.shared_experts)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if r.scoring == "sigmoid"
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    if r.scale != 1.0:
+        writer.add_expert_weights_scale(r.scale)
+    if r.normalise:
+        writer.add_expert_weights_norm(True)
+    if r.n_group > 1 and r.topk_group < r.n_group:
+        writer.add_expert_group_count(r.n_group)
+        writer.add_expert_group_used_count(r.topk_group)
+
+
+Piece = tuple[str, tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def pieces(key: str, shape: tuple[int, ...], config: dict) -> list[Piece] | None:
+    """The GGUF tensors one trunk tensor becomes, where deepseek2 names or shapes it its own way (else None)."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    if key.endswith(KV_B):
+        heads, latent = config["num_attention_heads"], shape[1]
+        nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+        require(shape[0] == heads * (nope + v), f"trunk tensor {key}: {shape[0]} rows, the config says "
+                f"{heads} heads × ({nope} + {v})")
+        k_b = lambda t: t.view(heads, nope + v, latent)[:, :nope].transpose(1, 2).contiguous()
+        v_b = lambda t: t.view(heads, nope + v, latent)[:, nope:].contiguous()
+        return [(f"blk.{layer}.attn_k_b.weight", (heads, latent, nope), k_b),
+                (f"blk.{layer}.attn_v_b.weight", (heads, v, latent), v_b)]
+    if key.endswith(CORRECTION_BIAS):
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_EXP_PROBS_B].format(bid=int(layer))
+        return [(f"{name}.bias", shape, lambda t: t)]
+    return None
