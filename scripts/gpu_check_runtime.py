@@ -16,8 +16,8 @@ import torch
 
 from smoe.convert.dequantize import dequantize
 from smoe.quality.evaluate import load_reference
-from smoe.runtime.gpu.cache import blob_slot_bytes
-from smoe.runtime.gpu.decode import GpuDecoder
+from smoe.runtime.cuda.cache import blob_slot_bytes
+from smoe.runtime.cuda.decode import GpuDecoder
 from smoe.runtime.model import OpenedVault
 
 

@@ -13,8 +13,8 @@ import torch
 from smoe.format.vault import Vault
 from smoe.hf.tokenizer import load_tokenizer
 from smoe.quality.evaluate import load_reference
+from smoe.runtime.cuda.decode import kernels_cover
 from smoe.runtime.generate import generate
-from smoe.runtime.gpu.decode import kernels_cover
 from smoe.runtime.model import OpenedVault
 from smoe.serve.worker import Worker
 from smoe.testing.tiny_models import tiny_families

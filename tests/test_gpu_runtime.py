@@ -16,8 +16,8 @@ import torch
 from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
-from smoe.runtime.gpu.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
-from smoe.runtime.gpu.decode import GpuDecoder
+from smoe.runtime.cuda.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
+from smoe.runtime.cuda.decode import GpuDecoder
 from smoe.runtime.model import OpenedVault
 from smoe.testing.vaults import kernel_sized_vault, tiny_vault_and_reference
 
@@ -183,8 +183,8 @@ def test_a_sequence_past_the_kv_capacity_grows_the_state_in_place(family, tmp_pa
 INTERPRETED = """
 import sys, torch
 from smoe.runtime.model import OpenedVault
-from smoe.runtime.gpu.decode import GpuDecoder
-from smoe.runtime.gpu.cache import min_gpu_budget
+from smoe.runtime.cuda.decode import GpuDecoder
+from smoe.runtime.cuda.cache import min_gpu_budget
 sm = OpenedVault(sys.argv[1], dtype="float32", kernel_path="dequant")
 dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
 ids = list(range(5, 17))
@@ -250,7 +250,7 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
 
 @needs_cuda
 def test_cuda_out_of_memory_is_a_one_line_error_naming_the_option():
-    from smoe.runtime.gpu.cache import allocate
+    from smoe.runtime.cuda.cache import allocate
 
     with pytest.raises(SmoeError, match="out of memory allocating the GPU expert cache .* smaller --gpu-cache-gb"):
         allocate(1 << 50, torch.device("cuda"), "GPU expert cache", "--gpu-cache-gb")

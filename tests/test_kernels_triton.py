@@ -9,7 +9,7 @@ from smoe.cli import commands as cli
 from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.vault import ExpertEntry, QuantisedTensor, build_blob
-from smoe.runtime.gpu import kernels as kt
+from smoe.runtime.cuda import kernels as kt
 from smoe.testing.random import layout_for_shape, random_blob
 
 pytest.importorskip("triton", reason="triton not installed: the Triton kernels cannot be checked")
@@ -50,7 +50,7 @@ def relative_error(y, ref):
 # The interpreter runs in a child process: TRITON_INTERPRET must be set before triton is imported.
 INTERPRETED = """
 import sys, torch
-from smoe.runtime.gpu import kernels as kt
+from smoe.runtime.cuda import kernels as kt
 cases = torch.load(sys.argv[1])
 out = []
 for c in cases:

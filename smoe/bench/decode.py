@@ -153,7 +153,7 @@ def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
     """O_DIRECT reads of whole blobs by a thread pool, as the cache reads them."""
     from smoe.format.vault import align
     from smoe.runtime.blobs import open_direct
-    from smoe.runtime.gpu.cache import allocate
+    from smoe.runtime.cuda.cache import allocate
 
     with Vault(vault_dir) as v:
         entries = list(v.entries.values())[:: max(1, len(v.entries) // n_blobs)][:n_blobs]
@@ -181,7 +181,7 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
     """Decode with the GPU cache at `budget_fraction` of the experts; misses from the pinned host tier
     (source "host", filled before timing) or from the disk (source "disk": O_DIRECT, page cache dropped)."""
     from smoe.bench.replay import ReplayDecoder, fill_host_tier
-    from smoe.runtime.gpu.cache import blob_slot_bytes
+    from smoe.runtime.cuda.cache import blob_slot_bytes
 
     vault, device = sm.vault, torch.device("cuda")
     everything = blob_slot_bytes(vault) * len(vault.entries)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from smoe.errors import SmoeError
 from smoe.format import codec
-from smoe.runtime.gpu import kernels as kt
+from smoe.runtime.cuda import kernels as kt
 from smoe.testing.random import random_pool
 
 SHAPES = {"qwen3-235b-a22b": (4096, 1536), "qwen3-30b-a3b": (2048, 768)}  # (hidden, expert inter)
@@ -84,7 +84,7 @@ def steps_for(step_bytes: float, pool_bytes: float) -> int:
 
 def bench_decode(hidden: int, inter: int, bits: int, device, pool_gb: float = POOL_GB, configs=None) -> dict:
     """Per-kernel and whole-decode timings of the SMOE kernels for one shape and depth.
-    configs: optional lists of tiles (smoe.runtime.gpu.kernels.DecodeConfig) for gate_up and down to try;
+    configs: optional lists of tiles (smoe.runtime.cuda.kernels.DecodeConfig) for gate_up and down to try;
     the fastest that matches the reference is kept."""
     pool, offsets, layout, size = random_pool(hidden, inter, bits, bits, device, pool_gb, least=TOP_K)
     n = offsets.numel()

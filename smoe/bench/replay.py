@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from smoe.runtime.gpu.cache import GpuExpertCache
-from smoe.runtime.gpu.decode import GpuDecoder
+from smoe.runtime.cuda.cache import GpuExpertCache
+from smoe.runtime.cuda.decode import GpuDecoder
 
 
 class ReplayDecoder(GpuDecoder):

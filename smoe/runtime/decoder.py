@@ -101,7 +101,7 @@ class FastDecoder(Decoder):
 
     def __init__(self, sm, positions: int):
         self.sm, self.positions = sm, positions
-        self.max_sequences = 1 if sm.gpu is not None else 16
+        self.max_sequences = sm.backend.max_sequences
         self.states: dict[Hashable, object] = {}
         weakref.finalize(self, sm.return_states, self.states.values())
 

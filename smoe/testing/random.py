@@ -6,7 +6,7 @@ import torch
 
 from smoe.format import codec
 from smoe.format.vault import QuantisedTensor, build_blob
-from smoe.runtime.gpu.kernels import GROUP, SLOT_ALIGNMENT, ExpertLayout
+from smoe.runtime.cuda.kernels import GROUP, SLOT_ALIGNMENT, ExpertLayout
 
 POOL_SLOT = 256  # random_pool's experts sit in pool slots aligned to this many bytes
 

@@ -34,8 +34,8 @@ from smoe.errors import SmoeError
 from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
 from smoe.moe.routing import route
-from smoe.runtime.gpu import kernels as kernels_triton
-from smoe.runtime.gpu.cache import GpuExpertCache
+from smoe.runtime.cuda import kernels as kernels_triton
+from smoe.runtime.cuda.cache import GpuExpertCache
 from smoe.runtime.kv import HoldsSequence, Latents, SequenceState, grown_capacity, sequence_state
 from smoe.runtime.layers import (
     MlaWeights,
