@@ -40,6 +40,8 @@ PY
 start_build
 if [ "${PART:-prepare}" = prepare ]; then
   prepare
+  # the build's last minutes in this call too, so the bench call only benchmarks
+  while [ ! -x "$bench" ] && [ "$SECONDS" -lt "${WAIT_UNTIL_S:-560}" ] && pgrep -f "cmake --build $build" >/dev/null; do sleep 5; done
   tail -2 /tmp/llama-build.log
 else
   prepare
