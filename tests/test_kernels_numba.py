@@ -76,6 +76,36 @@ def test_top_k_routing_matches_torch_softmax_and_topk(normalize):
     torch.testing.assert_close(torch.from_numpy(top_w), want_w, rtol=1e-6, atol=1e-7)
 
 
+ROUTING_KINDS = {  # smoe.moe.route's kinds the fast decoders run: Qwen3 / Mixtral, DeepSeek-V3, V2, GLM-4.5
+    "softmax": dict(scoring="softmax", normalise=True),
+    "softmax, share of all": dict(scoring="softmax", normalise=False),
+    "sigmoid, bias, top-2 groups, scale": dict(scoring="sigmoid", normalise=True, normalise_eps=1e-20,
+                                               correction_bias=True, n_group=4, topk_group=2, scale=2.5),
+    "softmax, best-expert groups, scale": dict(scoring="softmax", normalise=False, n_group=8, topk_group=3,
+                                              group_score="max", scale=16.0),
+    "sigmoid, bias, no groups": dict(scoring="sigmoid", normalise=True, correction_bias=True, scale=1.8),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUTING_KINDS))
+def test_route_kernel_chooses_and_weighs_as_smoe_moe_route(kind):
+    from smoe.moe.routing import route
+    from smoe.source.description import Routing
+
+    r = Routing(num_experts=32, top_k=6, **ROUTING_KINDS[kind])
+    for seed in range(20):
+        logits = vector(32, seed=seed) * 3
+        bias = vector(32, seed=100 + seed) * 0.5 if r.correction_bias else None
+        want_i, want_w = route(r, logits[None], bias)
+        top_i, top_w = np.zeros(6, dtype=np.int64), np.zeros(8, dtype=np.float32)
+        work = np.zeros(kn.route_work_size(32, r.n_group), dtype=np.float32)
+        correction = bias.numpy() if bias is not None else np.zeros(0, dtype=np.float32)
+        kn.route(logits.numpy(), correction, r.scoring == "sigmoid", r.n_group, r.topk_group, r.group_score == "top2",
+                 6, r.normalise, r.normalise_eps, r.scale, top_i, top_w, work)
+        assert top_i.tolist() == want_i[0].tolist()
+        torch.testing.assert_close(torch.from_numpy(top_w[:6]), want_w[0], rtol=1e-5, atol=1e-6)
+
+
 def test_top_k_takes_the_lowest_index_among_equal_logits():
     top_i, top_w = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.float32)
     kn.top_k(np.array([1.0, 3.0, 2.0, 3.0, 3.0], dtype=np.float32), 2, True, top_i, top_w)

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 from test_runtime import TOLERANCE, relative_error
 
-from smoe.convert.dequantize import is_dequantizable
 from smoe.errors import SmoeError
 from smoe.format.vault import Vault
+from smoe.hf.experts import is_dequantizable
 from smoe.hf.model import causal_lm_class, is_experts_param
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.model import OpenedVault

@@ -24,7 +24,7 @@ import torch
 
 from smoe.convert.encoders import CALIB_TOKENS
 from smoe.errors import SmoeError
-from smoe.hf.experts import is_experts_module, layer_of, register
+from smoe.hf.experts import expert_linear, experts_input_sizes, is_experts_module, layer_of, register
 from smoe.hf.model import load_pretrained
 from smoe.hf.tokenizer import load_tokenizer
 from smoe.moe.dispatch import routed_sum
@@ -144,22 +144,15 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights, observe=N
     def run(e, x):
         if observe:
             observe(e, "gate_up", x)
-        first = "gate_up_proj" if module.has_gate else "up_proj"
-        h = linear(module, first, e, x)
+        h = expert_linear(module, "gate_up", e, x)
         h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
         if observe:
             observe(e, "down", h)
-        y = linear(module, "down_proj", e, h)
+        y = expert_linear(module, "down", e, h)
         return module.post_expert_norm(y) if getattr(module, "has_post_expert_norm", False) else y
 
     fetch = lambda group: {e: (lambda x, e=e: run(e, x)) for e in group}
     return routed_sum(hidden_states, top_k_index, top_k_weights, fetch, num_experts=module.num_experts)
-
-
-def linear(module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-    w = getattr(module, name)[expert]
-    y = x @ w if module.is_transposed else x @ w.t()
-    return y + getattr(module, name + "_bias")[expert] if module.has_bias else y
 
 
 def calibration_experts_forward(module, hidden_states, top_k_index, top_k_weights):
@@ -229,15 +222,6 @@ def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool =
         model(input_ids=window, use_cache=False)
     warn_if_sparse(stats, warn)
     return stats
-
-
-def experts_input_sizes(module) -> dict[str, int]:
-    """Input widths of the first projection(s) and of down, from the fused parameters' shapes."""
-    first = module.gate_up_proj if module.has_gate else module.up_proj
-    down = module.down_proj
-    hidden = first.shape[1] if module.is_transposed else first.shape[2]
-    inner = down.shape[1] if module.is_transposed else down.shape[2]
-    return {"gate_up": int(hidden), "down": int(inner)}
 
 
 def warn_if_sparse(stats: CalibrationStats, warn=None) -> None:

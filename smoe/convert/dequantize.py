@@ -12,52 +12,8 @@ from safetensors import SafetensorError
 from smoe.errors import SmoeError
 from smoe.format.output import writing
 from smoe.format.vault import COPIED_FILES, Vault
-from smoe.hf.experts import is_experts_module
+from smoe.hf.experts import is_dequantizable, parameters_of
 from smoe.hf.model import build_model, experts_modules, load_trunk, model_config
-
-
-def expert_parameters(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:
-    """Stack per-expert [out, in] matrices into the module's own parameter layout (its flags say which)."""
-
-    def orient(w):  # [E, out, in] -> the module's layout
-        return w.transpose(1, 2) if module.is_transposed else w
-
-    def fuse(a, b, dim):  # gate and up, concatenated or interleaved along the output dimension
-        return torch.cat([a, b], dim=dim) if module.is_concatenated else torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
-
-    stack = lambda role, src: torch.stack([d[role] for d in src])
-    params = {"down_proj": orient(stack("down", decoded))}
-    if module.has_gate:
-        params["gate_up_proj"] = orient(fuse(stack("gate", decoded), stack("up", decoded), 1))
-    else:
-        params["up_proj"] = orient(stack("up", decoded))
-    if module.has_bias:
-        params["down_proj_bias"] = stack("down", biases)
-        if module.has_gate:
-            params["gate_up_proj_bias"] = fuse(stack("gate", biases), stack("up", biases), 1)
-        else:
-            params["up_proj_bias"] = stack("up", biases)
-    return params
-
-
-def dbrx_parameters(module, decoded, biases) -> dict:
-    """DBRX keeps experts stacked along rows: w1/v1 [E*I, H], and w2 transposed, also [E*I, H]."""
-    cat = lambda role, t=False: torch.cat([d[role].t() if t else d[role] for d in decoded])
-    return {"mlp.w1": cat("gate"), "mlp.v1": cat("up"), "mlp.w2": cat("down", t=True)}
-
-
-def llama4_parameters(module, decoded, biases) -> dict:
-    """Llama 4: gate_up_proj [E, H, 2I] (transposed, gate half first), down_proj [E, I, H]."""
-    gate_up = torch.stack([torch.cat([d["gate"], d["up"]]).t() for d in decoded])
-    return {"gate_up_proj": gate_up, "down_proj": torch.stack([d["down"].t() for d in decoded])}
-
-
-# experts modules outside transformers' registry, by class name; the rest follow their registry flags
-PARAMETER_WRITERS = {"DbrxExperts": dbrx_parameters, "Llama4TextExperts": llama4_parameters}
-
-
-def is_dequantizable(module) -> bool:
-    return type(module).__name__ in PARAMETER_WRITERS or is_experts_module(module)
 
 
 def save_config_dtype(config, dtype: torch.dtype, directory: Path) -> None:
@@ -86,8 +42,7 @@ def dequantized_model(vault: Vault, dtype: torch.dtype):
         experts = [vault.read_expert(layer, e) for e in range(vault.meta["num_experts"])]
         decoded = [{t.role: t.decode().to(dtype) for t in tensors} for tensors, _ in experts]
         biases = [{r: b.to(dtype) for r, b in b_.items()} for _, b_ in experts]
-        write = PARAMETER_WRITERS.get(type(module).__name__, expert_parameters)
-        for name, value in write(module, decoded, biases).items():
+        for name, value in parameters_of(module, decoded, biases).items():
             path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(path) if path else module
             if tuple(getattr(owner, leaf).shape) != tuple(value.shape):

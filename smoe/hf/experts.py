@@ -109,3 +109,85 @@ def empty_parameters(module: torch.nn.Module) -> list[str]:
         old = module._parameters[name]
         module._parameters[name] = torch.nn.Parameter(torch.empty(0, dtype=old.dtype), requires_grad=False)
     return names
+
+
+# --- the experts modules' own parameter layout ---------------------------------------------------
+# transformers stacks a layer's experts into fused parameters (gate_up_proj or up_proj, down_proj, with
+# _bias) whose orientation and gate/up order its flags give; DBRX and Llama 4 keep their own. Only this
+# section reads or writes those names: calibration runs the source model's experts through
+# expert_linear, dequantisation and the sensitivity measurement write them through parameters_of.
+
+# the fused parameters of each unit of an expert: its first projection(s), and down
+UNIT_PARAMETERS = {"gate_up": ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias"),
+                   "down": ("down_proj", "down_proj_bias")}
+
+
+def first_projection(module) -> str:
+    return "gate_up_proj" if module.has_gate else "up_proj"
+
+
+def expert_linear(module, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """x through one expert's `which` projection ("gate_up": gate and up fused, or up alone; "down"),
+    read from the module's fused parameters in their own orientation."""
+    name = first_projection(module) if which == "gate_up" else "down_proj"
+    w = getattr(module, name)[expert]
+    y = x @ w if module.is_transposed else x @ w.t()
+    return y + getattr(module, name + "_bias")[expert] if module.has_bias else y
+
+
+def experts_input_sizes(module) -> dict[str, int]:
+    """Input widths of the first projection(s) and of down, from the fused parameters' shapes."""
+    first, down = getattr(module, first_projection(module)), module.down_proj
+    hidden = first.shape[1] if module.is_transposed else first.shape[2]
+    inner = down.shape[1] if module.is_transposed else down.shape[2]
+    return {"gate_up": int(hidden), "down": int(inner)}
+
+
+def expert_parameters(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:
+    """Stack per-expert [out, in] matrices into the module's own parameter layout (its flags say which)."""
+
+    def orient(w):  # [E, out, in] -> the module's layout
+        return w.transpose(1, 2) if module.is_transposed else w
+
+    def fuse(a, b, dim):  # gate and up, concatenated or interleaved along the output dimension
+        return torch.cat([a, b], dim=dim) if module.is_concatenated else torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
+
+    stack = lambda role, src: torch.stack([d[role] for d in src])
+    params = {"down_proj": orient(stack("down", decoded))}
+    if module.has_gate:
+        params["gate_up_proj"] = orient(fuse(stack("gate", decoded), stack("up", decoded), 1))
+    else:
+        params["up_proj"] = orient(stack("up", decoded))
+    if module.has_bias:
+        params["down_proj_bias"] = stack("down", biases)
+        if module.has_gate:
+            params["gate_up_proj_bias"] = fuse(stack("gate", biases), stack("up", biases), 1)
+        else:
+            params["up_proj_bias"] = stack("up", biases)
+    return params
+
+
+def dbrx_parameters(module, decoded, biases) -> dict:
+    """DBRX keeps experts stacked along rows: w1/v1 [E*I, H], and w2 transposed, also [E*I, H]."""
+    cat = lambda role, t=False: torch.cat([d[role].t() if t else d[role] for d in decoded])
+    return {"mlp.w1": cat("gate"), "mlp.v1": cat("up"), "mlp.w2": cat("down", t=True)}
+
+
+def llama4_parameters(module, decoded, biases) -> dict:
+    """Llama 4: gate_up_proj [E, H, 2I] (transposed, gate half first), down_proj [E, I, H]."""
+    gate_up = torch.stack([torch.cat([d["gate"], d["up"]]).t() for d in decoded])
+    return {"gate_up_proj": gate_up, "down_proj": torch.stack([d["down"].t() for d in decoded])}
+
+
+# experts modules outside transformers' registry, by class name; the rest follow their registry flags
+PARAMETER_WRITERS = {"DbrxExperts": dbrx_parameters, "Llama4TextExperts": llama4_parameters}
+
+
+def parameters_of(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:
+    """{parameter name relative to the module: value} holding the per-expert matrices `decoded` (and biases)."""
+    return PARAMETER_WRITERS.get(type(module).__name__, expert_parameters)(module, decoded, biases)
+
+
+def is_dequantizable(module) -> bool:
+    """An experts module whose parameters parameters_of can write."""
+    return type(module).__name__ in PARAMETER_WRITERS or is_experts_module(module)

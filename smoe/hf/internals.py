@@ -59,11 +59,12 @@ INTERNALS = (
 
 # The decoder-layer layout of transformers' modules that smoe reads (smoe.hf.trunk, smoe.hf.experts,
 # smoe.hf.model): attribute names no smoe object of its own has. Read only inside smoe.hf, so a release that
-# renames one breaks one package (tests/test_hf_internals.py holds the rest of smoe to it). Not yet listed:
-# the experts modules' projections (gate_up_proj, up_proj, down_proj), which calibration reads.
+# renames one breaks one package (tests/test_hf_internals.py holds the rest of smoe to it).
 MODULE_LAYOUT = ("self_attn", "embed_tokens", "rotary_emb", "input_layernorm", "post_attention_layernorm", "q_proj",
                  "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "q_a_layernorm", "kv_a_proj_with_mqa",
-                 "kv_a_layernorm", "kv_b_proj", "qk_nope_head_dim", "e_score_correction_bias")
+                 "kv_a_layernorm", "kv_b_proj", "qk_nope_head_dim", "e_score_correction_bias",
+                 # the experts modules' fused parameters (smoe.hf.experts reads and writes them)
+                 "gate_up_proj", "up_proj", "down_proj")
 
 
 def resolve(path: str):

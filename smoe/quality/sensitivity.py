@@ -21,10 +21,10 @@ import torch
 
 from smoe.convert import encoders
 from smoe.convert.calibrate import CalibrationStats, load_source_model
-from smoe.convert.dequantize import expert_parameters
 from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.jsonfile import read_json
+from smoe.hf.experts import UNIT_PARAMETERS, expert_parameters
 from smoe.progress import bar as progress_bar
 from smoe.source.checkpoint import Checkpoint
 from smoe.source.families import load_bias, load_projection, map_experts
@@ -32,8 +32,6 @@ from smoe.source.families import load_bias, load_projection, map_experts
 SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
 UNITS = ("gate_up", "down")
 UNIT_ROLES = {"gate_up": ("gate", "up"), "down": ("down",)}
-UNIT_PARAMS = {"gate_up": ("gate_up_proj", "up_proj", "gate_up_proj_bias", "up_proj_bias"),
-               "down": ("down_proj", "down_proj_bias")}
 
 
 def key(layer: int, unit: str, bits: int) -> str:
@@ -75,7 +73,7 @@ class QuantisedModel:
                 experts.append(weights)
                 biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.expert_map.biases.get((layer, e), [])})
             params = expert_parameters(module, experts, biases)
-            self.cache[(layer, unit, bits)] = {n: p for n, p in params.items() if n in UNIT_PARAMS[unit]}
+            self.cache[(layer, unit, bits)] = {n: p for n, p in params.items() if n in UNIT_PARAMETERS[unit]}
         return self.cache[(layer, unit, bits)]
 
     def quantise(self, w: torch.Tensor, layer: int, expert: int, role: str, bits: int) -> torch.Tensor:
@@ -87,7 +85,7 @@ class QuantisedModel:
         """Put `unit` of `layer` at `bits` (None: the source weights)."""
         module = self.modules[layer]
         params = self.decoded(layer, unit, bits) if bits is not None else \
-            {n: p for n, p in self.original[layer].items() if n in UNIT_PARAMS[unit]}
+            {n: p for n, p in self.original[layer].items() if n in UNIT_PARAMETERS[unit]}
         for name, value in params.items():
             if tuple(getattr(module, name).shape) != tuple(value.shape):
                 raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(module, name).shape)}, decoded "

@@ -11,10 +11,11 @@ rotary module, and calls the expert store once per layer. The generic decoder (t
 modules) stays the reference and runs every other family.
 
 One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): per layer one call for
-attention (GQA, or MLA absorbed over the latent rows) and, where the routing is plain softmax, its top-k;
-then the routed experts straight from their codes when the store prepared them in the "codes" form, else
-the eager expert path; shared experts and dense layers compiled too. They work on numpy views of the
-same weights and state, so a prefill on the eager path and steps on the compiled one share one cache.
+attention (GQA, or MLA absorbed over the latent rows) and, where the routing is plain softmax, its top-k
+(any other routing kind: one call to the route kernel); then the routed experts straight from their codes
+when the store prepared them in the "codes" form, else the eager expert path; shared experts and dense
+layers compiled too. They work on numpy views of the same weights and state, so a prefill on the eager path
+and steps on the compiled one share one cache.
 Activations stay in fp32 there (the eager path rounds them to the model's dtype before bf16 matmuls).
 """
 
@@ -163,6 +164,7 @@ class CompiledLayer:
     post_norm: np.ndarray
     router: np.ndarray  # [0, H] for a dense layer
     correction: torch.Tensor | None
+    correction_scores: np.ndarray  # the correction bias as the route kernel reads it (fp32; length 0: none)
     shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     attention_scale: float = 0.0  # MLA's softmax scale
@@ -172,7 +174,7 @@ class CompiledLayer:
 class CompiledStep:
     """One-token decode steps of a FastCpuDecoder through the compiled kernels: a layer's attention in one
     call (GQA, with the softmax top-k fused in where the routing is that plain; or MLA, absorbed, over the
-    latent rows), the router's choice by smoe.moe.route otherwise, the routed experts straight from their
+    latent rows), the router's choice by kernels_numba.route otherwise, the routed experts straight from their
     codes, the shared experts and dense layers compiled. Every array is extracted once and every buffer
     preallocated: per layer, Python asks the store for the routed experts and passes arrays on."""
 
@@ -203,6 +205,7 @@ class CompiledStep:
         self.router_logits = np.zeros(r.num_experts or 1, dtype=np.float32)
         self.no_router = np.zeros((0, hidden), dtype=np.float32)
         self.top_i = np.zeros(dec.top_k, dtype=np.int64)
+        self.route_work = np.zeros(kn.route_work_size(r.num_experts or 1, r.n_group), dtype=np.float32)
         self.bound = None  # (state, its generation) the state views and work buffer were made for
 
     def bind(self) -> None:
@@ -260,12 +263,13 @@ class CompiledStep:
                                dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w, self.work, self.wide)
 
     def route(self, layer: CompiledLayer) -> None:
-        """The router's logits compiled, the choice by smoe.moe.route (every routing kind)."""
+        """The router's logits and choice compiled (kernels_numba.route: smoe.moe.route's every kind)."""
         logits = self.router_logits[: layer.router.shape[0]]
         kn.matvec(layer.router, self.h, logits, self.wide)
-        ids, weights = route(self.dec.routing, torch.from_numpy(logits)[None], layer.correction)
-        self.top_i[:] = ids[0].numpy()
-        self.codes.top_w[: len(self.top_i)] = weights[0].numpy()
+        r = self.dec.routing
+        kn.route(logits, layer.correction_scores, r.scoring == "sigmoid", r.n_group, r.topk_group,
+                 r.group_score == "top2", r.top_k, r.normalise, r.normalise_eps, r.scale, self.top_i,
+                 self.codes.top_w, self.route_work)
 
     def experts(self, i: int) -> None:
         dec = self.dec
@@ -300,6 +304,7 @@ def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
     return CompiledLayer(
         as_numpy(w.input_norm), attention, as_numpy(w.post_norm),
         as_numpy(w.router) if w.router is not None else nothing, w.correction,
+        w.correction.float().reshape(-1).contiguous().numpy() if w.correction is not None else empty,
         tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
         tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
         a.scale if isinstance(a, MlaWeights) else 0.0,

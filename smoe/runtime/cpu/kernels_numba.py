@@ -308,6 +308,67 @@ def top_k(logits, k, normalize, top_i, top_w):
 
 
 @jit
+def route(logits, correction, sigmoid, n_group, topk_group, top2, k, normalize, eps, scale, top_i, top_w, work):
+    """smoe.moe.route for one token, compiled: scores are the softmax or sigmoid of the logits; experts are
+    chosen by score plus `correction` (length 0: none) within the best `topk_group` of `n_group` groups
+    (a group scores its best two summed when `top2`, else its best); the weights are the chosen scores,
+    divided by their sum + eps when `normalize`, times `scale`. Among equal choices the lowest index wins.
+    `work`: fp32 scratch of route_work_size(E, n_group) or more."""
+    e = logits.shape[0]
+    scores, choice, groups = work[:e], work[e : 2 * e], work[2 * e : 2 * e + n_group]
+    if sigmoid:
+        for i in range(e):
+            scores[i] = 1.0 / (1.0 + np.exp(-logits[i]))
+    else:
+        high = logits.max()
+        total = np.float32(0)
+        for i in range(e):
+            scores[i] = np.exp(logits[i] - high)
+            total += scores[i]
+        for i in range(e):
+            scores[i] /= total
+    for i in range(e):
+        choice[i] = scores[i] + (correction[i] if correction.shape[0] else np.float32(0))
+    if n_group > 1:
+        size = e // n_group
+        for g in range(n_group):
+            best, second = -np.inf, -np.inf
+            for j in range(g * size, (g + 1) * size):
+                if choice[j] > best:
+                    best, second = choice[j], best
+                elif choice[j] > second:
+                    second = choice[j]
+            groups[g] = best + second if top2 else best
+        for _ in range(n_group - topk_group):  # the worst groups, one at a time, leave the choice
+            worst = 0
+            for g in range(1, n_group):
+                if groups[g] < groups[worst]:
+                    worst = g
+            groups[worst] = np.inf
+            for j in range(worst * size, (worst + 1) * size):
+                choice[j] = -np.inf
+    for slot in range(k):
+        best_i = -1
+        for i in range(e):
+            taken = False
+            for prev in range(slot):
+                taken = taken or top_i[prev] == i
+            if not taken and (best_i < 0 or choice[i] > choice[best_i]):
+                best_i = i
+        top_i[slot] = best_i
+    total = np.float32(0)
+    for slot in range(k):
+        total += scores[top_i[slot]]
+    for slot in range(k):
+        w = scores[top_i[slot]]
+        top_w[slot] = (w / (total + eps) if normalize else w) * scale
+
+
+def route_work_size(experts: int, n_group: int) -> int:
+    return 2 * experts + max(n_group, 1)
+
+
+@jit
 def attention_and_route(x, pos, heads, eps, input_norm, qkv, q_norm, k_norm, o, post_norm, router, k_cache, v_cache,
                         cos, sin, interleaved, k, normalize, h, top_i, top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
