@@ -5,6 +5,7 @@
 # PART=prepare: start the llama.cpp build in the background (sources in LLAMA_SRC, default .dev/llama.cpp,
 # llama-cpp-python's vendored tree with the other backends removed) and write the vaults and GGUFs;
 # PART=bench: wait for the build, then both benchmarks. Each part starts from nothing if it must.
+# TESTS="pytest arguments": the prepare part also runs these tests while the build finishes.
 # Usage (on a CUDA machine, repository root): PART=prepare bash scripts/h200_llama.sh; PART=bench bash scripts/h200_llama.sh
 set -uo pipefail
 source scripts/device_env.sh
@@ -40,6 +41,9 @@ PY
 start_build
 if [ "${PART:-prepare}" = prepare ]; then
   prepare
+  if [ -n "${TESTS:-}" ]; then  # the CUDA tests meanwhile (the build still running beside them)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -6
+  fi
   # the build's last minutes in this call too, so the bench call only benchmarks
   while [ ! -x "$bench" ] && [ "$SECONDS" -lt "${WAIT_UNTIL_S:-560}" ] && pgrep -f "cmake --build $build" >/dev/null; do sleep 5; done
   tail -2 /tmp/llama-build.log

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from routing_kinds import ROUTING_KINDS
 
 from smoe.format import codec
 from smoe.runtime.buckets import bucket
@@ -76,15 +77,6 @@ def test_top_k_routing_matches_torch_softmax_and_topk(normalize):
     torch.testing.assert_close(torch.from_numpy(top_w), want_w, rtol=1e-6, atol=1e-7)
 
 
-ROUTING_KINDS = {  # smoe.moe.route's kinds the fast decoders run: Qwen3 / Mixtral, DeepSeek-V3, V2, GLM-4.5
-    "softmax": dict(scoring="softmax", normalise=True),
-    "softmax, share of all": dict(scoring="softmax", normalise=False),
-    "sigmoid, bias, top-2 groups, scale": dict(scoring="sigmoid", normalise=True, normalise_eps=1e-20,
-                                               correction_bias=True, n_group=4, topk_group=2, scale=2.5),
-    "softmax, best-expert groups, scale": dict(scoring="softmax", normalise=False, n_group=8, topk_group=3,
-                                              group_score="max", scale=16.0),
-    "sigmoid, bias, no groups": dict(scoring="sigmoid", normalise=True, correction_bias=True, scale=1.8),
-}
 
 
 @pytest.mark.parametrize("kind", list(ROUTING_KINDS))

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from routing_kinds import ROUTING_KINDS
 
 from smoe.cli import commands as cli
 from smoe.errors import SmoeError
@@ -208,3 +209,70 @@ def test_cuda_grouped_matches_reference_at_real_shapes(bits, tokens):
     ref = kt.reference_forward(pool, layout, x.float(), sel, w)
     assert torch.isfinite(y).all() and relative_error(y, ref) < 1e-2
 
+
+
+ROUTING_SHAPES = ((32, 6), (60, 4), (64, 8), (128, 8))  # (experts, k); 60: not a power of two
+
+ROUTE_INTERPRETED = """
+import sys, torch
+from smoe.runtime.cuda.routing import launch_route
+from smoe.source.description import Routing
+cases = torch.load(sys.argv[1])
+torch.save([launch_route(Routing(**c["routing"]), c["logits"], c["bias"]) for c in cases], sys.argv[2])
+"""
+
+
+def routing_cases():
+    cases = []
+    for kind, facts in ROUTING_KINDS.items():
+        for experts, k in ROUTING_SHAPES:
+            if facts.get("n_group", 1) > 1 and experts & (experts - 1):
+                continue  # grouped kinds over other counts stay with smoe.moe.route (kernel_takes)
+            g = torch.Generator().manual_seed(experts + k)
+            bias = torch.randn(experts, generator=g) * 0.5 if facts.get("correction_bias") else None
+            cases.append({"routing": dict(num_experts=experts, top_k=k, **facts), "bias": bias,
+                          "logits": torch.randn(5, experts, generator=g) * 3})
+    return cases
+
+
+def test_interpreted_routing_kernel_chooses_and_weighs_as_smoe_moe_route(tmp_path):
+    from smoe.moe.routing import route
+    from smoe.source.description import Routing
+
+    cases = routing_cases()
+    torch.save(cases, tmp_path / "cases.pt")
+    subprocess.run([sys.executable, "-c", ROUTE_INTERPRETED, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+    for c, (ids, weights) in zip(cases, torch.load(tmp_path / "out.pt")):
+        want_ids, want_weights = route(Routing(**c["routing"]), c["logits"], c["bias"])
+        assert torch.equal(ids, want_ids), c["routing"]
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_routing_kernel_leaves_cpu_tensors_and_uneven_groups_to_smoe_moe_route():
+    from smoe.runtime.cuda.routing import fused_route, kernel_takes
+    from smoe.source.description import Routing
+
+    grouped = Routing(num_experts=60, top_k=4, scoring="sigmoid", n_group=4, topk_group=2)
+    assert not kernel_takes(grouped, 60) and kernel_takes(Routing(num_experts=64, top_k=4, n_group=4, topk_group=2), 64)
+    assert not kernel_takes(Routing(num_experts=8, top_k=2, custom="sparsemixer"), 8)
+    from smoe.moe.routing import route
+
+    logits = torch.randn(2, 60)
+    for got, want in zip(fused_route(grouped, logits, None), route(grouped, logits, None)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_routing_kernel_on_cuda_matches_smoe_moe_route():
+    from smoe.moe.routing import route
+    from smoe.runtime.cuda.routing import launch_route
+    from smoe.source.description import Routing
+
+    for c in routing_cases():
+        r = Routing(**c["routing"])
+        bias = c["bias"].cuda() if c["bias"] is not None else None
+        ids, weights = launch_route(r, c["logits"].cuda(), bias)
+        want_ids, want_weights = route(r, c["logits"], c["bias"])
+        assert torch.equal(ids.cpu(), want_ids), c["routing"]
+        torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6)

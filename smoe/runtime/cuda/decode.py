@@ -1,7 +1,8 @@
 """The decode path on an NVIDIA GPU: trunk resident on the GPU, routed experts in the GPU expert cache,
 computed by the Triton kernels straight from their blobs (the descriptions fast_decoder_gap admits for
 "cuda"). A GQA layer runs this module's attention_block, an MLA layer the layer library's absorbed
-attention on a static step (mla_block); both are compiled by inductor and captured in the graphs.
+attention on a static step (mla_block); both are compiled by inductor and captured in the graphs, and
+both end at the router's logits, which smoe.runtime.cuda.routing turns into the top-k in one kernel.
 
 One token is cut into segments at the points where the host must learn the routing:
 
@@ -33,9 +34,9 @@ import torch.nn.functional as F
 from smoe.errors import SmoeError
 from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
-from smoe.moe.routing import route
 from smoe.runtime.cuda import kernels as kernels_triton
 from smoe.runtime.cuda.cache import GpuExpertCache
+from smoe.runtime.cuda.routing import fused_route
 from smoe.runtime.kv import HoldsSequence, Latents, SequenceState, grown_capacity, sequence_state
 from smoe.runtime.layers import (
     MlaWeights,
@@ -172,8 +173,8 @@ class GpuDecoder(HoldsSequence):
         x = self.embed[torch.tensor(ids, device=self.device)].to(ACT)
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
-            x, h, top_i, top_w = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, **self.block_args(i))
-            x = x + self.mlp(i, h, top_i, top_w)
+            x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, **self.block_args(i))
+            x = x + self.mlp(i, h, *self.route(i, logits))
         self.state.length = start + t
         return self.logits(x)
 
@@ -212,8 +213,7 @@ class GpuDecoder(HoldsSequence):
         """Everything layer i's block needs but the residual and the positions."""
         w, held = self.layers[i], self.state.layers[i]
         shared = dict(positions=self.positions, cos=self.cos, sin=self.sin, input_norm=w.input_norm,
-                      post_norm=w.post_norm, router=w.router, correction=w.correction, eps=self.eps,
-                      routing=self.routing, dtype=self.dtype)
+                      post_norm=w.post_norm, router=w.router, eps=self.eps, dtype=self.dtype)
         if w.mla:
             weights = {f.name: getattr(w.attention, f.name) for f in fields(w.attention)}
             return shared | weights | dict(rows=held.rows, latent_dim=held.latent_dim, description=self.description)
@@ -254,12 +254,20 @@ class GpuDecoder(HoldsSequence):
         if seg == len(self.layers):
             s.logits.copy_(self.logits(s.x + added))
             return
-        x, h, top_i, top_w = self.run_block(self.layers[seg], s.x, added, s.pos, self.block_args(seg))
+        x, h, logits = self.run_block(self.layers[seg], s.x, added, s.pos, self.block_args(seg))
         s.x.copy_(x)
         s.h.copy_(h)
-        if top_i is not None:
+        if logits is not None:
+            top_i, top_w = self.route(seg, logits)
             s.top_i.copy_(self.routed(seg, top_i))
             s.top_w.copy_(top_w)
+
+    def route(self, i: int, logits):
+        """Layer i's (top-k ids, weights) from its router's logits (None, None for a dense layer): one Triton
+        kernel on the GPU (smoe.runtime.cuda.routing), smoe.moe.route elsewhere."""
+        if logits is None:
+            return None, None
+        return fused_route(self.routing, logits, self.layers[i].correction)
 
     def routed(self, seg: int, top_i):
         """The experts layer seg runs: its router's (a benchmark's subclass replays recorded ones)."""
@@ -329,8 +337,8 @@ class GpuDecoder(HoldsSequence):
         self.cache.close()
 
 
-def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router, correction,
-              description, eps: float, routing, dtype, **attention):
+def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router,
+              description, eps: float, dtype, **attention):
     """attention_block's contract for an MLA layer, through the layer library's absorbed attention over the
     compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it. Its
     weights come as plain tensors (`attention`: MlaWeights' fields) and the bundles are made inside, so one
@@ -341,17 +349,14 @@ def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, inpu
     x = x + mla_attention(description, MlaWeights(**attention), rms_norm(x, input_norm, eps), Latents(rows, latent_dim),
                           step)
     h = rms_norm(x, post_norm, eps).to(dtype)
-    if router is None:
-        return x, h, None, None
-    top_i, top_w = route(routing, F.linear(h, router), correction)
-    return x, h, top_i, top_w
+    return x, h, F.linear(h, router) if router is not None else None
 
 
 def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qk_norm, o, post_norm,
-                    router, correction, heads: int, kv_heads: int, eps: float, routing, dtype):
+                    router, heads: int, kv_heads: int, eps: float, dtype):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
     (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
-    cache, then the experts' input h and the routing (top-k ids and weights; None for a dense layer).
+    cache, then the experts' input h and the router's logits (None for a dense layer).
     A pure function of its tensors, so that it can be compiled once and serve every layer."""
     if added is not None:
         x = x + added
@@ -371,10 +376,7 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
                                          enable_gqa=True)
     x = x + F.linear(out[0].transpose(0, 1).reshape(t, -1), o)
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
-    if router is None:
-        return x, h, None, None
-    top_i, top_w = route(routing, F.linear(h, router), correction)
-    return x, h, top_i, top_w
+    return x, h, F.linear(h, router) if router is not None else None
 
 
 EAGER_BLOCKS = {"gqa": attention_block, "mla": mla_block}
