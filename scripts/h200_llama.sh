@@ -7,6 +7,11 @@
 # PART=bench: wait for the build, then both benchmarks. Each part starts from nothing if it must.
 # TESTS="pytest arguments": the prepare part also runs these tests while the build finishes.
 # Usage (on a CUDA machine, repository root): PART=prepare bash scripts/h200_llama.sh; PART=bench bash scripts/h200_llama.sh
+# The llama.cpp sources (the ones llama-cpp-python 0.3.36 builds, as in constraints.txt), made on any machine:
+#   pip download --no-deps --no-binary :all: llama_cpp_python==0.3.36 -d /tmp/src && tar xzf /tmp/src/*.tar.gz -C /tmp/src
+#   cp -r /tmp/src/llama_cpp_python-0.3.36/vendor/llama.cpp .dev/llama.cpp   # then remove ggml/src/ggml-{cann,sycl,
+#   vulkan,metal,opencl,hexagon,webgpu,musa,hip,openvino,zdnn,zendnn,virtgpu,et}, tools/ui, docs, models, tests
+#   (27 MB left, so the tree uploads to a machine with no network)
 set -uo pipefail
 source scripts/device_env.sh
 src=${LLAMA_SRC:-.dev/llama.cpp}
