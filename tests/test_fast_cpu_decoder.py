@@ -15,17 +15,9 @@ from smoe.testing import vaults
 
 def tiny_vault(tmp_path: Path, family: str, depth) -> Path:
     """depth 4 or 2, or "mixed": per MoE layer, gate/up and down at different depths, alternating."""
-    if depth != "mixed":
-        return vaults.tiny_vault(tmp_path, family, depth, seed=2)
-    model = vaults.tiny_model_dir(tmp_path, family, seed=2)
-    with Vault(vaults.vault_of(model, tmp_path / "probe")) as v:
-        layers = v.meta["moe_layers"]
-    plan = {}
-    for n, layer in enumerate(layers):
-        plan |= {(layer, "gate"): 4 - 2 * (n % 2), (layer, "up"): 4 - 2 * (n % 2), (layer, "down"): 2 + 2 * (n % 2)}
-    with Vault(vaults.vault_of(model, tmp_path / "vault", plan=plan)) as v:
-        assert set(v.tensor_bits()["down"]) == {2, 4}
-    return tmp_path / "vault"
+    if depth == "mixed":
+        return vaults.mixed_vault(tmp_path, family, seed=2)
+    return vaults.tiny_vault(tmp_path, family, depth, seed=2)
 
 
 def open_codes(vault: Path) -> OpenedVault:
@@ -62,6 +54,13 @@ def check_steps(sm: OpenedVault, steps: int = 10) -> None:
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_compiled_step_matches_the_eager_and_transformers_paths_on_tiny_models(family, depth, tmp_path):
     check_steps(open_codes(tiny_vault(tmp_path, family, depth)))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_compiled_mla_step_matches_the_eager_and_transformers_paths_on_a_mixed_plan(family, tmp_path):
+    """DeepSeek's layout (MLA, shared expert, dense first layer; V3's grouped sigmoid routing in the route
+    kernel) with gate/up and down at different depths per layer, as a bit plan writes them."""
+    check_steps(open_codes(tiny_vault(tmp_path, family, "mixed")))
 
 
 @pytest.mark.parametrize("bits", [4, 2])

@@ -19,7 +19,7 @@ from smoe.quality.evaluate import load_reference
 from smoe.runtime.cuda.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
 from smoe.runtime.cuda.decode import GpuDecoder
 from smoe.runtime.model import OpenedVault
-from smoe.testing.vaults import kernel_sized_vault, tiny_vault_and_reference
+from smoe.testing.vaults import dequantised_reference, kernel_sized_vault, mixed_vault, tiny_vault_and_reference
 
 TOLERANCE = 1e-4  # fp32: the same weights, another summation order
 CUDA = torch.cuda.is_available()
@@ -139,6 +139,19 @@ def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(fami
     got = decode_in_pieces(dec, ids)
     want = load_reference(reference)(torch.tensor([ids]))[0]
     assert relative_error(want, got) < TOLERANCE
+    assert dec.cache.stats.misses > dec.cache.stats.hits > 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_segmented_decoder_matches_the_dequantised_reference_on_a_mixed_plan(family, tmp_path):
+    """Gate/up and down at different depths per layer (a bit plan's vault): one blob layout per layer."""
+    vault = mixed_vault(tmp_path, family, seed=2)
+    reference = dequantised_reference(vault, tmp_path)
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, sm.vault.meta["top_k"] + 2), max_positions=64)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = decode_in_pieces(dec, ids)
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
     assert dec.cache.stats.misses > dec.cache.stats.hits > 0
 
 

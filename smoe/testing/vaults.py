@@ -16,6 +16,7 @@ import torch
 
 from smoe.convert.dequantize import dequantize
 from smoe.convert.sculpt import sculpt
+from smoe.format.vault import Vault
 from smoe.testing.tiny_models import save_tiny_model
 
 # Beside the repository (its parent directory), as in a development checkout; absent elsewhere,
@@ -57,6 +58,21 @@ def dequantised_reference(vault: Path, tmp: Path, dtype: torch.dtype = torch.flo
                           name: str = "reference") -> Path:
     """The transformers model of `vault` with its experts decoded, at tmp/name (fp32: for comparisons)."""
     return dequantize(vault, Path(tmp) / name, dtype=dtype)
+
+
+def mixed_vault(tmp: Path, family: str, seed: int = 0) -> Path:
+    """tmp/vault of a tiny `family` model sculpted by a plan: per MoE layer, gate/up and down at different
+    depths, alternating between layers (what `smoe plan` makes, without measuring)."""
+    model = tiny_model_dir(tmp, family, seed=seed)
+    with Vault(vault_of(model, Path(tmp) / "probe")) as v:
+        layers = v.meta["moe_layers"]
+    plan = {}
+    for n, layer in enumerate(layers):
+        plan |= {(layer, "gate"): 4 - 2 * (n % 2), (layer, "up"): 4 - 2 * (n % 2), (layer, "down"): 2 + 2 * (n % 2)}
+    vault = vault_of(model, Path(tmp) / "vault", plan=plan)
+    with Vault(vault) as v:
+        assert set(v.tensor_bits()["down"]) == {2, 4}
+    return vault
 
 
 def tiny_vault_and_reference(tmp: Path, family: str, bits: int = 4, seed: int = 0) -> tuple[Path, Path]:
