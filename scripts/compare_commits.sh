@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # CPU decode of two commits in one run: each commit sculpts the shared model with its own code (vault
 # formats may differ), then `smoe bench runtime` alternates between them ROUNDS times.
-# Usage: bash scripts/compare_commits.sh OLD_COMMIT NEW_COMMIT [ROUNDS]   (from the repository root, after make venv)
+# Usage: [MODEL=DIR] bash scripts/compare_commits.sh OLD_COMMIT NEW_COMMIT [ROUNDS]   (from the repository root, after
+# make venv; MODEL defaults to the shared qwen3-moe-28m)
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-3}
 work=$(mktemp -d /tmp/smoe-compare.XXXX)
 py="$(pwd)/.venv/bin/python"
-model=$(realpath ../shared/models/qwen3-moe-28m)
+model=$(realpath "${MODEL:-../shared/models/qwen3-moe-28m}")  # MODEL=DIR: another model
 for c in "$old" "$new"; do
   git worktree add -q --detach "$work/$c" "$c"
   # from inside the worktree: `python -m` puts the working directory first on the path
