@@ -28,7 +28,8 @@ CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a norm
 # group-limited families get two groups of two experts in their tiny model, so the groups matter
 GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "nemotron_h": {}, "mistral4": {},
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
-GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1"}  # the tiny families the GPU's fast decoder covers
+# the tiny families the GPU's fast decoder covers
+GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe"}
 CPU = GPU | {"ernie4_5_moe"}  # and the CPU's (interleaved rotary in GQA attention)
 
 

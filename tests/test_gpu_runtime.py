@@ -19,7 +19,14 @@ from smoe.quality.evaluate import load_reference
 from smoe.runtime.cuda.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
 from smoe.runtime.cuda.decode import GpuDecoder
 from smoe.runtime.model import OpenedVault
-from smoe.testing.vaults import dequantised_reference, kernel_sized_vault, mixed_vault, tiny_vault_and_reference
+from smoe.testing.vaults import (
+    dequantised_reference,
+    kernel_sized_vault,
+    mixed_vault,
+    tiny_model_dir,
+    tiny_vault_and_reference,
+    vault_of,
+)
 
 TOLERANCE = 1e-4  # fp32: the same weights, another summation order
 CUDA = torch.cuda.is_available()
@@ -127,7 +134,7 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 # --- the decoder ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1", "glm4_moe"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
@@ -142,10 +149,19 @@ def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(fami
     assert dec.cache.stats.misses > dec.cache.stats.hits > 0
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+GLM45_LAYOUT = dict(attention_bias=True, use_qk_norm=True)  # with glm4_moe's partial rotary and shared expert
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "glm4_moe-biases-qk-norm"])
 def test_segmented_decoder_matches_the_dequantised_reference_on_a_mixed_plan(family, tmp_path):
-    """Gate/up and down at different depths per layer (a bit plan's vault): one blob layout per layer."""
-    vault = mixed_vault(tmp_path, family, seed=2)
+    """Gate/up and down at different depths per layer (a bit plan's vault): one blob layout per layer; and
+    GLM-4.5's attention (q/k/v biases, q/k norm, partial rotary) on the GPU decoder's block."""
+    if family == "glm4_moe-biases-qk-norm":
+        model = tiny_model_dir(tmp_path, "glm4_moe", seed=2, architecture=GLM45_LAYOUT)
+        plan = {(layer, role): 2 if (layer, role) == (1, "down") else 4 for layer in (1, 2) for role in ("gate", "up", "down")}
+        vault = vault_of(model, tmp_path / "vault", plan=plan)
+    else:
+        vault = mixed_vault(tmp_path, family, seed=2)
     reference = dequantised_reference(vault, tmp_path)
     sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, sm.vault.meta["top_k"] + 2), max_positions=64)
@@ -245,7 +261,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe"])
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):

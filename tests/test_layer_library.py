@@ -38,6 +38,22 @@ MLA_VARIANTS = {
 }
 
 
+# GQA variants beyond the tiny defaults: GLM-4.5's layout in full (q/k/v biases, per-head q/k norm, partial
+# rotary, sigmoid routing with correction bias and a shared expert, a dense first layer)
+GQA_VARIANTS = {
+    "glm4_moe-biases-qk-norm": ("glm4_moe", dict(attention_bias=True, use_qk_norm=True)),
+}
+
+
+@pytest.mark.parametrize("variant", GQA_VARIANTS)
+def test_gqa_attention_matches_transformers_with_biases_norms_and_partial_rotary(variant, tmp_path):
+    family, architecture = GQA_VARIANTS[variant]
+    model = vaults.tiny_model_dir(tmp_path, family, seed=3, architecture=architecture)
+    vault = vaults.vault_of(model, tmp_path / "vault")
+    assert fast_decoder_gap(describe_model(tiny_config(family, **architecture).to_dict()), "cuda") is None
+    check_fast_against_reference(vault, vaults.dequantised_reference(vault, tmp_path), "codes")
+
+
 def test_the_library_covers_deepseek_v2_and_v3_on_both_devices():
     assert {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"} <= set(LIBRARY)
     for family in ("deepseek_v2", "deepseek_v3"):

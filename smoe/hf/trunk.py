@@ -40,8 +40,10 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
 
 def gqa_tensors(attn, qk_norm: bool) -> dict:
     fuse_qkv(attn)
+    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
     return dict(qkv=attn.smoe_qkv, q_norm=attn.q_norm.weight.detach() if qk_norm else None,
-                k_norm=attn.k_norm.weight.detach() if qk_norm else None, o=attn.o_proj.weight.detach())
+                k_norm=attn.k_norm.weight.detach() if qk_norm else None, o=attn.o_proj.weight.detach(),
+                qkv_bias=torch.cat([b.detach() for b in biases]) if biases[0] is not None else None)
 
 
 def mla_tensors(attn) -> dict:

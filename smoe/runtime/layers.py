@@ -35,6 +35,7 @@ class GqaWeights:
     q_norm: torch.Tensor | None  # per-head RMSNorm weights [head_dim], when the description has them
     k_norm: torch.Tensor | None
     o: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # [q; k; v] biases, when the description has them (GLM-4.5, Qwen2-MoE)
 
 
 @dataclass
@@ -147,9 +148,13 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x, cos, sin, interleaved: bool = False):
-    """Rotary embedding of x [T, heads, d] with tables [T, 1, d]. Half-split: (x_i, x_{i+d/2}) pairs
+    """Rotary embedding of x [T, heads, d] with tables [T, 1, r]. Half-split: (x_i, x_{i+r/2}) pairs
     (rotate_half). Interleaved: (x_2i, x_2i+1) pairs, written out half-split; the query and the key get
-    the same permutation, so their dot products are those of the interleaved layout."""
+    the same permutation, so their dot products are those of the interleaved layout. Partial rotary
+    (tables narrower than the head, r < d): the first r values of each head rotate, the rest pass."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat([rotate(x[..., :width], cos, sin, interleaved), x[..., width:]], dim=-1)
     half = x.shape[-1] // 2
     if interleaved:
         c, s = cos[..., :half], sin[..., :half]
@@ -174,7 +179,8 @@ def attend(query, key, value, step: Step, scale: float | None = None):
 def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: Step):
     a, t = d.attention, h.shape[0]
     hd, end = a.head_dim, step.end
-    q, k, v = matmul(h, w.qkv).split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
+    qkv = matmul(h, w.qkv) if w.qkv_bias is None else matmul(h, w.qkv) + w.qkv_bias
+    q, k, v = qkv.split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
     q, k = q.view(t, a.heads, hd), k.view(t, a.kv_heads, hd)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)

@@ -33,16 +33,21 @@ def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
                  (device != "cpu" and interleaved_gqa, "interleaved rotary in GQA attention"))
 
 
+# the description's extras the layer library computes: rotary in pairs, and over part of each head
+LIBRARY_EXTRAS = ("interleaved_rotary", "partial_rotary")
+
+
 def library_gap(d: ModelDescription) -> str | None:
-    """What the layer library lacks for d: it runs GQA attention without biases, windows or sinks (per-head
-    q/k RMSNorm optional) and MLA without biases, rotary half-split or interleaved; every routing kind
+    """What the layer library lacks for d: it runs GQA attention without windows or sinks (q/k/v biases and
+    per-head q/k RMSNorm optional) and MLA without biases, rotary half-split or interleaved, over the whole head or
+    part of it; every routing kind
     smoe.moe.route computes; SiLU-gated experts without biases; shared experts without a gate; gated
     SiLU dense layers; no other EXTRAS."""
     a, r, e = d.attention, d.routing, d.experts
     return _gaps(
         (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
         (a.qk_norm not in (None, "head") or (a.kind == "mla" and a.qk_norm), f"{a.qk_norm} q/k norm"),
-        (a.bias, "attention biases"),
+        (a.bias and a.kind == "mla", "attention biases"),
         (bool(a.sliding_layers), "sliding-window attention"),
         (a.sinks, "attention sinks"),
         (bool(a.mixer_layers), "linear-attention or state-space layers"),
@@ -53,7 +58,7 @@ def library_gap(d: ModelDescription) -> str | None:
         (e.clamp is None and (not e.gated or e.activation != "silu"), f"{e.activation} experts"),
         (e.biases, "expert biases"),
         (d.shared_experts > 0 and d.shared_gate, "gated shared experts"),
-        *((True, f"{extra}") for extra in d.extras if extra != "interleaved_rotary"),
+        *((True, f"{extra}") for extra in d.extras if extra not in LIBRARY_EXTRAS),
     )
 
 

@@ -299,7 +299,8 @@ def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
         attention = (q_a, as_numpy(a.q_a_norm) if a.q_a is not None else empty, as_numpy(a.q if a.q is not None else a.q_b),
                      as_numpy(a.kv_a), as_numpy(a.kv_a_norm), kv_b[:, : a.nope], kv_b[:, a.nope :], as_numpy(a.o))
     else:
-        attention = (as_numpy(a.qkv), as_numpy(a.q_norm) if a.q_norm is not None else empty,
+        attention = (as_numpy(a.qkv), a.qkv_bias.float().contiguous().numpy() if a.qkv_bias is not None else empty,
+                     as_numpy(a.q_norm) if a.q_norm is not None else empty,
                      as_numpy(a.k_norm) if a.k_norm is not None else empty, as_numpy(a.o))
     return CompiledLayer(
         as_numpy(w.input_norm), attention, as_numpy(w.post_norm),

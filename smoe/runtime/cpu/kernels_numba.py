@@ -369,11 +369,11 @@ def route_work_size(experts: int, n_group: int) -> int:
 
 
 @jit
-def attention_and_route(x, pos, heads, eps, input_norm, qkv, q_norm, k_norm, o, post_norm, router, k_cache, v_cache,
-                        cos, sin, interleaved, k, normalize, h, top_i, top_w, work, wide):
+def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, router, k_cache,
+                        v_cache, cos, sin, interleaved, k, normalize, h, top_i, top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
     h = the experts' (post-norm) input, and the router's top-k (router of shape [0, H]: a dense layer,
-    nothing routed). Caches are [kv_heads, positions, hd] fp32; q_norm / k_norm of length 0: none.
+    nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, q_norm / k_norm of length 0: none.
     `work`: fp32 scratch of attention_work_size(...) or more."""
     n = x.shape[0]
     kv_heads, positions, hd = k_cache.shape
@@ -389,6 +389,8 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, q_norm, k_norm, o, 
     out = work[at : at + n]
     rms_norm(x, input_norm, eps, h)
     matvec(qkv, h, proj, wide)
+    for j in range(qkv_bias.shape[0]):  # length 0: no biases
+        proj[j] += qkv_bias[j]
     for head in range(heads + kv_heads):  # q heads then k heads: per-head norm, then rotary
         v = proj[head * hd : (head + 1) * hd]
         if q_norm.shape[0]:
@@ -515,10 +517,12 @@ def mla_attention(x, pos, heads, eps, input_norm, q_a, q_a_norm, q_b, kv_a, kv_a
 
 @jit
 def _rope(v, cos, sin, interleaved, tmp):
+    """Rotary over the first len(cos) values of v (all of them but for partial rotary), in place."""
+    part = v[: cos.shape[0]]
     if interleaved:
-        rotate_pairs(v, cos, sin, tmp)
+        rotate_pairs(part, cos, sin, tmp)
     else:
-        rotate(v, cos, sin, tmp)
+        rotate(part, cos, sin, tmp)
 
 
 def mla_work_size(heads: int, nope: int, rope: int, v_head: int, q_rank: int, latent: int, positions: int,
