@@ -134,7 +134,8 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 # --- the decoder ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1", "glm4_moe", "olmoe",
+                                    "minimax_m2"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
@@ -261,7 +262,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe"])
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):

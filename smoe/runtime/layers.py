@@ -32,7 +32,7 @@ ACT = torch.float32  # the residual stream and activations; matrices may stay in
 @dataclass
 class GqaWeights:
     qkv: torch.Tensor  # [q; k; v] rows
-    q_norm: torch.Tensor | None  # per-head RMSNorm weights [head_dim], when the description has them
+    q_norm: torch.Tensor | None  # RMSNorm weights per head [head_dim], or over all heads [heads * head_dim]
     k_norm: torch.Tensor | None
     o: torch.Tensor
     qkv_bias: torch.Tensor | None = None  # [q; k; v] biases, when the description has them (GLM-4.5, Qwen2-MoE)
@@ -181,8 +181,10 @@ def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: St
     hd, end = a.head_dim, step.end
     qkv = matmul(h, w.qkv) if w.qkv_bias is None else matmul(h, w.qkv) + w.qkv_bias
     q, k, v = qkv.split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
+    if a.qk_norm == "full":  # OLMoE's: one norm over all heads, before they are split
+        q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
     q, k = q.view(t, a.heads, hd), k.view(t, a.kv_heads, hd)
-    if w.q_norm is not None:
+    if a.qk_norm == "head":
         q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
     q, k = rotate(torch.cat([q, k], dim=1), step.cos, step.sin, step.interleaved).split([a.heads, a.kv_heads], dim=1)
     kv.k.index_copy_(1, step.pos, k.transpose(0, 1).to(kv.k.dtype))

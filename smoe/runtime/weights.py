@@ -13,7 +13,7 @@ def layer_weights(layer, description: ModelDescription) -> LayerWeights:
     """One transformers decoder layer's trunk tensors (smoe.hf.trunk) as the layer library's bundle; MLA's
     kv_b [heads * (nope + v_head), latent] viewed per head (nothing is copied)."""
     a = description.attention
-    tensors = layer_tensors(layer, mla=a.kind == "mla", qk_norm=a.qk_norm == "head")
+    tensors = layer_tensors(layer, mla=a.kind == "mla", qk_norm=a.qk_norm in ("head", "full"))
     attention = tensors.pop("attention")
     if a.kind == "mla":
         kv_b = attention.pop("kv_b")
@@ -39,14 +39,13 @@ LIBRARY_EXTRAS = ("interleaved_rotary", "partial_rotary")
 
 def library_gap(d: ModelDescription) -> str | None:
     """What the layer library lacks for d: it runs GQA attention without windows or sinks (q/k/v biases and
-    per-head q/k RMSNorm optional) and MLA without biases, rotary half-split or interleaved, over the whole head or
-    part of it; every routing kind
-    smoe.moe.route computes; SiLU-gated experts without biases; shared experts without a gate; gated
-    SiLU dense layers; no other EXTRAS."""
+    q/k RMSNorm per head or over all heads optional) and MLA without biases, rotary half-split or
+    interleaved, over the whole head or part of it; every routing kind smoe.moe.route computes; SiLU-gated
+    experts without biases; shared experts without a gate; gated SiLU dense layers; no other EXTRAS."""
     a, r, e = d.attention, d.routing, d.experts
     return _gaps(
         (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
-        (a.qk_norm not in (None, "head") or (a.kind == "mla" and a.qk_norm), f"{a.qk_norm} q/k norm"),
+        (a.qk_norm not in (None, "head", "full") or (a.kind == "mla" and a.qk_norm), f"{a.qk_norm} q/k norm"),
         (a.bias and a.kind == "mla", "attention biases"),
         (bool(a.sliding_layers), "sliding-window attention"),
         (a.sinks, "attention sinks"),

@@ -373,7 +373,8 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
                         v_cache, cos, sin, interleaved, k, normalize, h, top_i, top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
     h = the experts' (post-norm) input, and the router's top-k (router of shape [0, H]: a dense layer,
-    nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, q_norm / k_norm of length 0: none.
+    nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, q_norm / k_norm of length 0: none;
+    q_norm / k_norm of length hd: per head, longer: over all heads.
     `work`: fp32 scratch of attention_work_size(...) or more."""
     n = x.shape[0]
     kv_heads, positions, hd = k_cache.shape
@@ -391,9 +392,13 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
     matvec(qkv, h, proj, wide)
     for j in range(qkv_bias.shape[0]):  # length 0: no biases
         proj[j] += qkv_bias[j]
+    full = q_norm.shape[0] > hd  # one norm over all q heads and one over all k heads (OLMoE), else per head
+    if full:
+        rms_norm(proj[: heads * hd], q_norm, eps, proj[: heads * hd])
+        rms_norm(proj[heads * hd : (heads + kv_heads) * hd], k_norm, eps, proj[heads * hd : (heads + kv_heads) * hd])
     for head in range(heads + kv_heads):  # q heads then k heads: per-head norm, then rotary
         v = proj[head * hd : (head + 1) * hd]
-        if q_norm.shape[0]:
+        if q_norm.shape[0] and not full:
             rms_norm(v, q_norm if head < heads else k_norm, eps, v)
         _rope(v, cos[pos], sin[pos], interleaved, tmp)
     for g in range(kv_heads):

@@ -72,8 +72,10 @@ class GpuLayer:
         else:
             self.qkv, self.o = put(attn.qkv), put(attn.o)
             self.qkv_bias = put(attn.qkv_bias, dtype) if attn.qkv_bias is not None else None
-            self.qk_norm = None
-            if attn.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
+            self.qk_norm = self.q_norm_full = self.k_norm_full = None
+            if description.attention.qk_norm == "full":  # over all heads: q and k each normalised whole
+                self.q_norm_full, self.k_norm_full = put(attn.q_norm, dtype), put(attn.k_norm, dtype)
+            elif attn.q_norm is not None:  # [heads + kv_heads, head_dim]: q and k heads normalised by one kernel
                 a = description.attention
                 self.qk_norm = torch.cat([put(attn.q_norm, dtype).expand(a.heads, -1),
                                           put(attn.k_norm, dtype).expand(a.kv_heads, -1)])
@@ -219,7 +221,8 @@ class GpuDecoder(HoldsSequence):
             weights = {f.name: getattr(w.attention, f.name) for f in fields(w.attention)}
             return shared | weights | dict(rows=held.rows, latent_dim=held.latent_dim, description=self.description)
         return shared | dict(k_cache=held.k[None], v_cache=held.v[None], qkv=w.qkv, qkv_bias=w.qkv_bias,
-                             qk_norm=w.qk_norm, o=w.o, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+                             qk_norm=w.qk_norm, q_norm_full=w.q_norm_full, k_norm_full=w.k_norm_full, o=w.o,
+                             heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
 
     def logits(self, x):
         return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
@@ -353,8 +356,8 @@ def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, inpu
     return x, h, F.linear(h, router) if router is not None else None
 
 
-def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qkv_bias, qk_norm, o,
-                    post_norm, router, heads: int, kv_heads: int, head_dim: int, eps: float, dtype):
+def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qkv_bias, qk_norm,
+                    q_norm_full, k_norm_full, o, post_norm, router, heads: int, kv_heads: int, head_dim: int, eps: float, dtype):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
     (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
     cache, then the experts' input h and the router's logits (None for a dense layer).
@@ -364,6 +367,9 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     t, hd = x.shape[0], head_dim  # the rotary tables cover the head or part of it (partial rotary)
     h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
     q, k, v = F.linear(h, qkv, qkv_bias).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    if q_norm_full is not None:  # one norm over all heads (OLMoE), before they are split
+        q = F.rms_norm(q, q.shape[-1:], q_norm_full, eps)
+        k = F.rms_norm(k, k.shape[-1:], k_norm_full, eps)
     qk = torch.cat([q.view(t, heads, hd), k.view(t, kv_heads, hd)], dim=1)
     if qk_norm is not None:  # one norm over q and k heads: their weights side by side
         qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
