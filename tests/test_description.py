@@ -29,7 +29,7 @@ CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a norm
 GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "nemotron_h": {}, "mistral4": {},
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
 # the tiny families the GPU's fast decoder covers
-GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2"}
+GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe"}
 CPU = GPU | {"ernie4_5_moe"}  # and the CPU's (interleaved rotary in GQA attention)
 
 
@@ -153,13 +153,13 @@ def test_fast_decoders_cover_exactly_the_descriptions_their_layers_implement():
     for device, expected in (("cpu", CPU), ("cuda", GPU)):
         assert {f for f in tiny_families() if fast_decoder_gap(description_of(f), device) is None} == expected
     assert fast_decoder_gap(description_of("ernie4_5_moe"), "cuda") == "interleaved rotary in GQA attention"
-    assert "gated shared experts" in fast_decoder_gap(description_of("qwen2_moe"))
+    assert "head_after_rotary q/k norm" in fast_decoder_gap(description_of("hunyuan_v1_moe"))
     assert set(description_of("afmoe").extras) <= set(EXTRAS)
 
 
 def test_fast_decoder_refuses_a_family_it_does_not_cover_with_the_reason(tmp_path):
-    vault = vaults.tiny_vault(tmp_path, "qwen2_moe")
-    with pytest.raises(SmoeError, match="gated shared experts"):
+    vault = vaults.tiny_vault(tmp_path, "hunyuan_v1_moe")
+    with pytest.raises(SmoeError, match="head_after_rotary q/k norm"):
         OpenedVault(vault, decoder="fast")
 
 

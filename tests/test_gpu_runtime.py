@@ -135,7 +135,7 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1", "glm4_moe", "olmoe",
-                                    "minimax_m2"])
+                                    "minimax_m2", "qwen2_moe"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)

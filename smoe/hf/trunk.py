@@ -26,7 +26,9 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
     mlp = layer.mlp
     moe = hasattr(mlp, "experts")
     router, _, correction = router_of(mlp) if moe else (None, None, None)
-    shared = getattr(mlp, "shared_experts", None) if moe else None
+    # DeepSeek's and GLM's `shared_experts`; Qwen2-MoE's `shared_expert`, scaled by its `shared_expert_gate`
+    shared = (getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)) if moe else None
+    shared_gate = getattr(mlp, "shared_expert_gate", None) if moe else None
     return dict(
         input_norm=layer.input_layernorm.weight.detach(),
         attention=mla_tensors(layer.self_attn) if mla else gqa_tensors(layer.self_attn, qk_norm),
@@ -34,6 +36,7 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
         router=router.detach() if moe else None,
         correction=correction.detach() if correction is not None else None,
         shared=mlp_tensors(shared) if shared is not None else None,
+        shared_gate=shared_gate.weight.detach() if shared_gate is not None else None,
         dense=None if moe else mlp_tensors(mlp),
     )
 

@@ -70,6 +70,7 @@ class LayerWeights:
     router: torch.Tensor | None  # None: a dense layer
     correction: torch.Tensor | None = None  # the routing correction bias (choice only)
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of the shared experts
+    shared_gate: torch.Tensor | None = None  # [1, hidden]: the shared experts' output scaled by sigmoid(it · h)
     dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
 
     def map(self, fn) -> LayerWeights:
@@ -216,7 +217,13 @@ def moe_block(d: ModelDescription, w: LayerWeights, h, experts: Experts):
     """Routed experts (weights by smoe.moe.route) plus the shared experts, on the post-attention input h."""
     top_i, top_w = route(d.routing, matmul(h, w.router), w.correction)
     out = experts(h, top_i, top_w)
-    return out if w.shared is None else out + dense_mlp(w.shared, h)
+    return out if w.shared is None else out + shared_mlp(w, h)
+
+
+def shared_mlp(w: LayerWeights, h):
+    """The shared experts' output, scaled by the sigmoid of its gate where it has one (Qwen2-MoE)."""
+    out = dense_mlp(w.shared, h)
+    return out if w.shared_gate is None else out * torch.sigmoid(matmul(h, w.shared_gate))
 
 
 def dense_mlp(weights, x):

@@ -41,7 +41,7 @@ def library_gap(d: ModelDescription) -> str | None:
     """What the layer library lacks for d: it runs GQA attention without windows or sinks (q/k/v biases and
     q/k RMSNorm per head or over all heads optional) and MLA without biases, rotary half-split or
     interleaved, over the whole head or part of it; every routing kind smoe.moe.route computes; SiLU-gated
-    experts without biases; shared experts without a gate; gated SiLU dense layers; no other EXTRAS."""
+    experts without biases; shared experts, gated or not; gated SiLU dense layers; no other EXTRAS."""
     a, r, e = d.attention, d.routing, d.experts
     return _gaps(
         (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
@@ -56,7 +56,6 @@ def library_gap(d: ModelDescription) -> str | None:
         (e.clamp is not None, "clamped SwiGLU experts"),
         (e.clamp is None and (not e.gated or e.activation != "silu"), f"{e.activation} experts"),
         (e.biases, "expert biases"),
-        (d.shared_experts > 0 and d.shared_gate, "gated shared experts"),
         *((True, f"{extra}") for extra in d.extras if extra not in LIBRARY_EXTRAS),
     )
 

@@ -166,6 +166,7 @@ class CompiledLayer:
     correction: torch.Tensor | None
     correction_scores: np.ndarray  # the correction bias as the route kernel reads it (fp32; length 0: none)
     shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    shared_gate: np.ndarray  # fp32 [hidden], the shared experts' output gate (length 0: none)
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     attention_scale: float = 0.0  # MLA's softmax scale
     state: tuple = ()  # views of the sequence state's tensors: (k, v) or (latent rows,)
@@ -204,6 +205,7 @@ class CompiledStep:
         self.logits = np.zeros(self.lm_head.shape[0], dtype=np.float32)
         self.router_logits = np.zeros(r.num_experts or 1, dtype=np.float32)
         self.no_router = np.zeros((0, hidden), dtype=np.float32)
+        self.ungated = np.zeros(0, dtype=np.float32)
         self.top_i = np.zeros(dec.top_k, dtype=np.int64)
         self.route_work = np.zeros(kn.route_work_size(r.num_experts or 1, r.n_group), dtype=np.float32)
         self.bound = None  # (state, its generation) the state views and work buffer were made for
@@ -238,13 +240,13 @@ class CompiledStep:
         for i, layer in enumerate(self.layers):
             self.attention(layer, pos)
             if layer.dense is not None:
-                kn.dense_mlp(self.x, self.h, *layer.dense, self.work, self.wide)
+                kn.dense_mlp(self.x, self.h, *layer.dense, self.ungated, self.work, self.wide)
                 continue
             if not self.fused_top_k:
                 self.route(layer)
             self.experts(i)
             if layer.shared is not None:
-                kn.dense_mlp(self.x, self.h, *layer.shared, self.work, self.wide)
+                kn.dense_mlp(self.x, self.h, *layer.shared, layer.shared_gate, self.work, self.wide)
         dec.state.length = pos + 1
         kn.final_logits(self.x, self.final_norm, dec.eps, self.lm_head, self.h, self.logits, self.wide)
         return torch.from_numpy(self.logits.copy())[None]
@@ -307,6 +309,7 @@ def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
         as_numpy(w.router) if w.router is not None else nothing, w.correction,
         w.correction.float().reshape(-1).contiguous().numpy() if w.correction is not None else empty,
         tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
+        w.shared_gate.float().reshape(-1).contiguous().numpy() if w.shared_gate is not None else empty,
         tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
         a.scale if isinstance(a, MlaWeights) else 0.0,
     )

@@ -540,8 +540,9 @@ def attention_work_size(qkv_rows: int, head_dim: int, positions: int, router_row
 
 
 @jit
-def dense_mlp(x, h, gate, up, down, work, wide):
-    """x += down(silu(gate h) * up h) for a dense (unrouted) MLP layer; work: fp32 of >= 2 * inter + n."""
+def dense_mlp(x, h, gate, up, down, scale_by, work, wide):
+    """x += down(silu(gate h) * up h) for a dense (unrouted) MLP layer, times sigmoid(scale_by · h) when
+    scale_by (fp32 [n]) is not empty (Qwen2-MoE's gated shared expert); work: fp32 of >= 2 * inter + n."""
     inter = gate.shape[0]
     g = work[:inter]
     u = work[inter : 2 * inter]
@@ -551,8 +552,14 @@ def dense_mlp(x, h, gate, up, down, work, wide):
         g[j] = silu(g[j]) * u[j]
     d = work[2 * inter : 2 * inter + x.shape[0]]
     matvec(down, g, d, wide)
+    scale = np.float32(1)
+    if scale_by.shape[0]:
+        acc = np.float32(0)
+        for j in range(h.shape[0]):
+            acc += scale_by[j] * h[j]
+        scale = np.float32(1) / (np.float32(1) + np.exp(-acc))
     for j in range(x.shape[0]):
-        x[j] += d[j]
+        x[j] += scale * d[j]
 
 
 @jit

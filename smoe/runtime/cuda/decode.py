@@ -83,6 +83,7 @@ class GpuLayer:
         self.router = put(w.router) if self.moe else None
         self.correction = put(w.correction) if w.correction is not None else None
         self.shared = tuple(put(p) for p in w.shared) if w.shared is not None else None
+        self.shared_gate = put(w.shared_gate) if w.shared_gate is not None else None
         self.dense = None if self.moe else tuple(put(p) for p in w.dense)
 
 
@@ -188,7 +189,10 @@ class GpuDecoder(HoldsSequence):
         if not w.moe:
             return dense_mlp(w.dense, h)
         out = self.experts_one(i, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
-        return out if w.shared is None else out + dense_mlp(w.shared, h)
+        if w.shared is None:
+            return out
+        shared = dense_mlp(w.shared, h)
+        return out + (shared if w.shared_gate is None else shared * torch.sigmoid(F.linear(h, w.shared_gate)))
 
     def experts_chunked(self, i: int, h, top_i, top_w):
         """The layer's experts for every token, in groups of experts that fit the cache's slots together
