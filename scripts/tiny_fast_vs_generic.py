@@ -1,6 +1,7 @@
 """Decode speed of the fast CPU decoder against the generic one on each tiny family the layer library covers
 (smoe.testing.tiny_models), in one process: per family, one tiny vault, then rounds alternating the decoders,
-each generating the same greedy tokens after a warm-up (numba's compile).
+each generating the same greedy tokens after a warm-up (numba's compile). fp32: on a CPU without bf16
+instructions torch's bf16 linear takes milliseconds a call, which would measure torch rather than the decoders.
 
 Usage (repository root, after make venv): .venv/bin/python scripts/tiny_fast_vs_generic.py [ROUNDS] [FAMILY...]
 """
@@ -35,7 +36,7 @@ def main(rounds: int = 3, *families: str) -> None:
     covered = [f for f in tiny_families() if fast_decoder_gap(describe_model(tiny_config(f).to_dict())) is None]
     for family in families or covered:
         with tempfile.TemporaryDirectory() as tmp:
-            sm = OpenedVault(tiny_vault(Path(tmp), family), dtype="bfloat16", cache_bytes=1 << 30)
+            sm = OpenedVault(tiny_vault(Path(tmp), family), dtype="float32", cache_bytes=1 << 30)
             runs = {"fast": [], "generic": []}
             for _ in range(rounds):
                 for decoder in runs:
