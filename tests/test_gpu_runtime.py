@@ -335,6 +335,14 @@ def test_bench_decode_without_a_gpu_is_a_one_line_error(tmp_path):
     assert "smoe: error: smoe bench decode measures the GPU runtime: no CUDA device is available" in r.stderr
 
 
+@pytest.mark.parametrize("option,named", [(("--sources", "ram"), "--sources 'ram'"),
+                                          (("--llama-bench", "/nonexistent/llama-bench"), "not an executable file")])
+def test_bench_decode_options_are_checked_before_any_work(tmp_path, option, named):
+    r = smoe_cli("bench", "decode", "--workdir", tmp_path / "w", "--no-baseline", *option)
+    assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "w").exists()  # nothing written
+
+
 SMALL_V2_LITE_LIKE = {"hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256, "num_hidden_layers": 3,
                       "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
                       "n_shared_experts": 1, "vocab_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4,

@@ -289,7 +289,10 @@ def llama_bench_run(binary: str, gguf: Path, tokens: int, n_cpu_moe: int) -> dic
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SmoeError(f"llama-bench failed ({' '.join(cmd)}): {proc.stderr.strip()[-400:]}")
-    run = json.loads(proc.stdout)[0]
+    try:
+        run = json.loads(proc.stdout)[0]
+    except (ValueError, IndexError, KeyError):
+        raise SmoeError(f"llama-bench printed no result ({' '.join(cmd)}): {proc.stdout.strip()[-200:]}") from None
     return {"tok_s": run["avg_ts"], "stdev_tok_s": run["stddev_ts"], "n_cpu_moe": n_cpu_moe,
             "n_threads": run.get("n_threads"), "flash_attn": run.get("flash_attn"), "build": run.get("build_commit"),
             "gpu": run.get("gpu_info")}

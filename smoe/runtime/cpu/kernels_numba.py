@@ -282,19 +282,25 @@ def attend(q, k_cache, v_cache, kv_head, length, scores, out):
 
 
 @jit
+def largest(values, k, top_i):
+    """top_i[:k] = the indices of the k largest values, largest first (lowest index first among equals)."""
+    for slot in range(k):
+        best = -1
+        for i in range(values.shape[0]):
+            taken = False
+            for prev in range(slot):
+                taken = taken or top_i[prev] == i
+            if not taken and (best < 0 or values[i] > values[best]):
+                best = i
+        top_i[slot] = best
+
+
+@jit
 def top_k(logits, k, normalize, top_i, top_w):
     """The k largest logits (lowest index first among equals) and their routing weights: with
     `normalize` a softmax over the k, else their share of a softmax over all."""
     e = logits.shape[0]
-    for slot in range(k):
-        best = -1
-        for i in range(e):
-            taken = False
-            for prev in range(slot):
-                taken = taken or top_i[prev] == i
-            if not taken and (best < 0 or logits[i] > logits[best]):
-                best = i
-        top_i[slot] = best
+    largest(logits, k, top_i)
     high = logits[top_i[0]]
     total = np.float32(0)
     if normalize:
@@ -347,15 +353,7 @@ def route(logits, correction, sigmoid, n_group, topk_group, top2, k, normalize, 
             groups[worst] = np.inf
             for j in range(worst * size, (worst + 1) * size):
                 choice[j] = -np.inf
-    for slot in range(k):
-        best_i = -1
-        for i in range(e):
-            taken = False
-            for prev in range(slot):
-                taken = taken or top_i[prev] == i
-            if not taken and (best_i < 0 or choice[i] > choice[best_i]):
-                best_i = i
-        top_i[slot] = best_i
+    largest(choice, k, top_i)
     total = np.float32(0)
     for slot in range(k):
         total += scores[top_i[slot]]
