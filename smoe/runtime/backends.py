@@ -83,18 +83,29 @@ class RoutedExperts:
         return y
 
 
+@dataclass(frozen=True)
+class Options:
+    """What the user asked of the caches: every backend takes the same, each reads what concerns it."""
+
+    cache_bytes: int | None  # the store's budget; for the GPU's fast decoder, its pinned host tier
+    gpu_cache_bytes: int | None  # the GPU slot cache's budget (the GPU's fast decoder)
+    threads: int
+    direct_io: bool
+    kernel_path: str
+
+
 class StoreBackend:
     """Experts from an ExpertStore, prepared for the device, behind the family's transformers modules."""
 
     max_sequences = 16
 
-    def __init__(self, sm, cache_bytes: int | None, threads: int, direct_io: bool, kernel_path: str):
-        self.store = ExpertStore(sm.vault, cache_bytes or 0, self.preparer(sm.dtype, kernel_path, sm.device),
-                                 threads=threads, direct_io=direct_io)
+    def __init__(self, sm, o: Options):
+        self.store = ExpertStore(sm.vault, o.cache_bytes or 0, self.preparer(sm.dtype, o.kernel_path, sm.device),
+                                 threads=o.threads, direct_io=o.direct_io)
         self.routed = RoutedExperts(self.store, tuple(sm.vault.meta["roles"]))
         for layer, module in experts_modules(sm.model, sm.vault).items():
             attach_routed(module, layer, self.routed)
-        if cache_bytes is None:  # the default counts experts in their prepared (compute) size
+        if o.cache_bytes is None:  # the default counts experts in their prepared (compute) size
             self.store.cache_bytes = self.default_budget(sm)
         top_k = sm.vault.meta.get("top_k") or 1
         need = self.store.min_budget(top_k)
@@ -123,8 +134,8 @@ class StoreBackend:
 class CpuBackend(StoreBackend):
     """The CPU: the store above, and the fast CPU decoder (the compiled step) reading the same store."""
 
-    def __init__(self, sm, cache_bytes, threads, direct_io, kernel_path):
-        super().__init__(sm, cache_bytes, threads, direct_io, kernel_path)
+    def __init__(self, sm, o: Options):
+        super().__init__(sm, o)
         self._fast = None
 
     def fast_decoder(self, sm, positions: int):
@@ -141,11 +152,11 @@ class CudaStoreBackend(StoreBackend):
     """The generic decoder on a GPU: the trunk moves there, experts are decoded there to dense weights
     (torch ops; the Triton kernels belong to the fast decoder's slot cache)."""
 
-    def __init__(self, sm, cache_bytes, threads, direct_io, kernel_path):
+    def __init__(self, sm, o: Options):
         for module in experts_modules(sm.model, sm.vault).values():
             empty_parameters(module)  # meta placeholders cannot move; the experts come from the store
         sm.model.to(sm.device)
-        super().__init__(sm, cache_bytes, threads, direct_io, kernel_path)
+        super().__init__(sm, o)
 
     def preparer(self, dtype, kernel_path, device):
         def prepare(tensors, biases):
@@ -169,12 +180,12 @@ class CudaBackend:
     store = routed = None
     max_sequences = 1
 
-    def __init__(self, sm, gpu_cache_bytes: int | None, host_cache_bytes: int, threads: int, direct_io: bool):
+    def __init__(self, sm, o: Options):
         from smoe.runtime.cuda.decode import GpuDecoder
 
-        budget = gpu_cache_bytes if gpu_cache_bytes is not None else self.default_budget(sm)
-        self._decoder = GpuDecoder(sm, sm.device, budget, grown_capacity(0, 1, sm.max_positions), host_cache_bytes,
-                                   threads=threads, direct_io=direct_io)
+        budget = o.gpu_cache_bytes if o.gpu_cache_bytes is not None else self.default_budget(sm)
+        self._decoder = GpuDecoder(sm, sm.device, budget, grown_capacity(0, 1, sm.max_positions), o.cache_bytes or 0,
+                                   threads=o.threads, direct_io=o.direct_io)
 
     @staticmethod
     def default_budget(sm) -> int:
@@ -197,20 +208,16 @@ class CudaBackend:
         self._decoder.close()
 
 
-def open_backend(sm, decoder: str, cache_bytes: int | None, gpu_cache_bytes: int | None, threads: int,
-                 direct_io: bool, kernel_path: str) -> Backend:
+BACKENDS = {("cpu", "fast"): CpuBackend, ("cpu", "generic"): CpuBackend, ("cuda", "generic"): CudaStoreBackend,
+            ("cuda", "fast"): CudaBackend}
+
+
+def open_backend(sm, decoder: str, options: Options) -> Backend:
     """The backend of the vault's device for the decoder it runs (`sm.device`, `decoder` already chosen)."""
-    kind = (sm.device.type, decoder)
-    if kind == ("cuda", "fast"):
-        return CudaBackend(sm, gpu_cache_bytes, host_cache_bytes=cache_bytes or 0, threads=threads,
-                           direct_io=direct_io)
-    backend = BACKENDS.get(kind)
+    backend = BACKENDS.get((sm.device.type, decoder))
     if backend is None:
         raise SmoeError(f"smoe runs on cpu and cuda devices; not on {sm.device.type}")
-    return backend(sm, cache_bytes, threads, direct_io, kernel_path)
-
-
-BACKENDS = {("cpu", "fast"): CpuBackend, ("cpu", "generic"): CpuBackend, ("cuda", "generic"): CudaStoreBackend}
+    return backend(sm, options)
 
 
 def gpu_preferred(sm, decoder: str) -> bool:

@@ -15,7 +15,7 @@ from smoe.errors import SmoeError
 from smoe.format.dtypes import TORCH_NAMES
 from smoe.format.vault import Vault
 from smoe.hf.model import build_model, load_trunk, model_config
-from smoe.runtime.backends import gpu_preferred, open_backend
+from smoe.runtime.backends import Options, gpu_preferred, open_backend
 from smoe.runtime.decoder import SequenceStep, open_decoder
 from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.description import describe_model
@@ -64,7 +64,8 @@ class OpenedVault:
         if device == "auto" and self.device.type != "cpu" and not gpu_preferred(self, decoder):
             self.device = torch.device("cpu")  # auto: the GPU only where it measured faster (BENCHMARKS.md)
         self.decoder = pick_decoder(self, decoder)
-        self.backend = open_backend(self, self.decoder, cache_bytes, gpu_cache_bytes, threads, direct_io, kernel_path)
+        self.backend = open_backend(self, self.decoder, Options(cache_bytes, gpu_cache_bytes, threads, direct_io,
+                                                                kernel_path))
 
     @property
     def store(self):
