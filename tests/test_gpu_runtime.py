@@ -262,7 +262,8 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 
 
 @needs_cuda
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe", "qwen2_moe",
+                                    "minimax_m2", "dots1"])
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):
@@ -371,6 +372,21 @@ def test_deepseek_shaped_benchmark_vault_loads_every_trunk_tensor_and_decodes_on
         assert all(dec.cache.resident(layer, e) for layer, e in enumerate(replay[step]) if layer for e in e)
     latents = 3 * (64 + 16) * 4  # per position: each layer's latent and rotary key, fp32
     assert gpu_bytes_per_token(dec, 6) - gpu_bytes_per_token(dec, 5) == latents
+
+
+def test_mixtral_shaped_benchmark_vault_names_its_experts_as_the_fast_path_reads_them(tmp_path):
+    from smoe.bench.decode import MIXTRAL_8X7B, write_model_vault
+
+    small = {"hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 4096}
+    vault = write_model_vault(tmp_path / "v", dict(MIXTRAL_8X7B) | small, progress=False)
+    with Vault(vault) as v:
+        assert len(v.entries) == 2 * 8 and v.meta["top_k"] == 2
+        assert v.meta["expert_shapes"] == {"gate": [192, 128], "up": [192, 128], "down": [128, 192]}
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")  # every trunk tensor loads: none missing
+    assert sm.decoder == "fast" and sm.description.family == "mixtral"
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 2), max_positions=8)
+    assert torch.isfinite(dec.forward([3, 4])).all()
 
 
 def test_benchmark_gguf_is_the_vault_without_a_vocabulary_and_n_cpu_moe_leaves_the_budget_on_the_gpu(tmp_path):

@@ -62,7 +62,16 @@ DEEPSEEK_V2_LITE = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 100000,
     "eos_token_id": 100001, "dtype": "bfloat16",
 }
-MODELS = {"qwen3-30b-a3b": QWEN3_30B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+# Mixtral-8x7B's config.json: 8 experts of 4096 x 14336, top 2, no shared expert (the layout the Qwen3 shapes
+# do not cover: few, wide experts).
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "hidden_act": "silu", "router_aux_loss_coef": 0.02, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16",
+}
+MODELS = {"qwen3-30b-a3b": QWEN3_30B, "deepseek-v2-lite": DEEPSEEK_V2_LITE, "mixtral-8x7b": MIXTRAL_8X7B}
 
 
 # --- building the model --------------------------------------------------------------------------

@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsy.add_argument("--json", action="store_true", help="print the result as JSON")
     bd = bsub.add_parser("decode", help="GPU decode tok/s of a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped vault per GPU "
                          "cache budget, experts in host RAM or on disk, against transformers bf16 (CUDA only)")
-    bd.add_argument("--model", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "deepseek-v2-lite"),
+    bd.add_argument("--model", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b"),
                     help="the shapes of the synthetic vault (default qwen3-30b-a3b)")
     bd.add_argument("--workdir", default="out/bench-gpu", help="where the ~16 GB vault is built (kept for reruns)")
     bd.add_argument("--budgets", default="1.0,0.5,0.25,0.1", help="GPU cache budgets as fractions of all experts")

@@ -90,8 +90,11 @@ def kernel_sized_vault(tmp: Path, family: str, bits: int = 4) -> tuple[Path, Pat
 
     tmp = Path(tmp)
     config = tiny_config(family)
-    setattr(config, "intermediate_size" if family == "mixtral" else "moe_intermediate_size", 64)
+    # the experts' width: families with dense layers name it apart, the others (Mixtral, OLMoE) use intermediate_size
+    setattr(config, "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size", 64)
     config.num_hidden_layers = 2
+    if getattr(config, "layer_types", None):  # one entry per layer, checked on save
+        config.layer_types = config.layer_types[:2]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
@@ -100,6 +103,8 @@ def kernel_sized_vault(tmp: Path, family: str, bits: int = 4) -> tuple[Path, Pat
     model.save_pretrained(tmp / "model")
     save_tiny_tokenizer(tmp / "model", config.vocab_size)
     vault = vault_of(tmp / "model", tmp / "vault", bits)
+    with Vault(vault) as v:
+        assert all(n % 64 == 0 for shape in v.meta["expert_shapes"].values() for n in shape), v.meta["expert_shapes"]
     return vault, dequantised_reference(vault, tmp)
 
 
