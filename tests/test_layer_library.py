@@ -28,6 +28,8 @@ MLA_VARIANTS = {
     "v3-q-rank-groups": ("deepseek_v3", dict(q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
                                              routed_scaling_factor=2.5)),
     "v3-half-split-rotary": ("deepseek_v3", dict(rope_interleave=False)),
+    # GLM-4.7-Flash's rms_norm_eps 1e-5: the query and latent norms keep their own 1e-6
+    "v3-rms-eps-1e-5": ("deepseek_v3", dict(rms_norm_eps=1e-5, q_lora_rank=24)),
     "glm4_moe_lite": ("deepseek_v3", dict(q_lora_rank=24), dict(model_type="glm4_moe_lite",
                                                                 architectures=["Glm4MoeLiteForCausalLM"])),
     "v3-yarn": ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,

@@ -199,10 +199,10 @@ def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step
     outputs v_up (probs·latent); one K/V head of width latent + rope shared by every query head."""
     a, t = d.attention, h.shape[0]
     nope, r = w.nope, a.latent_dim
-    q = matmul(h, w.q) if w.q is not None else matmul(rms_norm(matmul(h, w.q_a), w.q_a_norm, step.eps), w.q_b)
+    q = matmul(h, w.q) if w.q is not None else matmul(rms_norm(matmul(h, w.q_a), w.q_a_norm, a.latent_norm_eps), w.q_b)
     q_nope, q_rope = q.view(t, a.heads, nope + a.rope_key_dim).split([nope, a.rope_key_dim], dim=-1)
     latent, k_rope = matmul(h, w.kv_a).split([r, a.rope_key_dim], dim=-1)
-    row = torch.cat([rms_norm(latent, w.kv_a_norm, step.eps),
+    row = torch.cat([rms_norm(latent, w.kv_a_norm, a.latent_norm_eps),
                      rotate(k_rope[:, None], step.cos, step.sin, step.interleaved)[:, 0]], dim=-1)
     kv.rows.index_copy_(0, step.pos, row.to(kv.rows.dtype))
     q_rope = rotate(q_rope, step.cos, step.sin, step.interleaved)

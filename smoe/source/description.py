@@ -56,6 +56,9 @@ class Attention:
     mixer_layers: tuple[int, ...] = ()  # layers with linear attention or a state-space mixer instead
     latent_dim: int = 0  # MLA: width of the compressed K/V latent (kv_lora_rank), what a cache keeps per token
     rope_key_dim: int = 0  # MLA: width of the rotary key all heads share (qk_rope_head_dim), cached beside it
+    # MLA: the eps of the query and latent norms. transformers' MLA modules (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash,
+    # Mistral 4) build q_a_layernorm and kv_a_layernorm without rms_norm_eps, so with their RMSNorm's default.
+    latent_norm_eps: float = 1e-6
 
 
 @dataclass(frozen=True)

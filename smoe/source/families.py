@@ -260,6 +260,24 @@ CONFIG_KEYS = {
 NESTED_CONFIGS = ("text_config", "language_config", "llm_config", "thinker_config")
 
 
+# Functions config -> Family | None for a model_type without a row (smoe.hf adds transformers' own:
+# this layer cannot import transformers).
+_DISCOVERERS: list = []
+
+
+def add_discoverer(discover) -> None:
+    if discover not in _DISCOVERERS:
+        _DISCOVERERS.append(discover)
+
+
+def _discovered(config: dict) -> Family | None:
+    for discover in _DISCOVERERS:
+        family = discover(config)
+        if family is not None:
+            return family
+    return None
+
+
 def supported_families() -> list[str]:
     return [f.name for f in FAMILIES]
 
@@ -282,7 +300,7 @@ def _resolve(config: dict) -> tuple[Family | None, str, list[dict]]:
     model_type = config.get("model_type")
     if not model_type:
         return None, "", [*nested, config]
-    family = _BY_TYPE.get(_normalise_type(model_type))
+    family = _BY_TYPE.get(_normalise_type(model_type)) or _discovered(config)
     if family is None:
         raise SmoeError(f"unsupported model_type {model_type!r}; supported families: "
                         f"{', '.join(supported_families())} (aliases: {', '.join(sorted(_ALIASES))})")

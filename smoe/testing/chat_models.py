@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from smoe.testing.tiny_models import TOKENIZER_TEXT, tiny_config
+from smoe.testing.tiny_models import TOKENIZER_TEXT, randomise, tiny_config
 from smoe.testing.vaults import vault_of
 
 VOCAB = 384  # the 256 bytes, the markers, and some merges
@@ -46,11 +46,7 @@ def chat_vault(tmp: Path, chat_template: str, seed: int = 0) -> Path:
     config.vocab_size, config.max_position_embeddings = VOCAB, 2048  # room for a template's tool preamble
     config.eos_token_id, config.bos_token_id, config.pad_token_id = ids["<|im_end|>"], None, ids["<|endoftext|>"]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    model = randomise(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.save_pretrained(model_dir, safe_serialization=True)
     return vault_of(model_dir, Path(tmp) / "chat-vault")

@@ -178,6 +178,40 @@ RELEASED_LAYOUT = {"gemma4_text": "per_expert", "qwen3_5_moe_text": "fused"}
 _CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
 
 
+# Sizes a family's default config is shrunk to, where it has the key (tiny_default_config).
+_SHRUNK = {
+    **_BASE, "intermediate_size": 96, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
+    "expert_ffn_hidden_size": 24, "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
+    "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k_experts": 2, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def tiny_default_config(model_type: str):
+    """transformers' default config of `model_type` shrunk to a tiny model: the sizes above where it has
+    those keys, one decoder layer of each kind its per-layer lists hold (at least two layers), each
+    per-layer list cut to match."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    values = cls().to_dict()
+    depth = values.get("num_hidden_layers")
+    per_layer = [k for k, v in values.items() if isinstance(v, list) and depth and len(v) == depth]
+    keep = [0, 1] if depth and depth > 1 else [0]
+    for key in per_layer:  # the first layer of each kind, in order
+        firsts = {repr(v): i for i, v in reversed(list(enumerate(values[key])))}
+        keep = sorted(set(keep) | set(firsts.values()))
+    for key in per_layer:
+        values[key] = [values[key][i] for i in keep]
+    for key in ("mlp_only_layers",):  # layer indices, not per-layer values
+        if isinstance(values.get(key), list):
+            values[key] = [keep.index(i) for i in values[key] if i in keep]
+    values |= {k: v for k, v in _SHRUNK.items() if values.get(k) is not None}  # None: derived from others
+    if depth:
+        values["num_hidden_layers"] = len(keep)
+    return cls(**{k: v for k, v in values.items() if k not in ("transformers_version", "model_type")})
+
+
 def tiny_families() -> list[str]:
     return sorted(TINY_CONFIGS)
 
@@ -210,13 +244,17 @@ def tiny_model(family: str, seed: int = 0, **architecture):
         model = getattr(transformers, _CAUSAL_LM[family])(config)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # from_config leaves some parameters (fused experts, norms) constant: give every parameter
-    # distinct random values, so that a wrong slice can never compare equal by accident.
+    return randomise(model, seed).float().eval()
+
+
+def randomise(model, seed: int):
+    """from_config leaves some parameters (fused experts, norms) constant: give every parameter distinct
+    random values, so that a wrong slice can never compare equal by accident."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model.float().eval()
+    return model
 
 
 def save_tiny_model(family: str, out_dir: str | Path, seed: int = 0, layout: str | None = None, **architecture):

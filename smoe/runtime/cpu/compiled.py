@@ -255,7 +255,8 @@ class CompiledStep:
         """x += the layer's attention; h = the experts' input (and the top-k, when fused)."""
         dec = self.dec
         if self.mla:
-            kn.mla_attention(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.post_norm,
+            kn.mla_attention(self.x, pos, dec.heads, dec.eps, dec.description.attention.latent_norm_eps,
+                             layer.input_norm, *layer.attention, layer.post_norm,
                              *layer.state, self.cos, self.sin, layer.attention_scale, dec.interleaved, self.h,
                              self.work, self.wide)
             return

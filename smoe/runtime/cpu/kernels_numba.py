@@ -447,8 +447,8 @@ def add_rows(w, coeffs, y, wide):
 
 
 @jit
-def mla_attention(x, pos, heads, eps, input_norm, q_a, q_a_norm, q_b, kv_a, kv_a_norm, k_up, v_up, o, post_norm,
-                  rows, cos, sin, scale, interleaved, h, work, wide):
+def mla_attention(x, pos, heads, eps, latent_eps, input_norm, q_a, q_a_norm, q_b, kv_a, kv_a_norm, k_up, v_up, o,
+                  post_norm, rows, cos, sin, scale, interleaved, h, work, wide):
     """One token's MLA at position `pos`, absorbed (smoe.runtime.layers.mla_attention): x += attention,
     h = the post-attention norm of x. q_a of shape [0, H]: no query low rank, q_b is the query projection.
     rows: the sequence's latents [positions, latent + rope]; k_up [heads, nope, latent] and v_up
@@ -480,12 +480,12 @@ def mla_attention(x, pos, heads, eps, input_norm, q_a, q_a_norm, q_b, kv_a, kv_a
     rms_norm(x, input_norm, eps, h)
     if q_a.shape[0]:
         matvec(q_a, h, qa, wide)
-        rms_norm(qa, q_a_norm, eps, qa)
+        rms_norm(qa, q_a_norm, latent_eps, qa)
         matvec(q_b, qa, q, wide)
     else:
         matvec(q_b, h, q, wide)
     matvec(kv_a, h, compressed, wide)
-    rms_norm(compressed[:latent], kv_a_norm, eps, rows[pos, :latent])
+    rms_norm(compressed[:latent], kv_a_norm, latent_eps, rows[pos, :latent])
     rows[pos, latent:] = compressed[latent:]
     _rope(rows[pos, latent:], cos[pos], sin[pos], interleaved, tmp)
     for head in range(heads):
