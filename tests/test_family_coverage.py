@@ -25,3 +25,13 @@ def test_the_walk_lists_every_family_with_a_row_that_transformers_knows():
     walked = set(coverage.moe_model_types())
     for family in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "solar_open"):
         assert family in CONFIG_MAPPING and family in walked
+
+
+def test_a_config_transformers_cannot_build_is_refused_by_name_not_a_traceback():
+    import smoe.hf  # noqa: F401 - registers the discovery, as every command does
+    from smoe.errors import SmoeError
+
+    # hy_v4 is a family transformers has and smoe's table lacks; its padding token outside the vocabulary makes
+    # transformers' own constructor fail
+    with pytest.raises(SmoeError, match="unsupported model_type 'hy_v4'"):
+        families.config_number({"model_type": "hy_v4", "vocab_size": 8, "pad_token_id": 100}, "num_experts")

@@ -30,7 +30,7 @@ def discover_family(config: dict) -> families.Family | None:
         return None
     try:
         return _discover(model_type, json.dumps(config, sort_keys=True))
-    except (TypeError, ValueError):  # a config transformers cannot build a model of
+    except Exception:  # noqa: BLE001 - a config transformers cannot build a model of: not one smoe can read
         return None
 
 
@@ -75,7 +75,8 @@ def _block_of(name: str, module, hidden: int):
 
 
 def _key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str | None:
-    """The config key whose value is `value`, preferring keys that name the experts."""
-    keys = [k for k, v in config.items() if type(v) is int and v == value]
+    """The config key whose value is `value`, preferring keys that name the routed experts (a shared
+    expert's width may equal theirs)."""
+    keys = [k for k, v in config.items() if type(v) is int and v == value and "shared" not in k]
     named = [k for k in keys if any(h in k for h in hints)]
     return (named or keys or [None])[0]

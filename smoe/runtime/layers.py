@@ -217,13 +217,13 @@ def moe_block(d: ModelDescription, w: LayerWeights, h, experts: Experts):
     """Routed experts (weights by smoe.moe.route) plus the shared experts, on the post-attention input h."""
     top_i, top_w = route(d.routing, matmul(h, w.router), w.correction)
     out = experts(h, top_i, top_w)
-    return out if w.shared is None else out + shared_mlp(w, h)
+    return out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
 
 
-def shared_mlp(w: LayerWeights, h):
-    """The shared experts' output, scaled by the sigmoid of its gate where it has one (Qwen2-MoE)."""
-    out = dense_mlp(w.shared, h)
-    return out if w.shared_gate is None else out * torch.sigmoid(matmul(h, w.shared_gate))
+def shared_mlp(shared, gate, h):
+    """The shared experts' output, scaled by the sigmoid of their gate where they have one (Qwen2-MoE)."""
+    out = dense_mlp(shared, h)
+    return out if gate is None else out * torch.sigmoid(matmul(h, gate))
 
 
 def dense_mlp(weights, x):

@@ -203,9 +203,8 @@ def tiny_default_config(model_type: str):
         keep = sorted(set(keep) | set(firsts.values()))
     for key in per_layer:
         values[key] = [values[key][i] for i in keep]
-    for key in ("mlp_only_layers",):  # layer indices, not per-layer values
-        if isinstance(values.get(key), list):
-            values[key] = [keep.index(i) for i in values[key] if i in keep]
+    if isinstance(values.get("mlp_only_layers"), list):  # layer indices, not per-layer values
+        values["mlp_only_layers"] = [keep.index(i) for i in values["mlp_only_layers"] if i in keep]
     values |= {k: v for k, v in _SHRUNK.items() if values.get(k) is not None}  # None: derived from others
     if depth:
         values["num_hidden_layers"] = len(keep)

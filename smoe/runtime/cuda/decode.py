@@ -47,6 +47,7 @@ from smoe.runtime.layers import (
     rope_tables,
     rotary_dim,
     rotate,
+    shared_mlp,
     static_step,
 )
 from smoe.runtime.weights import layer_weights
@@ -189,10 +190,7 @@ class GpuDecoder(HoldsSequence):
         if not w.moe:
             return dense_mlp(w.dense, h)
         out = self.experts_one(i, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
-        if w.shared is None:
-            return out
-        shared = dense_mlp(w.shared, h)
-        return out + (shared if w.shared_gate is None else shared * torch.sigmoid(F.linear(h, w.shared_gate)))
+        return out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
 
     def experts_chunked(self, i: int, h, top_i, top_w):
         """The layer's experts for every token, in groups of experts that fit the cache's slots together
