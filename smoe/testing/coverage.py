@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from smoe.errors import SmoeError
-from smoe.testing.tiny_models import TINY_CONFIGS, randomise, save_tiny_tokenizer, tiny_config, tiny_default_config
+from smoe.testing.tiny_models import TINY_CONFIGS, randomise, save_tiny_tokenizer, tiny_default_config, tiny_model
 
 TOLERANCE = 1e-4  # fp32 logits, relative to their largest magnitude
 MAX_PARAMETERS = 5_000_000  # a tiny model; more means the shrink missed a size
@@ -79,10 +79,12 @@ def _routes(model_type: str) -> bool:
 
 
 def tiny_model_of(model_type: str, seed: int = 0):
-    """A tiny fp32 model of `model_type`, every parameter random."""
+    """A tiny fp32 model of `model_type`, every parameter random: the hand-made one where there is one."""
     import transformers
 
-    config = tiny_config(model_type) if model_type in TINY_CONFIGS else tiny_default_config(model_type)
+    if model_type in TINY_CONFIGS:
+        return tiny_model(model_type, seed)
+    config = tiny_default_config(model_type)
     with torch.device("meta"):  # sized first: a size key the shrink does not know can leave a huge layer
         size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
