@@ -35,3 +35,44 @@ def test_a_config_transformers_cannot_build_is_refused_by_name_not_a_traceback()
     # transformers' own constructor fail
     with pytest.raises(SmoeError, match="unsupported model_type 'hy_v4'"):
         families.config_number({"model_type": "hy_v4", "vocab_size": 8, "pad_token_id": 100}, "num_experts")
+
+
+# One family per mechanism; each row names what it needs beyond the discovery above.
+MECHANISMS = {
+    "qwen3_vl_moe": "a multimodal checkpoint: its text runs through the image-text-to-text class, towers in the trunk",
+    "aria": "the release stores the experts fused under other names (fc1 / fc2), read as transformers renames them",
+    "minimax_m3_vl": "the release stores experts per expert (block_sparse_moe.experts.E.w1) and the shared "
+                     "expert's gate and up apart, which transformers' converter merges",
+    "sarvam_moe": "the trunk's fused query_key_value, which transformers' converter splits into q, k and v",
+    "deepseek_v4": "hash-routed layers (experts chosen by token id) count as MoE layers; a renaming transformers "
+                   "takes back (.norm. on the final norm) is taken back here too",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MECHANISMS))
+def test_a_family_runs_through_transformers_own_conversions_and_classes(model_type, tmp_path):
+    row = coverage.check(model_type, tmp_path)
+    assert row.passed, f"{MECHANISMS[model_type]}: {row.error}"
+    assert row.relative_error <= coverage.TOLERANCE
+
+
+def test_the_released_layout_is_read_from_transformers_save_time_conversion():
+    import torch
+
+    from smoe.hf import discover
+    from smoe.hf.model import skeleton
+    from smoe.testing.tiny_models import tiny_default_config
+
+    model = skeleton(tiny_default_config("kimi_linear"), torch.float32)
+    module = next(n for n, m in model.named_modules() if type(m).__name__.endswith("Experts"))
+    layout = discover.released_layout(model, module, transposed=False)
+    assert {role: (s.template, s.transpose, s.parts) for role, s in layout.roles.items()} == {
+        "gate": ("block_sparse_moe.experts.{e}.w1.weight", False, 1),
+        "up": ("block_sparse_moe.experts.{e}.w3.weight", False, 1),
+        "down": ("block_sparse_moe.experts.{e}.w2.weight", False, 1)}
+
+
+def test_no_false_moe_family_is_walked():
+    # classes shared with a dense family's module (llama's, gpt2's) are not routed experts
+    walked = set(coverage.moe_model_types())
+    assert not walked & {"exaone", "internlm3", "iquestcoder", "gpt-sw3", "data2vec-text", "glmga"}

@@ -38,16 +38,16 @@ def discover_family(config: dict) -> families.Family | None:
 def _discover(model_type: str, config_json: str) -> families.Family | None:
     from transformers import CONFIG_MAPPING
 
-    from smoe.hf.model import causal_lm_class
+    from smoe.hf.model import skeleton
 
     if model_type not in CONFIG_MAPPING:
         return None
     config = json.loads(config_json)
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
-    with torch.device("meta"):
-        model = causal_lm_class(hf_config)._from_config(hf_config)
-    found = {_block_of(name, module, hf_config.get_text_config().hidden_size)
-             for name, module in model.named_modules() if type(module).__name__.endswith("Experts")}
+    model = skeleton(hf_config, torch.float32)  # on the meta device
+    modules = {name: _block_of(name, module, hf_config.get_text_config().hidden_size)
+               for name, module in model.named_modules() if type(module).__name__.endswith("Experts")}
+    found = set(modules.values())
     if len(found) != 1 or None in found:
         return None
     block, transposed, inner, experts = found.pop()
@@ -55,8 +55,15 @@ def _discover(model_type: str, config_json: str) -> families.Family | None:
     inner_key = _key_holding(text, inner, ("moe", "expert"))
     if inner_key is None or _key_holding(text, experts, ("expert",)) is None:
         return None
-    return families.Family(model_type, (model_type,), families.standard(block, fused_transpose=transposed),
-                           intermediate_keys=(inner_key,))
+    released = released_layout(model, min(modules), transposed)
+    if released is None:
+        return None
+    # the release's own layout first; the others (per expert, transformers' fused, MLX) where they name
+    # other tensors: a name means one thing
+    taken = {how.template for how in released.roles.values()}
+    layouts = (released, *(layout for layout in families.standard(block, fused_transpose=transposed)
+                           if not taken & {how.template for how in layout.roles.values()}))
+    return families.Family(model_type, (model_type,), layouts, intermediate_keys=(inner_key,))
 
 
 def _block_of(name: str, module, hidden: int):
@@ -80,3 +87,68 @@ def _key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str | None
     keys = [k for k, v in config.items() if type(v) is int and v == value and "shared" not in k]
     named = [k for k in keys if any(h in k for h in hints)]
     return (named or keys or [None])[0]
+
+
+# Small sizes for the index tensors: experts, hidden, expert width (all different, so that a
+# transposed or split tensor cannot pass for another).
+_E, _H, _I = 3, 5, 2
+
+
+def released_layout(model, module: str, transposed: bool) -> families.Layout | None:
+    """How the released checkpoint stores the experts of the fused module `module`: transformers' own
+    save-time conversion (the reverse of what it applies on load: renames, per-expert splits, gate/up
+    concatenation or interleaving) applied to tensors of distinct numbers, and each tensor it writes
+    matched against what each expert's gate, up and down must be. None when a role is not found."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    gate_up = torch.arange(1, _E * 2 * _I * _H + 1, dtype=torch.float64).reshape(_E, 2 * _I, _H)
+    down = torch.arange(1, _E * _H * _I + 1, dtype=torch.float64).reshape(_E, _H, _I) + gate_up.numel()
+    wanted = {(e, role): m for e in range(_E) for role, m in
+              (("gate", gate_up[e, :_I]), ("up", gate_up[e, _I:]), ("down", down[e]))}
+    stored = {module + ".gate_up_proj": gate_up.transpose(1, 2) if transposed else gate_up,
+              module + ".down_proj": down.transpose(1, 2) if transposed else down}
+    experts = model.get_submodule(module)
+    for name, tensor in stored.items():  # conversions that compare shapes with the model's see these
+        setattr(experts, name.rsplit(".", 1)[1], torch.nn.Parameter(torch.empty_like(tensor, device="meta")))
+    layer = families._LAYER_RE.match(module)
+    roles: dict[str, families.Stored] = {}
+    for name, tensor in revert_weight_conversion(model, stored).items():
+        m = families._LAYER_RE.match(name)
+        if m is None or m["layer"] != layer["layer"]:
+            return None
+        for role, how in _stored_roles(m["rest"], tensor, wanted).items():
+            roles.setdefault(role, how)
+    if set(roles) != set(families.GATED):
+        return None
+    what = "released " + ", ".join(sorted({how.template for how in roles.values()}))
+    return families.Layout(what, roles)
+
+
+def _stored_roles(rest: str, tensor: torch.Tensor, wanted: dict) -> dict[str, families.Stored]:
+    """role -> how it is stored in this tensor (name `rest` relative to its decoder layer), for every
+    role the tensor holds the same way for every expert it holds."""
+    if tensor.dim() == 3:  # every expert, along dim 0
+        return _common([_matches(rest, tensor[e], e, wanted) for e in range(_E)])
+    experts = [e for e in range(_E) if f".{e}." in f".{rest}."]
+    if tensor.dim() != 2 or len(experts) != 1:
+        return {}
+    e = experts[0]
+    template = f".{rest}.".replace(f".{e}.", ".{e}.", 1)[1:-1]
+    return _matches(template, tensor, e, wanted)
+
+
+def _matches(template: str, matrix: torch.Tensor, e: int, wanted: dict) -> dict[str, families.Stored]:
+    found = {}
+    for transpose in (False, True):
+        rows = matrix.t() if transpose else matrix
+        for parts, interleaved in ((1, False), (2, False), (2, True)):
+            for part in range(parts):
+                piece = rows[part::parts] if interleaved else rows.chunk(parts)[part] if parts > 1 else rows
+                for role in families.GATED:
+                    if piece.shape == wanted[e, role].shape and torch.equal(piece, wanted[e, role]):
+                        found[role] = families.Stored(template, transpose, part, parts, interleaved)
+    return found
+
+
+def _common(per_expert: list[dict]) -> dict:
+    return {role: how for role, how in per_expert[0].items() if all(d.get(role) == how for d in per_expert)}

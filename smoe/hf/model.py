@@ -6,6 +6,7 @@ trunk tensor is checked to be held by the model afterwards (a load hook or tie t
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import re
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from smoe.errors import SmoeError
 from smoe.format.safetensors_io import load_tensors
@@ -97,9 +99,15 @@ def culprit(config: dict, attempt) -> str | None:
 
 
 def causal_lm_class(config):
-    """The class the checkpoint declares in `architectures`, else the Auto causal-LM mapping."""
+    """The class the checkpoint declares in `architectures`, else the Auto causal-LM mapping, else (a
+    multimodal model_type without a causal-LM class) the image-text-to-text one: smoe runs it on text
+    alone, its vision and audio towers kept, unquantised, in the trunk."""
     model_class = getattr(transformers, (config.architectures or [""])[0], None)
-    return model_class if model_class is not None else AutoModelForCausalLM
+    if model_class is not None:
+        return model_class
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
 
 
 def build_model(config, dtype: torch.dtype, streaming: bool = True, where: str = "config.json"):
@@ -120,7 +128,7 @@ def skeleton(config, dtype: torch.dtype):
     model_class = causal_lm_class(config)
     kwargs = {"experts_implementation": EXPERTS_IMPLEMENTATION, "dtype": dtype}
     with torch.device("meta"):
-        if model_class is AutoModelForCausalLM:
+        if model_class in (AutoModelForCausalLM, AutoModelForImageTextToText):
             return model_class.from_config(config, **kwargs)
         return model_class._from_config(config, **kwargs)  # what the Auto classes call
 
@@ -165,40 +173,70 @@ def load_trunk(model, vault: Vault, dtype: torch.dtype | None, is_experts=is_exp
 
 
 def read_trunk(model, vault: Vault, cast: bool) -> dict[str, torch.Tensor]:
-    """The vault's trunk under the model's names. A tensor of another shape than the model's, or one the
-    model lacks (beyond those transformers itself leaves out on load), is an error."""
+    """The vault's trunk under the model's names, through transformers' own conversions. A tensor of
+    another shape than the model's, or one the model lacks (beyond those transformers itself leaves out
+    on load), is an error."""
     tensors = load_tensors(vault.trunk_path)
-    names = place_trunk(model, {key: tuple(t.shape) for key, t in tensors.items()}, "the vault")
+    converted = convert_trunk(model, tensors, "the vault")
     expected = model.state_dict()
-    for key, name in names.items():
-        check_loadable(key, tensors[key], expected[name])
-    return {name: cast_as(tensors[key], expected[name]) if cast else tensors[key] for key, name in names.items()}
+    for name, (keys, tensor) in converted.items():
+        check_loadable(keys[0], tensor, expected[name])
+    return {name: cast_as(tensor, expected[name]) if cast else tensor for name, (_, tensor) in converted.items()}
 
 
-def place_trunk(model, shapes: dict[str, tuple[int, ...]], holder: str) -> dict[str, str]:
-    """trunk key -> the model's name for it (transformers' renamings); a tensor of another shape than the
-    model's (a router with more rows than the config's experts), or one the model lacks beyond those
-    transformers itself leaves out on load (another model type's trunk), is an error."""
+def place_trunk(model, shapes: dict[str, tuple[int, ...]], holder: str) -> None:
+    """Whether a trunk of these shapes loads into the model (converted on the meta device)."""
+    convert_trunk(model, {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}, holder)
+
+
+def convert_trunk(model, tensors: dict[str, torch.Tensor], holder: str) -> dict[str, tuple[tuple[str, ...], torch.Tensor]]:
+    """model name -> (checkpoint keys, tensor) of a trunk, as transformers loads a checkpoint: its renamings,
+    then its converters (merges of q/k/v or gate/up, splits of fused ones, interleaving, padding), which
+    gather the keys they take and convert them together. A tensor of another shape than the model's (a
+    router with more rows than the config's experts), or one the model lacks beyond those transformers
+    itself leaves out on load (another model type's trunk), is an error."""
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     expected, ignorable = model.state_dict(), ignored_on_load(model)
-    names, sources, unknown = {}, {}, []
-    for key, shape in shapes.items():
-        name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
-        if name not in expected:
-            unknown += [] if ignorable(name) else [key]
+    out, groups, unknown = {}, {}, []
+    for key, tensor in sorted(tensors.items()):
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if name not in expected and key in expected:  # as transformers: a renaming that misfired (DeepSeek-V4's
+            name, pattern = rename_source_key(key, [], [], model.base_model_prefix, expected)  # ".norm." on model.norm)
+        if pattern is None:
+            _place(out, name, (key,), tensor)
             continue
-        if tuple(shape) != tuple(expected[name].shape):
-            raise SmoeError(f"trunk tensor {key}: shape {tuple(shape)} in {holder}, "
-                            f"{tuple(expected[name].shape)} in the model config.json builds")
-        if name in sources:
-            raise SmoeError(f"trunk tensors {sources[name]} and {key} both load into {name}")
-        names[key], sources[name] = name, key
+        converter, keys = groups.setdefault(name, (copy.deepcopy(by_pattern[pattern]), []))
+        converter.add_tensor(name, key, pattern, tensor)
+        keys.append(key)
+    for first, (converter, keys) in groups.items():
+        try:
+            produced = converter.convert(first, model=model, config=model.config)
+        except Exception as e:  # a converter that cannot take what the trunk holds
+            raise SmoeError(f"trunk tensors {', '.join(keys[:3])}: transformers' conversion into {first} fails "
+                            f"({type(e).__name__}: {str(e)[:120]})") from None
+        for name, tensor in produced.items():
+            _place(out, name, tuple(keys), tensor[0] if isinstance(tensor, list) else tensor)
+    for name in [n for n in out if n not in expected]:
+        keys, _ = out.pop(name)
+        unknown += [] if ignorable(name) else list(keys)
     if unknown:
         raise SmoeError(f"the trunk has {len(unknown)} tensors the {type(model).__name__} built from config.json "
                         f"lacks (first: {unknown[:3]}): a checkpoint of another model type, layout or version?")
-    return names
+    for name, (keys, tensor) in out.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            converted = f" converted into {name}" if name in groups or len(keys) > 1 else ""
+            raise SmoeError(f"trunk tensor {', '.join(keys[:3])}: shape {tuple(tensor.shape)} in {holder}{converted}, "
+                            f"{tuple(expected[name].shape)} in the model config.json builds")
+    return out
+
+
+def _place(out: dict, name: str, keys: tuple[str, ...], tensor: torch.Tensor) -> None:
+    if name in out:
+        raise SmoeError(f"trunk tensors {out[name][0][0]} and {keys[0]} both load into {name}")
+    out[name] = (keys, tensor)
 
 
 def check_loadable(key: str, tensor: torch.Tensor, like: torch.Tensor) -> None:

@@ -242,6 +242,7 @@ FAMILIES: tuple[Family, ...] = (
     ), ("moe.expert_inner_dim",)),
 )
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+_BY_NAME = {f.name: f for f in FAMILIES}
 _ALIASES = sorted(t for f in FAMILIES for t in f.model_types if t != f.name)
 
 # Where configs keep the MoE numbers, most specific first ("a.b" = nested dict).
@@ -352,8 +353,8 @@ def _config_moe_layers(configs: list[dict], n: int) -> list[int]:
         return []
     layers = list(range(n))
     mlp_types = get("mlp_layer_types")  # glm4_moe_lite, deepseek_v32, exaone_moe: "sparse" / "dense"
-    if isinstance(mlp_types, list):
-        layers = [i for i in layers if i < len(mlp_types) and mlp_types[i] == "sparse"]
+    if isinstance(mlp_types, list):  # deepseek_v4: "moe", or "hash_moe" (experts chosen by the token id)
+        layers = [i for i in layers if i < len(mlp_types) and mlp_types[i] in ("sparse", "moe", "hash_moe")]
     mlp_only = get("mlp_only_layers") or []  # qwen
     step = get("decoder_sparse_step") or 1
     layers = [i for i in layers if i not in mlp_only and (i + 1) % step == 0]
@@ -689,10 +690,13 @@ def _heads_fit(get, family, num_experts) -> str | None:
 
 def _attention_fits(get, family, num_experts) -> str | None:
     """A window of 0 means none only where use_sliding_window says so (qwen2 writes it so); elsewhere
-    transformers masks every key. MLA (a kv_lora_rank) needs rotary and value heads."""
+    transformers masks every key. MLA (a kv_lora_rank) needs rotary and value heads in the families of
+    the table (DeepSeek's modules fail without); a family transformers adds (GLM-5-Next's rotary-free
+    latent attention) is left to its own configuration class's validators."""
     if get("sliding_window") == 0 and get("use_sliding_window") is not False:
         return "sliding_window is 0, a window that holds no token (give null for none)"
-    if get("kv_lora_rank") is not None and 0 in (get("qk_rope_head_dim"), get("v_head_dim")):
+    rotary_mla = family in _BY_NAME
+    if get("kv_lora_rank") is not None and 0 in (get("qk_rope_head_dim") if rotary_mla else 1, get("v_head_dim")):
         return (f"kv_lora_rank {get('kv_lora_rank')} (MLA attention) needs a positive qk_rope_head_dim and v_head_dim, "
                 f"got {get('qk_rope_head_dim')} and {get('v_head_dim')}")
     return None

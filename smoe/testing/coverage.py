@@ -9,7 +9,6 @@ config shrunk (tiny_default_config). `python -m smoe.testing.coverage [MODEL_TYP
 
 from __future__ import annotations
 
-import importlib
 import re
 import tempfile
 import traceback
@@ -22,7 +21,7 @@ from smoe.errors import SmoeError
 from smoe.testing.tiny_models import TINY_CONFIGS, randomise, save_tiny_tokenizer, tiny_default_config, tiny_model
 
 TOLERANCE = 1e-4  # fp32 logits, relative to their largest magnitude
-MAX_PARAMETERS = 5_000_000  # a tiny model; more means the shrink missed a size
+MAX_PARAMETERS = 8_000_000  # tiny, vision towers fixed-width convolutions included; more: the shrink missed a size
 _MOE_CLASS = re.compile(r"Experts|SparseMoe|MoE|Moe(Block|MLP|Layer)?$")
 STAGES = ("build", "quantize", "verify", "open", "generate", "compare", "passed")
 
@@ -42,21 +41,21 @@ class Row:
 
 def moe_model_types() -> list[str]:
     """Every MoE family's model_type in the installed transformers."""
+    import sys
+
+    import transformers
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
+    classes = {**MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
     found = []
-    for model_type in sorted(CONFIG_MAPPING.keys()):
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES | MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-            continue
-        name = model_type_to_module_name(model_type)
-        try:
-            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        except ImportError:  # a family needing a package this machine lacks: listed as such by the walk
+    for model_type in sorted(set(CONFIG_MAPPING.keys()) & set(classes)):
+        try:  # the module that defines the class (several types share llama's, data2vec-text has its own)
+            module = sys.modules[getattr(transformers, classes[model_type]).__module__]
+        except (ImportError, AttributeError):  # a family needing a package this machine lacks: walked, failing
             found.append(model_type)
             continue
         if any(isinstance(c, type) and issubclass(c, torch.nn.Module) and c.__module__ == module.__name__
@@ -80,17 +79,28 @@ def _routes(model_type: str) -> bool:
 
 def tiny_model_of(model_type: str, seed: int = 0):
     """A tiny fp32 model of `model_type`, every parameter random: the hand-made one where there is one."""
-    import transformers
 
     if model_type in TINY_CONFIGS:
         return tiny_model(model_type, seed)
     config = tiny_default_config(model_type)
+    auto = model_class(model_type)
     with torch.device("meta"):  # sized first: a size key the shrink does not know can leave a huge layer
-        size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        size = sum(p.numel() for p in auto.from_config(config).parameters())
     if size > MAX_PARAMETERS:
         raise SmoeError(f"the shrunk config still has {size / 1e6:.0f}M parameters (a size key the shrink lacks)")
     torch.manual_seed(seed)
-    return randomise(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed).eval()
+    return randomise(auto.from_config(config, dtype=torch.float32), seed).eval()
+
+
+def model_class(model_type: str):
+    """The Auto class of a family: its causal LM, else (a multimodal checkpoint) its image-text-to-text
+    model, which smoe runs on text alone, its towers kept in the trunk."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText
 
 
 def check(model_type: str, tmp: Path) -> Row:

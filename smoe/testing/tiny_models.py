@@ -184,31 +184,139 @@ _SHRUNK = {
     "expert_ffn_hidden_size": 24, "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
     "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k_experts": 2, "n_group": 1, "topk_group": 1,
     "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    # low-rank latent attention (MLA) and its indexer
+    "kv_lora_rank": 16, "q_lora_rank": 32, "o_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "qk_head_dim": 24, "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2,
+    # other attention kinds' widths
+    "swa_head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "linear_head_dim": 16,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "unpadded_vocab_size": 128,
+    # other names of a dense MLP's or an expert's width
+    "ffn_hidden_size": 96, "intermediate_size_mlp": 96, "moe_hidden_size": 24, "shared_experts_intermediate_size": 32,
+    "router_hidden_size": 32, "zero_expert_num": 2,
 }
 
 
 def tiny_default_config(model_type: str):
     """transformers' default config of `model_type` shrunk to a tiny model: the sizes above where it has
     those keys, one decoder layer of each kind its per-layer lists hold (at least two layers), each
-    per-layer list cut to match."""
+    per-layer list cut to match. A multimodal config's text model is shrunk so, its vision and audio
+    towers to one small layer (TOWER_SIZES)."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     values = cls().to_dict()
+    towers = {k for k, v in values.items() if isinstance(v, dict) and k != "text_config" and "model_type" in v}
+    for key in towers:
+        values[key] = _shrink_tower(values[key])
+    if isinstance(values.get("text_config"), dict):
+        values["text_config"] = _shrink_text(values["text_config"])
+        values |= {k: v for k, v in BRIDGE_SIZES.items() if values.get(k) is not None}
+    else:
+        values = _shrink_text(values)
+    return cls(**{k: v for k, v in values.items() if k not in ("transformers_version", "model_type")})
+
+
+def _shrink_text(values: dict) -> dict:
+    values = dict(values)
     depth = values.get("num_hidden_layers")
-    per_layer = [k for k, v in values.items() if isinstance(v, list) and depth and len(v) == depth]
-    keep = [0, 1] if depth and depth > 1 else [0]
-    for key in per_layer:  # the first layer of each kind, in order
-        firsts = {repr(v): i for i, v in reversed(list(enumerate(values[key])))}
-        keep = sorted(set(keep) | set(firsts.values()))
-    for key in per_layer:
-        values[key] = [values[key][i] for i in keep]
-    if isinstance(values.get("mlp_only_layers"), list):  # layer indices, not per-layer values
-        values["mlp_only_layers"] = [keep.index(i) for i in values["mlp_only_layers"] if i in keep]
-    values |= {k: v for k, v in _SHRUNK.items() if values.get(k) is not None}  # None: derived from others
+    keep = _kept_layers(values, depth)
+    for key, value in list(values.items()):
+        if key in INDEX_LISTS and isinstance(value, list):  # layer indices, not per-layer values
+            values[key] = [keep.index(i) for i in value if i in keep]
+        elif key in SOURCE_LISTS and isinstance(value, list) and len(value) == depth:
+            values[key] = [keep.index(value[i]) for i in keep]
+        elif isinstance(value, list) and depth and len(value) == depth:
+            values[key] = [value[i] for i in keep]
+    if isinstance(values.get("per_layer_config"), dict):  # {"07": {size overrides}}: kept layers, renumbered
+        values["per_layer_config"] = {str(keep.index(int(k))): _shrunk(v)
+                                      for k, v in values["per_layer_config"].items() if int(k) in keep}
+    values = _shrunk(values)
     if depth:
         values["num_hidden_layers"] = len(keep)
-    return cls(**{k: v for k, v in values.items() if k not in ("transformers_version", "model_type")})
+    return values
+
+
+INDEX_LISTS = ("mlp_only_layers", "moe_layers")  # lists of layer indices
+SOURCE_LISTS = ("kv_source_layers",)  # per layer, the index of the layer whose keys and values it reads
+
+
+def _kept_layers(values: dict, depth: int | None) -> list[int]:
+    """The first two layers and the first layer of each kind the per-layer lists (and per-layer
+    overrides) hold, with every layer a kept one reads its keys and values from."""
+    keep = {0, 1} if depth and depth > 1 else {0}
+    overrides = values.get("per_layer_config") if isinstance(values.get("per_layer_config"), dict) else {}
+    kinds = [v for k, v in values.items() if isinstance(v, list) and depth and len(v) == depth
+             and k not in INDEX_LISTS + SOURCE_LISTS]
+    if overrides and depth:
+        kinds.append([sorted(overrides.get(f"{i:02d}", overrides.get(str(i), {}))) for i in range(depth)])
+    for kind in kinds:  # the first layer of each kind
+        keep |= {kind.index(v) for v in kind}
+    for key in SOURCE_LISTS:
+        if isinstance(values.get(key), list) and len(values[key]) == depth:
+            keep |= {values[key][i] for i in keep}
+    return sorted(keep)
+
+
+def _shrunk(values: dict) -> dict:
+    """The sizes of _SHRUNK where the config has the key (None: derived from others; 0: a part the
+    family leaves out, such as GLM-5's rotary-free latent attention), keeping the relations its
+    validators check: MLA's key/value heads and head_dim, a top-k no larger than the default, the
+    multimodal rotary sections summing to half the rotary width."""
+    old = dict(values)
+    values = values | {k: v for k, v in _SHRUNK.items() if values.get(k) not in (None, 0)}
+    values |= {k: [v] * len(old[k]) for k, v in _SHRUNK.items() if isinstance(old.get(k), list)
+               and all(isinstance(x, int) for x in old[k])}  # per modality (ERNIE-VL: text, vision)
+    for key in CONFIG_TOP_K:
+        if isinstance(old.get(key), int):
+            values[key] = min(old[key], values[key])
+    if old.get("num_key_value_heads") == old.get("num_attention_heads") and old.get("num_key_value_heads"):
+        values["num_key_value_heads"] = values["num_attention_heads"]  # MLA requires as many as queries
+    if values.get("kv_lora_rank") is not None and old.get("head_dim") is not None:
+        nope, rope = old.get("qk_nope_head_dim"), old.get("qk_rope_head_dim")
+        values["head_dim"] = (values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
+                              if old["head_dim"] == (nope or 0) + (rope or 0) else values["qk_rope_head_dim"])
+    return _mrope_fitted(values)
+
+
+CONFIG_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k_experts")
+
+
+def _mrope_fitted(values: dict) -> dict:
+    """Multimodal rotary sections (time, height, width) rescaled to half the tiny rotary width."""
+    rope = dict(values.get("rope_parameters") or {})
+    sections = rope.get("mrope_section")
+    if not isinstance(sections, list) or not sections:
+        return values
+    width = values.get("qk_rope_head_dim") or int(values.get("head_dim", 16) * rope.get(
+        "partial_rotary_factor", values.get("partial_rotary_factor", 1.0)))
+    half, total = width // 2, sum(sections)
+    fitted = [max(1, s * half // total) for s in sections]
+    fitted[0] += half - sum(fitted)
+    return values | {"rope_parameters": rope | {"mrope_section": fitted}}
+
+
+# A vision or audio tower's sizes, where it has the key: one small layer feeding the text model's width.
+TOWER_SIZES = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "depth": 1, "n_layers": 1,
+    "encoder_layers": 1, "num_attention_heads": 2, "num_heads": 2, "num_key_value_heads": 2,
+    "encoder_attention_heads": 2, "head_dim": 16, "d_model": 32, "encoder_ffn_dim": 64,
+    "out_hidden_size": _BASE["hidden_size"], "text_hidden_size": _BASE["hidden_size"],
+    "output_dim": _BASE["hidden_size"], "projection_hidden_dim": 64, "projection_intermediate_size": 64,
+    "mlp_dim": 64, "downsample_hidden_size": 16, "output_channels": 16, "image_size": 64,
+}
+
+
+# A multimodal config's own sizes, of what carries a tower's output into the text model.
+BRIDGE_SIZES = {"out_hidden_size": _BASE["hidden_size"], "projector_hidden_size": 64, "projection_dim": 64}
+
+
+def _shrink_tower(values: dict) -> dict:
+    """A tower at TOWER_SIZES, its per-layer lists cut to its one layer, its own sub-towers likewise."""
+    depth = next((values[k] for k in ("num_hidden_layers", "depth", "n_layers", "encoder_layers")
+                  if isinstance(values.get(k), int)), None)
+    values = {k: _shrink_tower(v) if isinstance(v, dict) and ("hidden_size" in v or "model_type" in v)
+              else v[:1] if isinstance(v, list) and depth and len(v) == depth else v for k, v in values.items()}
+    return values | {k: v for k, v in TOWER_SIZES.items() if values.get(k) is not None}
 
 
 def tiny_families() -> list[str]:
