@@ -46,7 +46,7 @@ def _discover(model_type: str, config_json: str) -> families.Family | None:
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
     model = skeleton(hf_config, torch.float32)  # on the meta device
     modules = {name: _block_of(name, module, hf_config.get_text_config().hidden_size)
-               for name, module in model.named_modules() if type(module).__name__.endswith("Experts")}
+               for name, module in model.named_modules() if _routed(type(module).__name__)}
     found = set(modules.values())
     if len(found) != 1 or None in found:
         return None
@@ -64,6 +64,11 @@ def _discover(model_type: str, config_json: str) -> families.Family | None:
     layouts = (released, *(layout for layout in families.standard(block, fused_transpose=transposed)
                            if not taken & {how.template for how in layout.roles.values()}))
     return families.Family(model_type, (model_type,), layouts, intermediate_keys=(inner_key,))
+
+
+def _routed(class_name: str) -> bool:
+    """An experts module of routed experts (shared experts, which every token runs, are trunk)."""
+    return class_name.endswith("Experts") and "Shared" not in class_name
 
 
 def _block_of(name: str, module, hidden: int):

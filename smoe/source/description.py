@@ -265,6 +265,32 @@ def _glm4_moe(c, n):
                 shared_experts=c.get("n_shared_experts", default=1) or 0, extras=("partial_rotary",))
 
 
+def _solar_open(c, n):
+    """GLM-4.5's MoE block in Llama's decoder layer: no q/k norm, rotary over the whole head."""
+    return dict(routing=_sigmoid_biased(c), shared_experts=c.get("n_shared_experts", default=1) or 0)
+
+
+def _sarvam_moe(c, n):
+    """GLM-4.5's modules with q/k norm and rotary over the whole head (its config skips the partial default)."""
+    return dict(routing=_sigmoid_biased(c), qk_norm="head" if c.get("use_qk_norm", default=True) else None,
+                attention_bias=c.get("use_qkv_bias", "attention_bias", default=False),
+                shared_experts=c.get("n_shared_experts", "num_shared_experts", default=1) or 0)
+
+
+def _sarvam_mla(c, n):
+    """DeepSeek-V3's modules under other names for the shared-expert count."""
+    facts = _deepseek_v3(c, n)
+    return facts | dict(shared_experts=c.get("n_shared_experts", "num_shared_experts", default=1) or 0)
+
+
+def _hy_v3(c, n):
+    """Sigmoid scores chosen with a correction bias (kept on the MoE block), always normalised, scaled by
+    router_scaling_factor; per-head q/k norm; ungated shared experts."""
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True, normalise_eps=1e-20,
+                             scale=_scale(c, "router_scaling_factor")),
+                qk_norm="head", shared_experts=c.get("num_shared_experts", default=1) or 0)
+
+
 def _mixtral(c, n):
     return dict(routing=dict(normalise=True), sliding_layers=_sliding(c, n))
 
@@ -385,4 +411,6 @@ _RULES = {
     "lfm2_moe": _lfm2_moe, "gpt_oss": _gpt_oss, "llama4": _llama4, "granitemoe": _granitemoe,
     "granitemoeshared": _granitemoe, "granitemoehybrid": _granitemoehybrid, "gemma4": _gemma4,
     "nemotron_h": _nemotron_h, "dbrx": _dbrx,
+    # families transformers adds, which run without a row in smoe.source.families (smoe.hf.discover)
+    "solar_open": _solar_open, "sarvam_moe": _sarvam_moe, "sarvam_mla": _sarvam_mla, "hy_v3": _hy_v3,
 }

@@ -249,8 +249,8 @@ _ALIASES = sorted(t for f in FAMILIES for t in f.model_types if t != f.name)
 CONFIG_KEYS = {
     "num_experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
                     "ffn_config.moe_num_experts", "moe.num_experts"),
-    "top_k": ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_top_k", "moe_k", "experts_per_token",
-              "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k", "moe.experts_per_token"),
+    "top_k": ("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_top_k", "moe_k",
+              "experts_per_token", "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k", "moe.experts_per_token"),
     "hidden_size": ("hidden_size", "d_model", "n_embd"),
     "num_layers": ("num_hidden_layers", "n_layers", "num_layers", "n_layer"),
     "mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"),

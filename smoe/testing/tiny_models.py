@@ -192,7 +192,8 @@ _SHRUNK = {
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "unpadded_vocab_size": 128,
     # other names of a dense MLP's or an expert's width
     "ffn_hidden_size": 96, "intermediate_size_mlp": 96, "moe_hidden_size": 24, "shared_experts_intermediate_size": 32,
-    "router_hidden_size": 32, "zero_expert_num": 2,
+    "router_hidden_size": 32, "zero_expert_num": 2, "num_experts_per_token": 2, "linear_num_heads": 4,
+    "num_expert_group": 1,
 }
 
 
@@ -278,13 +279,17 @@ def _shrunk(values: dict) -> dict:
     return _mrope_fitted(values)
 
 
-CONFIG_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k_experts")
+CONFIG_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k_experts", "num_experts_per_token")
+
+
+# sections a family's rotary module takes when its config gives none (modeling_glm4v_moe.py)
+MROPE_DEFAULT = {"glm4v_moe_text": [8, 12, 12]}
 
 
 def _mrope_fitted(values: dict) -> dict:
     """Multimodal rotary sections (time, height, width) rescaled to half the tiny rotary width."""
     rope = dict(values.get("rope_parameters") or {})
-    sections = rope.get("mrope_section")
+    sections = rope.get("mrope_section", MROPE_DEFAULT.get(values.get("model_type")))
     if not isinstance(sections, list) or not sections:
         return values
     width = values.get("qk_rope_head_dim") or int(values.get("head_dim", 16) * rope.get(
