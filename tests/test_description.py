@@ -30,7 +30,7 @@ GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "ne
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
 # the tiny families the GPU's fast decoder covers
 GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe"}
-CPU = GPU | {"ernie4_5_moe"}  # and the CPU's (interleaved rotary in GQA attention)
+CPU = GPU | {"ernie4_5_moe", "gpt_oss"}  # and the CPU's (interleaved rotary in GQA attention; gpt-oss's kinds)
 
 
 def description_of(family: str, **overrides):
@@ -153,6 +153,10 @@ def test_fast_decoders_cover_exactly_the_descriptions_their_layers_implement():
     for device, expected in (("cpu", CPU), ("cuda", GPU)):
         assert {f for f in tiny_families() if fast_decoder_gap(description_of(f), device) is None} == expected
     assert fast_decoder_gap(description_of("ernie4_5_moe"), "cuda") == "interleaved rotary in GQA attention"
+    assert fast_decoder_gap(description_of("gpt_oss"), "cuda") == (
+        "sliding-window attention, attention sinks, a router bias, clamped SwiGLU experts, expert biases")
+    assert fast_decoder_gap(description_of("mixtral", sliding_window=4), "cuda") == "sliding-window attention"
+    assert fast_decoder_gap(description_of("mixtral", sliding_window=4)) is None
     assert "head_after_rotary q/k norm" in fast_decoder_gap(description_of("hunyuan_v1_moe"))
     assert set(description_of("afmoe").extras) <= set(EXTRAS)
 

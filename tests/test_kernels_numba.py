@@ -108,19 +108,21 @@ def expert_arrays(experts, role):
     return tuple(e.weights[role].codes for e in experts), tuple(e.weights[role].steps for e in experts)
 
 
-def run_experts(experts, weights, count, hidden, inter, h):
+def run_experts(experts, weights, count, hidden, inter, h, clamp=(0.0, 0.0)):
     x = np.zeros(hidden, dtype=np.float32)
     work = np.zeros(kn.experts_work_size(hidden, inter), dtype=np.float32)
     leads = (experts[0].weights["gate"].lead, experts[0].weights["down"].lead)
+    biases = tuple(tuple(e.weights[role].bias for role in ("gate", "up", "down")) for e in experts)
     kn.experts(x, h.numpy(), count, weights, *expert_arrays(experts, "gate"), *expert_arrays(experts, "up"),
-               *expert_arrays(experts, "down"), leads, inter, work)
+               *expert_arrays(experts, "down"), biases, tuple(map(np.float32, clamp)), leads, inter, work)
     return torch.from_numpy(x)
 
 
-def random_expert(hidden, inter, bits, seed):
+def random_expert(hidden, inter, bits, seed, biases=False):
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     tensors = [kc.random_quantised(s, bits, seed=seed + i, role=r) for i, (r, s) in enumerate(shapes.items())]
-    return kc.prepare_expert(tensors, {}, torch.float32, "codes"), tensors
+    bias = {r: vector(s[0], seed=seed + 10 + i) * 0.1 for i, (r, s) in enumerate(shapes.items())} if biases else {}
+    return kc.prepare_expert(tensors, bias, torch.float32, "codes"), tensors, bias
 
 
 @pytest.mark.parametrize("bits", codec.DEPTHS)
@@ -129,10 +131,31 @@ def test_experts_kernel_matches_the_weighted_sum_of_decoded_expert_mlps(bits):
     pairs = [random_expert(hidden, inter, bits, seed=10 * e) for e in range(3)]
     h = vector(hidden) * 3
     weights = np.array([0.5, 0.3, 0.2], dtype=np.float32)
-    got = run_experts([p for p, _ in pairs], weights, 3, hidden, inter, h)
+    got = run_experts([p for p, *_ in pairs], weights, 3, hidden, inter, h)
     want = torch.zeros(hidden)
-    for w, (_, (gate, up, down)) in zip(weights, pairs):
+    for w, (_, (gate, up, down), _) in zip(weights, pairs):
         want += float(w) * (down.decode() @ (F.silu(gate.decode() @ h) * (up.decode() @ h)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("limit", [0.3, 7.0])
+def test_experts_kernel_adds_biases_and_clamps_the_swiglu_as_gpt_oss_does(limit):
+    """gpt-oss's experts: biases on gate, up and down, and the clamped SwiGLU (smoe.moe.activation), with a limit
+    the gate and up values pass (0.3) and one they stay within."""
+    from smoe.moe.activation import activate
+    from smoe.source.description import Experts
+
+    hidden, inter, kind = 64, 96, Experts(96, clamp=(1.702, limit), biases=True)
+    triples = [random_expert(hidden, inter, 4, seed=10 * e, biases=True) for e in range(2)]
+    h = vector(hidden) * 3
+    weights = np.array([0.7, 0.3], dtype=np.float32)
+    got = run_experts([p for p, *_ in triples], weights, 2, hidden, inter, h, kind.clamp)
+    want, passed = torch.zeros(hidden), 0.0
+    for w, (_, (gate, up, down), bias) in zip(weights, triples):
+        g, u = gate.decode() @ h + bias["gate"], up.decode() @ h + bias["up"]
+        passed = max(passed, float(g.max()), float(u.abs().max()))
+        want += float(w) * (down.decode() @ activate(kind, g, u) + bias["down"])
+    assert (passed > limit) == (limit < 1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 

@@ -10,7 +10,7 @@ from test_runtime import TOLERANCE, relative_error, small_budget
 
 from smoe.quality.evaluate import load_reference
 from smoe.runtime.cpu.compiled import FastCpuDecoder
-from smoe.runtime.generate import next_logits_function
+from smoe.runtime.generate import logits_function, next_logits_function
 from smoe.runtime.kv import Latents
 from smoe.runtime.model import OpenedVault
 from smoe.runtime.weights import fast_decoder_gap
@@ -54,6 +54,39 @@ def test_gqa_attention_matches_transformers_with_biases_norms_and_partial_rotary
     vault = vaults.vault_of(model, tmp_path / "vault")
     assert fast_decoder_gap(describe_model(tiny_config(family, **architecture).to_dict()), "cuda") is None
     check_fast_against_reference(vault, vaults.dequantised_reference(vault, tmp_path), "codes")
+
+
+# Sliding windows of 4 positions, well inside the 40-token prompts, on the layers each family's config names: every
+# layer (Mixtral, Qwen3-MoE), from max_window_layers on (dots1), even layers below it (Qwen2-MoE), alternate layers
+# with sinks, biases and a SwiGLU limit the tiny model's activations reach (gpt-oss).
+WINDOWED = {
+    "mixtral": ("mixtral", dict(sliding_window=4)),
+    "qwen3_moe": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4)),
+    "dots1": ("dots1", dict(sliding_window=4, max_window_layers=1)),
+    "qwen2_moe": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)),
+    "gpt_oss-clamped": ("gpt_oss", dict(sliding_window=4, swiglu_limit=0.02)),
+}
+
+
+@pytest.mark.parametrize("variant", WINDOWED)
+def test_sliding_windows_match_transformers_before_and_past_the_window(variant, tmp_path):
+    """A prefill inside the window, one-token steps out past it, a prefill over held tokens: every position's
+    logits within fp32 tolerance of transformers recomputing the whole sequence; then the common check."""
+    family, architecture = WINDOWED[variant]
+    model = vaults.tiny_model_dir(tmp_path, family, seed=3, architecture=architecture)
+    vault = vaults.vault_of(model, tmp_path / "vault")
+    reference = vaults.dequantised_reference(vault, tmp_path)
+    sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="codes")
+    assert sm.description.attention.sliding_layers and sm.fast_decoder(64).compiled.enabled
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = load_reference(reference)(torch.tensor([ids]))[0]
+    fast, seen = logits_function(sm, 64, "fast"), 0
+    for chunk in (ids[:2], *([t] for t in ids[2:12]), ids[12:40]):
+        got = fast(chunk)
+        seen += len(chunk)
+        assert all(relative_error(whole[seen - len(chunk) + i], row) < TOLERANCE for i, row in enumerate(got))
+    sm.close()
+    check_fast_against_reference(vault, reference, "codes")
 
 
 def test_the_library_covers_deepseek_v2_and_v3_on_both_devices():

@@ -25,7 +25,7 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
     smoe.runtime.layers.LayerWeights; `attention` holds GqaWeights' or MlaWeights' (kv_b as stored, 2-D)."""
     mlp = layer.mlp
     moe = hasattr(mlp, "experts")
-    router, _, correction = router_of(mlp) if moe else (None, None, None)
+    router, router_bias, correction = router_of(mlp) if moe else (None, None, None)
     # DeepSeek's and GLM's `shared_experts`; Qwen2-MoE's `shared_expert`, scaled by its `shared_expert_gate`
     shared = (getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)) if moe else None
     shared_gate = getattr(mlp, "shared_expert_gate", None) if moe else None
@@ -34,6 +34,7 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
         attention=mla_tensors(layer.self_attn) if mla else gqa_tensors(layer.self_attn, qk_norm),
         post_norm=layer.post_attention_layernorm.weight.detach(),
         router=router.detach() if moe else None,
+        router_bias=router_bias.detach() if router_bias is not None else None,
         correction=correction.detach() if correction is not None else None,
         shared=mlp_tensors(shared) if shared is not None else None,
         shared_gate=shared_gate.weight.detach() if shared_gate is not None else None,
@@ -42,11 +43,15 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
 
 
 def gqa_tensors(attn, qk_norm: bool) -> dict:
+    """q/k/v fused, their biases, the q/k norms, o and its bias, and gpt-oss's per-head sink logits (`sinks`)."""
     fuse_qkv(attn)
     biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    sinks = getattr(attn, "sinks", None)
     return dict(qkv=attn.smoe_qkv, q_norm=attn.q_norm.weight.detach() if qk_norm else None,
                 k_norm=attn.k_norm.weight.detach() if qk_norm else None, o=attn.o_proj.weight.detach(),
-                qkv_bias=torch.cat([b.detach() for b in biases]) if biases[0] is not None else None)
+                qkv_bias=torch.cat([b.detach() for b in biases]) if biases[0] is not None else None,
+                o_bias=attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None,
+                sinks=sinks.detach() if isinstance(sinks, torch.Tensor) else None)
 
 
 def mla_tensors(attn) -> dict:

@@ -2,12 +2,13 @@
 description (smoe.source.description), over one layer's trunk tensors (`LayerWeights`) and one
 sequence's state (smoe.runtime.kv).
 
-- attention: `gqa` (grouped-query and multi-head, optional per-head q/k RMSNorm) or `mla` (DeepSeek's
-  latent attention, computed absorbed: the query is taken into the latent space through kv_b's key rows,
-  attention runs over the cached latents, and the output leaves through kv_b's value rows, so K and V
-  are never expanded per head); rotary in the half-split or interleaved layout;
-- the MoE block: routing through smoe.moe.route (correction bias, groups, scale), the routed experts
-  from the caller (the decoders differ only in where experts come from), plus shared experts;
+- attention: `gqa` (grouped-query and multi-head; optional q/k RMSNorm, q/k/v and o biases, a sliding window,
+  gpt-oss's sink logits) or `mla` (DeepSeek's latent attention, computed absorbed: the query is taken into
+  the latent space through kv_b's key rows, attention runs over the cached latents, and the output leaves
+  through kv_b's value rows, so K and V are never expanded per head); rotary in the half-split or
+  interleaved layout;
+- the MoE block: routing through smoe.moe.route (router bias, correction bias, groups, scale), the routed
+  experts from the caller (the decoders differ only in where experts come from), plus shared experts;
 - dense layers: a gated SiLU MLP.
 
 Fused copies of parts of this (the compiled CPU step, the GPU's Triton kernels and graphs) are tested
@@ -16,6 +17,7 @@ against it; a description with no fused copy runs these functions eagerly.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 
@@ -36,6 +38,9 @@ class GqaWeights:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     qkv_bias: torch.Tensor | None = None  # [q; k; v] biases, when the description has them (GLM-4.5, Qwen2-MoE)
+    o_bias: torch.Tensor | None = None  # gpt-oss
+    sinks: torch.Tensor | None = None  # [heads]: a logit per head that joins its softmax and takes a share (gpt-oss)
+    window: int | None = None  # a sliding layer: each token attends to itself and the window - 1 tokens before it
 
 
 @dataclass
@@ -68,6 +73,7 @@ class LayerWeights:
     attention: GqaWeights | MlaWeights
     post_norm: torch.Tensor
     router: torch.Tensor | None  # None: a dense layer
+    router_bias: torch.Tensor | None = None  # added to the router's logits (gpt-oss)
     correction: torch.Tensor | None = None  # the routing correction bias (choice only)
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of the shared experts
     shared_gate: torch.Tensor | None = None  # [1, hidden]: the shared experts' output scaled by sigmoid(it · h)
@@ -165,9 +171,13 @@ def rotate(x, cos, sin, interleaved: bool = False):
     return x * cos + rotated * sin
 
 
-def attend(query, key, value, step: Step, scale: float | None = None):
+def attend(query, key, value, step: Step, scale: float | None = None, window: int | None = None,
+           sinks: torch.Tensor | None = None):
     """Attention of new queries [1, heads, T, e] over the state's first step.end positions [1, kv_heads, S, e],
-    in the state's dtype; the result in fp32."""
+    in the state's dtype, within the last `window` positions where one is given, with a sink logit per head
+    where given; the result in fp32."""
+    if window is not None or sinks is not None:
+        return attend_within(query, key, value, visible(step, window), scale, sinks)
     t, held = query.shape[2], step.end - query.shape[2]
     mask = step.mask
     if mask is None and t > 1 and held:  # new tokens see every held token and the new ones up to themselves
@@ -175,6 +185,30 @@ def attend(query, key, value, step: Step, scale: float | None = None):
     out = F.scaled_dot_product_attention(query.to(key.dtype), key, value, attn_mask=mask[None, None] if mask is not None
                                          else None, is_causal=mask is None and t > 1, scale=scale, enable_gqa=True)
     return out.to(ACT)
+
+
+def visible(step: Step, window: int | None) -> torch.Tensor:
+    """[T, end] bool: the positions each new token attends to. transformers' sliding window lets a token at p
+    see the keys after p - window (itself and window - 1 before it)."""
+    keys = torch.arange(step.end, device=step.pos.device)
+    mask = step.mask if step.mask is not None else keys[None] <= step.pos[:, None]
+    return mask if window is None else mask & (keys[None] > step.pos[:, None] - window)
+
+
+def attend_within(query, key, value, mask, scale: float | None, sinks: torch.Tensor | None):
+    """attend() under an explicit mask [T, S]. With sinks [heads] the scores are written out: each head's
+    softmax runs over its scores and its sink logit, whose share is then dropped (gpt-oss's attention)."""
+    if sinks is None:
+        out = F.scaled_dot_product_attention(query.to(key.dtype), key, value, attn_mask=mask[None, None], scale=scale,
+                                             enable_gqa=True)
+        return out.to(ACT)
+    heads, t = query.shape[1], query.shape[2]
+    key, value = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (key, value))
+    scores = (query.to(key.dtype) @ key.transpose(-1, -2)).to(ACT) * (scale or query.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask[None, None], float("-inf"))
+    logits = torch.cat([scores, sinks.to(ACT).view(1, heads, 1, 1).expand(1, heads, t, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return (probs.to(value.dtype) @ value).to(ACT)
 
 
 def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: Step):
@@ -190,8 +224,10 @@ def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: St
     q, k = rotate(torch.cat([q, k], dim=1), step.cos, step.sin, step.interleaved).split([a.heads, a.kv_heads], dim=1)
     kv.k.index_copy_(1, step.pos, k.transpose(0, 1).to(kv.k.dtype))
     kv.v.index_copy_(1, step.pos, v.view(t, a.kv_heads, hd).transpose(0, 1).to(kv.v.dtype))
-    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], step)
-    return matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
+    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], step, window=w.window,
+                 sinks=w.sinks)
+    out = matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
+    return out if w.o_bias is None else out + w.o_bias
 
 
 def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step):
@@ -215,7 +251,8 @@ def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step
 
 def moe_block(d: ModelDescription, w: LayerWeights, h, experts: Experts):
     """Routed experts (weights by smoe.moe.route) plus the shared experts, on the post-attention input h."""
-    top_i, top_w = route(d.routing, matmul(h, w.router), w.correction)
+    logits = matmul(h, w.router)
+    top_i, top_w = route(d.routing, logits if w.router_bias is None else logits + w.router_bias, w.correction)
     out = experts(h, top_i, top_w)
     return out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
 
@@ -238,10 +275,23 @@ def rotary_dim(d: ModelDescription) -> int:
 
 def rope_tables(rotary, n: int, dim: int):
     """cos/sin [n, dim] in the cat(freqs, freqs) layout, exactly as the model's rotary module computes them
-    (a module that returns complex frequencies, DeepSeek-V2's, gives their real and imaginary parts)."""
-    out = rotary(torch.zeros(1, n, dim, dtype=ACT), torch.arange(n)[None])
+    (a module that returns complex frequencies, DeepSeek-V2's, gives their real and imaginary parts; one that
+    returns each frequency once, gpt-oss's, has them repeated)."""
+    # a module keeping one table per layer kind (Mellum's): the full layers' one, the only kind a fast decoder
+    # runs there (a description whose sliding layers take another base has the gap rope_per_layer_type)
+    kind = {"layer_type": "full_attention"} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
+    out = rotary(torch.zeros(1, max(n, 2), dim, dtype=ACT), torch.arange(max(n, 2))[None], **kind)
     if isinstance(out, torch.Tensor) and out.is_complex():
-        half = out[0].to(torch.complex64)
+        half = out[0, :n].to(torch.complex64)
         return torch.cat([half.real, half.real], dim=-1), torch.cat([half.imag, half.imag], dim=-1)
-    cos, sin = out
-    return cos[0], sin[0]
+    cos, sin = out[0][0], out[1][0]
+    if not repeats_its_halves(cos[1]):
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    return cos[:n], sin[:n]
+
+
+def repeats_its_halves(row: torch.Tensor) -> bool:
+    """Whether a rotary table's row at position 1 is in the cat(freqs, freqs) layout: each frequency once
+    (gpt-oss's tables) gives distinct cosines there, as the frequencies are distinct."""
+    half = row.shape[-1] // 2
+    return row.shape[-1] % 2 == 0 and torch.equal(row[:half], row[half:])

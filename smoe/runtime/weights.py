@@ -9,9 +9,9 @@ from smoe.runtime.layers import GqaWeights, LayerWeights, MlaWeights
 from smoe.source.description import ModelDescription
 
 
-def layer_weights(layer, description: ModelDescription) -> LayerWeights:
-    """One transformers decoder layer's trunk tensors (smoe.hf.trunk) as the layer library's bundle; MLA's
-    kv_b [heads * (nope + v_head), latent] viewed per head (nothing is copied)."""
+def layer_weights(layer, description: ModelDescription, index: int) -> LayerWeights:
+    """Decoder layer `index`'s trunk tensors (smoe.hf.trunk) as the layer library's bundle; MLA's kv_b
+    [heads * (nope + v_head), latent] viewed per head (nothing is copied); a sliding layer's window."""
     a = description.attention
     tensors = layer_tensors(layer, mla=a.kind == "mla", qk_norm=a.qk_norm in ("head", "full"))
     attention = tensors.pop("attention")
@@ -19,18 +19,23 @@ def layer_weights(layer, description: ModelDescription) -> LayerWeights:
         kv_b = attention.pop("kv_b")
         attention = MlaWeights(kv_b=kv_b.view(a.heads, kv_b.shape[0] // a.heads, a.latent_dim), **attention)
     else:
-        attention = GqaWeights(**attention)
+        attention = GqaWeights(window=a.sliding_window if index in a.sliding_layers else None, **attention)
     return LayerWeights(attention=attention, **tensors)
 
 
 def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
     """Why the fast decoder of a device type ("cpu" | "cuda") does not cover description d, or None when it
     does. Both run the layer library's kinds (smoe.runtime.layers, library_gap); the GPU's own GQA block
-    rotates the two halves only."""
-    interleaved_gqa = d.attention.kind == "gqa" and "interleaved_rotary" in d.extras
+    rotates the two halves only, and the GPU runs none of gpt-oss's kinds (windows, sinks, biases, clamps)."""
+    a, gpu = d.attention, device != "cpu"
     gap = library_gap(d)
     return _gaps((gap is not None, gap or ""),
-                 (device != "cpu" and interleaved_gqa, "interleaved rotary in GQA attention"))
+                 (gpu and a.kind == "gqa" and "interleaved_rotary" in d.extras, "interleaved rotary in GQA attention"),
+                 (gpu and bool(a.sliding_layers), "sliding-window attention"),
+                 (gpu and a.sinks, "attention sinks"),
+                 (gpu and d.routing.router_bias, "a router bias"),
+                 (gpu and d.experts.clamp is not None, "clamped SwiGLU experts"),
+                 (gpu and d.experts.biases, "expert biases"))
 
 
 # the description's extras the layer library computes: rotary in pairs, and over part of each head
@@ -38,24 +43,22 @@ LIBRARY_EXTRAS = ("interleaved_rotary", "partial_rotary")
 
 
 def library_gap(d: ModelDescription) -> str | None:
-    """What the layer library lacks for d: it runs GQA attention without windows or sinks (q/k/v biases and
-    q/k RMSNorm per head or over all heads optional) and MLA without biases, rotary half-split or
-    interleaved, over the whole head or part of it; every routing kind smoe.moe.route computes; SiLU-gated
-    experts without biases; shared experts, gated or not; gated SiLU dense layers; no other EXTRAS."""
+    """What the layer library lacks for d: it runs GQA attention (q/k/v and o biases, q/k RMSNorm per head or
+    over all heads, sliding windows and sink logits optional) and MLA without biases, windows or sinks, rotary
+    half-split or interleaved, over the whole head or part of it; every routing kind smoe.moe.route computes,
+    router bias included; SiLU-gated or clamped SwiGLU experts, with or without biases; shared experts, gated
+    or not; gated SiLU dense layers; no other EXTRAS."""
     a, r, e = d.attention, d.routing, d.experts
     return _gaps(
         (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
         (a.qk_norm not in (None, "head", "full") or (a.kind == "mla" and a.qk_norm), f"{a.qk_norm} q/k norm"),
         (a.bias and a.kind == "mla", "attention biases"),
-        (bool(a.sliding_layers), "sliding-window attention"),
-        (a.sinks, "attention sinks"),
+        (bool(a.sliding_layers) and a.kind == "mla", "sliding-window attention"),
+        (a.sinks and a.kind == "mla", "attention sinks"),
         (bool(a.mixer_layers), "linear-attention or state-space layers"),
         (r.custom is not None, f"its own routing ({r.custom})"),
-        (r.router_bias, "a router bias"),
         (r.weight_input, "routing weights on the experts' input"),
-        (e.clamp is not None, "clamped SwiGLU experts"),
         (e.clamp is None and (not e.gated or e.activation != "silu"), f"{e.activation} experts"),
-        (e.biases, "expert biases"),
         *((True, f"{extra}") for extra in d.extras if extra not in LIBRARY_EXTRAS),
     )
 

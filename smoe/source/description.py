@@ -38,6 +38,7 @@ EXTRAS = {
     "dense_mlp_activation": "dense layers with another activation than the experts'",
     "chunked_attention": "attention within fixed chunks",
     "sparse_attention": "an indexer choosing the keys each query attends to",
+    "rope_per_layer_type": "another rotary base on sliding layers than on full ones",
     "undescribed": "a family this description does not cover",
 }
 
@@ -283,6 +284,14 @@ def _sarvam_mla(c, n):
     return facts | dict(shared_experts=c.get("n_shared_experts", "num_shared_experts", default=1) or 0)
 
 
+def _mellum(c, n):
+    """Qwen3-MoE's modules, always normalised; sliding layers take another rotary base than full ones,
+    which the layer library does not have (its one rotary table): a gap only where a layer slides."""
+    sliding = _sliding(c, n)
+    return dict(routing=dict(normalise=_normalise(c, True)), qk_norm="head", sliding_layers=sliding,
+                extras=("rope_per_layer_type",) if sliding else ())
+
+
 def _hy_v3(c, n):
     """Sigmoid scores chosen with a correction bias (kept on the MoE block), always normalised, scaled by
     router_scaling_factor; per-head q/k norm; ungated shared experts."""
@@ -413,4 +422,5 @@ _RULES = {
     "nemotron_h": _nemotron_h, "dbrx": _dbrx,
     # families transformers adds, which run without a row in smoe.source.families (smoe.hf.discover)
     "solar_open": _solar_open, "sarvam_moe": _sarvam_moe, "sarvam_mla": _sarvam_mla, "hy_v3": _hy_v3,
+    "mellum": _mellum,
 }

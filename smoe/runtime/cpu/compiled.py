@@ -11,12 +11,13 @@ rotary module, and calls the expert store once per layer. The generic decoder (t
 modules) stays the reference and runs every other family.
 
 One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): per layer one call for
-attention (GQA, or MLA absorbed over the latent rows) and, where the routing is plain softmax, its top-k
-(any other routing kind: one call to the route kernel); then the routed experts straight from their codes
-when the store prepared them in the "codes" form, else the eager expert path; shared experts and dense
-layers compiled too. They work on numpy views of the same weights and state, so a prefill on the eager path
-and steps on the compiled one share one cache.
-Activations stay in fp32 there (the eager path rounds them to the model's dtype before bf16 matmuls).
+attention (GQA with its biases, window and sinks, or MLA absorbed over the latent rows) and, where the
+routing is plain softmax, its top-k (any other routing kind: one call to the route kernel); then the routed
+experts straight from their codes (biases and gpt-oss's clamped SwiGLU included) when the store prepared
+them in the "codes" form, else the eager expert path; shared experts and dense layers compiled too. They
+work on numpy views of the same weights and state, so a prefill on the eager path and steps on the compiled
+one share one cache. A sliding layer's step reads only its window's positions. Activations stay in fp32
+there (the eager path rounds them to the model's dtype before bf16 matmuls).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class FastCpuDecoder(HoldsSequence):
         self.embed = trunk["embed"]
         self.final_norm = compute_form(trunk["final_norm"])
         self.lm_head = compute_form(trunk["lm_head"])
-        self.layers = [layer_weights(layer, d).map(compute_form) for layer in trunk["layers"]]
+        self.layers = [layer_weights(layer, d, i).map(compute_form) for i, layer in enumerate(trunk["layers"])]
         self.rotary = trunk["rotary"]
         self.rope_dim = rotary_dim(d)
         self.interleaved = "interleaved_rotary" in d.extras
@@ -163,12 +164,14 @@ class CompiledLayer:
     attention: tuple  # the attention kernel's weight arrays, in its argument order
     post_norm: np.ndarray
     router: np.ndarray  # [0, H] for a dense layer
+    router_bias: np.ndarray  # fp32 [E] (length 0: none)
     correction: torch.Tensor | None
     correction_scores: np.ndarray  # the correction bias as the route kernel reads it (fp32; length 0: none)
     shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     shared_gate: np.ndarray  # fp32 [hidden], the shared experts' output gate (length 0: none)
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     attention_scale: float = 0.0  # MLA's softmax scale
+    window: int = 0  # a sliding GQA layer's window (0: none)
     state: tuple = ()  # views of the sequence state's tensors: (k, v) or (latent rows,)
 
 
@@ -182,7 +185,7 @@ class CompiledStep:
     def __init__(self, dec: FastCpuDecoder):
         self.dec = dec
         d = dec.description
-        self.codes = CodesExperts(dec.top_k)
+        self.codes = CodesExperts(dec.top_k, dec.kind.clamp)
         # Matrices other than fp32 / bf16 (fp16 models) are held as fp32 copies; the eager path stays
         # the default there rather than doubling their memory. SMOE_CPU_COMPILED=0 turns the step off
         # (the eager path, for comparison).
@@ -261,14 +264,16 @@ class CompiledStep:
                              self.work, self.wide)
             return
         router = layer.router if self.fused_top_k else self.no_router
-        kn.attention_and_route(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.post_norm,
-                               router, *layer.state, self.cos, self.sin, dec.interleaved,
-                               dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w, self.work, self.wide)
+        kn.attention_and_route(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.window,
+                               layer.post_norm, router, layer.router_bias, *layer.state, self.cos, self.sin,
+                               dec.interleaved, dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w,
+                               self.work, self.wide)
 
     def route(self, layer: CompiledLayer) -> None:
         """The router's logits and choice compiled (kernels_numba.route: smoe.moe.route's every kind)."""
         logits = self.router_logits[: layer.router.shape[0]]
         kn.matvec(layer.router, self.h, logits, self.wide)
+        kn.add_bias(logits, layer.router_bias)
         r = self.dec.routing
         kn.route(logits, layer.correction_scores, r.scoring == "sigmoid", r.n_group, r.topk_group,
                  r.group_score == "top2", r.top_k, r.normalise, r.normalise_eps, r.scale, self.top_i,
@@ -295,6 +300,7 @@ class CompiledStep:
 def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
     """A layer's trunk tensors as the kernels read them (numpy views; bf16 as uint16)."""
     empty, nothing = np.zeros(0, dtype=np.float32), np.zeros((0, hidden), dtype=np.float32)
+    vector = lambda t: t.float().reshape(-1).contiguous().numpy() if t is not None else empty  # fp32, 0: none
     a = w.attention
     if isinstance(a, MlaWeights):
         kv_b = as_numpy(a.kv_b)
@@ -302,27 +308,27 @@ def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
         attention = (q_a, as_numpy(a.q_a_norm) if a.q_a is not None else empty, as_numpy(a.q if a.q is not None else a.q_b),
                      as_numpy(a.kv_a), as_numpy(a.kv_a_norm), kv_b[:, : a.nope], kv_b[:, a.nope :], as_numpy(a.o))
     else:
-        attention = (as_numpy(a.qkv), a.qkv_bias.float().contiguous().numpy() if a.qkv_bias is not None else empty,
-                     as_numpy(a.q_norm) if a.q_norm is not None else empty,
-                     as_numpy(a.k_norm) if a.k_norm is not None else empty, as_numpy(a.o))
+        attention = (as_numpy(a.qkv), vector(a.qkv_bias), as_numpy(a.q_norm) if a.q_norm is not None else empty,
+                     as_numpy(a.k_norm) if a.k_norm is not None else empty, as_numpy(a.o), vector(a.o_bias),
+                     vector(a.sinks))
     return CompiledLayer(
         as_numpy(w.input_norm), attention, as_numpy(w.post_norm),
-        as_numpy(w.router) if w.router is not None else nothing, w.correction,
-        w.correction.float().reshape(-1).contiguous().numpy() if w.correction is not None else empty,
-        tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
-        w.shared_gate.float().reshape(-1).contiguous().numpy() if w.shared_gate is not None else empty,
-        tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
-        a.scale if isinstance(a, MlaWeights) else 0.0,
+        as_numpy(w.router) if w.router is not None else nothing, vector(w.router_bias), w.correction,
+        vector(w.correction), tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
+        vector(w.shared_gate), tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
+        a.scale if isinstance(a, MlaWeights) else 0.0, 0 if isinstance(a, MlaWeights) else a.window or 0,
     )
 
 
 class CodesExperts:
-    """One token's routed experts straight from their codes (kernels_numba.experts): x += sum_k w_k e_k(h).
+    """One token's routed experts straight from their codes (kernels_numba.experts): x += sum_k w_k e_k(h),
+    with their biases and, for gpt-oss, the clamped SwiGLU (`clamp`: the description's (alpha, limit)).
     The weights go in `top_w`, padded to a bucket of slots so one compiled specialisation serves."""
 
-    def __init__(self, top_k: int):
+    def __init__(self, top_k: int, clamp: tuple[float, float] | None = None):
         self.slots = bucket(top_k)  # experts per call, padded: one compiled specialisation
         self.top_w = np.zeros(self.slots, dtype=np.float32)  # padding slots keep weight 0
+        self.clamp = tuple(np.float32(v) for v in clamp or (0.0, 0.0))  # limit 0: SiLU
         self.work: dict[int, np.ndarray] = {}  # expert width -> scratch
 
     def run(self, x: np.ndarray, h: np.ndarray, chosen: list) -> bool:
@@ -340,10 +346,11 @@ class CodesExperts:
                    tuple(e["gate"].codes for e in w), tuple(e["gate"].steps for e in w),
                    tuple(e["up"].codes for e in w), tuple(e["up"].steps for e in w),
                    tuple(e["down"].codes for e in w), tuple(e["down"].steps for e in w),
+                   tuple((e["gate"].bias, e["up"].bias, e["down"].bias) for e in w), self.clamp,
                    (w[0]["gate"].lead, w[0]["down"].lead), inter, work)
         return True
 
 
 def from_codes(expert) -> bool:
     """Whether the compiled expert kernel can run this prepared expert."""
-    return expert.path == "codes" and not expert.fallbacks and not expert.biases and expert.roles == ("gate", "up", "down")
+    return expert.path == "codes" and not expert.fallbacks and expert.roles == ("gate", "up", "down")

@@ -87,6 +87,7 @@ class CodesWeight:
     steps: np.ndarray  # fp32 [out, width / 64]: d = s / h of each group of the padded row
     lead: np.ndarray  # int64 [out], shared by every tensor of this shape (not counted)
     shape: tuple[int, int]
+    bias: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # fp32 [out]; length 0: none
 
     @property
     def nbytes(self) -> int:
@@ -189,8 +190,19 @@ def prepare_expert(
             weights[t.role] = t.decode(dtype)
     cast = {role: b.to(dtype).contiguous() for role, b in biases.items()}
     held = sum(tensor_nbytes(w) if isinstance(w, torch.Tensor) else w.nbytes for w in weights.values())
-    held += sum(tensor_nbytes(b) for b in cast.values())
+    held += sum(tensor_nbytes(b) for b in cast.values()) + codes_biases(weights, cast)
     return PreparedExpert(tuple(t.role for t in tensors), path, weights, cast, held, tuple(fallbacks))
+
+
+def codes_biases(weights: dict, biases: dict[str, torch.Tensor]) -> int:
+    """Give each codes-form projection its bias in fp32, as the compiled kernels add it (the bias itself where
+    the activations are fp32, a copy otherwise); the bytes the copies hold."""
+    held = 0
+    for role, w in weights.items():
+        if isinstance(w, CodesWeight) and role in biases:
+            w.bias = biases[role].float().numpy()
+            held += 0 if biases[role].dtype == torch.float32 else w.bias.nbytes
+    return held
 
 
 def linear(x: torch.Tensor, expert: PreparedExpert, role: str) -> torch.Tensor:

@@ -92,8 +92,26 @@ def rms_norm(x, weight, eps, y):
 
 
 @jit
+def add_bias(y, bias):
+    """y += bias; a bias of length 0 is none."""
+    for j in range(bias.shape[0]):
+        y[j] += bias[j]
+
+
+@jit
 def silu(v):
     return v / (np.float32(1) + np.exp(-v))
+
+
+@jit
+def gated(g, u, alpha, limit):
+    """An expert's down-projection input from its gate and up values: silu(g) * u, or with a limit > 0
+    gpt-oss's clamped SwiGLU, (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g') for g' = min(g, limit)."""
+    if limit > 0:
+        g = min(g, limit)
+        u = min(max(u, -limit), limit)
+        return (u + np.float32(1)) * g / (np.float32(1) + np.exp(-alpha * g))
+    return silu(g) * u
 
 
 # --- code matvecs --------------------------------------------------------------------------------
@@ -258,24 +276,29 @@ def rotate(v, cos, sin, tmp):
 
 
 @jit
-def attend(q, k_cache, v_cache, kv_head, length, scores, out):
-    """One query head over the first `length` cached positions of one kv head: softmax(q k / sqrt(hd)) v."""
+def attend(q, k_cache, v_cache, kv_head, first, length, sinks, head, scores, out):
+    """One query head over cached positions first..length-1 of one kv head: softmax(q k / sqrt(hd)) v, the
+    softmax also over the head's sink logit sinks[head] when sinks is not empty (its share is dropped)."""
     hd = q.shape[0]
     scale = np.float32(1.0 / math.sqrt(hd))
     best = -np.inf
-    for t in range(length):
+    if sinks.shape[0]:
+        best = sinks[head]
+    for t in range(first, length):
         acc = np.float32(0)
         for j in range(hd):
             acc += q[j] * k_cache[kv_head, t, j]
         scores[t] = acc * scale
         best = max(best, scores[t])
     total = np.float32(0)
-    for t in range(length):
+    if sinks.shape[0]:
+        total = np.float32(np.exp(sinks[head] - best))
+    for t in range(first, length):
         scores[t] = np.exp(scores[t] - best)
         total += scores[t]
     for j in range(hd):
         out[j] = 0
-    for t in range(length):
+    for t in range(first, length):
         p = scores[t] / total
         for j in range(hd):
             out[j] += p * v_cache[kv_head, t, j]
@@ -367,12 +390,14 @@ def route_work_size(experts: int, n_group: int) -> int:
 
 
 @jit
-def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, router, k_cache,
-                        v_cache, cos, sin, interleaved, k, normalize, h, top_i, top_w, work, wide):
+def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, sinks, window,
+                        post_norm, router, router_bias, k_cache, v_cache, cos, sin, interleaved, k, normalize, h, top_i,
+                        top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
     h = the experts' (post-norm) input, and the router's top-k (router of shape [0, H]: a dense layer,
-    nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, q_norm / k_norm of length 0: none;
-    q_norm / k_norm of length hd: per head, longer: over all heads.
+    nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, o_bias, sinks, router_bias of
+    length 0: none; q_norm / k_norm of length 0: none, of length hd: per head, longer: over all heads;
+    window > 0: the token attends to itself and the window - 1 positions before it.
     `work`: fp32 scratch of attention_work_size(...) or more."""
     n = x.shape[0]
     kv_heads, positions, hd = k_cache.shape
@@ -388,8 +413,7 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
     out = work[at : at + n]
     rms_norm(x, input_norm, eps, h)
     matvec(qkv, h, proj, wide)
-    for j in range(qkv_bias.shape[0]):  # length 0: no biases
-        proj[j] += qkv_bias[j]
+    add_bias(proj, qkv_bias)
     full = q_norm.shape[0] > hd  # one norm over all q heads and one over all k heads (OLMoE), else per head
     if full:
         rms_norm(proj[: heads * hd], q_norm, eps, proj[: heads * hd])
@@ -403,15 +427,18 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
         k_cache[g, pos] = proj[(heads + g) * hd : (heads + g + 1) * hd]
         v_cache[g, pos] = proj[(heads + kv_heads + g) * hd : (heads + kv_heads + g + 1) * hd]
     group = heads // kv_heads  # GQA: query head i reads kv head i // group
+    first = max(0, pos + 1 - window) if window > 0 else 0
     for head in range(heads):
-        attend(proj[head * hd : (head + 1) * hd], k_cache, v_cache, head // group, pos + 1, scores,
+        attend(proj[head * hd : (head + 1) * hd], k_cache, v_cache, head // group, first, pos + 1, sinks, head, scores,
                attn[head * hd : (head + 1) * hd])
     matvec(o, attn[: heads * hd], out, wide)
+    add_bias(out, o_bias)
     for j in range(n):
         x[j] += out[j]
     rms_norm(x, post_norm, eps, h)
     if router.shape[0]:
         matvec(router, h, logits, wide)
+        add_bias(logits, router_bias)
         top_k(logits, k, normalize, top_i, top_w)
 
 
@@ -561,11 +588,13 @@ def dense_mlp(x, h, gate, up, down, scale_by, work, wide):
 
 
 @jit
-def experts(x, h, count, weights, gate, gate_steps, up, up_steps, down, down_steps, leads, inter, work):
-    """x += sum over the first `count` experts e of weights[e] * down(silu(gate h) * up h), every
+def experts(x, h, count, weights, gate, gate_steps, up, up_steps, down, down_steps, biases, clamp, leads, inter, work):
+    """x += sum over the first `count` experts e of weights[e] * down(gated(gate h, up h)), every
     projection from codes padded by pad_rows (leads: the (gate/up, down) row leads of the layer's
-    shapes). The tuples may be longer than `count` (padded to a bucket size so the compiled code is
-    reused); entries past `count` are never read. work: fp32 of experts_work_size(len(x), inter)."""
+    shapes), plus its bias: biases holds (gate, up, down) biases per expert, each of length 0 for none.
+    clamp: (alpha, limit) of gpt-oss's clamped SwiGLU, limit 0 for SiLU (see `gated`). The tuples may be
+    longer than `count` (padded to a bucket size so the compiled code is reused); entries past `count` are
+    never read. work: fp32 of experts_work_size(len(x), inter)."""
     n = x.shape[0]
     up_lead, down_lead = leads
     hp, at = _carve2(work, 0, 6, (n + PAD + PAD_AFTER) // 2)
@@ -575,14 +604,19 @@ def experts(x, h, count, weights, gate, gate_steps, up, up_steps, down, down_ste
     g, at = _carve(work, at, inter)
     u, at = _carve(work, at, inter)
     d, at = _carve(work, at, n)
+    alpha, limit = clamp
     split_activation(h, hp, hs)
     for e in range(count):
+        gate_bias, up_bias, down_bias = biases[e]
         code_matvec(gate[e], gate_steps[e], up_lead, hp, hs, g)
         code_matvec(up[e], up_steps[e], up_lead, hp, hs, u)
+        add_bias(g, gate_bias)
+        add_bias(u, up_bias)
         for j in range(inter):
-            g[j] = silu(g[j]) * u[j]
+            g[j] = gated(g[j], u[j], alpha, limit)
         split_activation(g, ap, a_s)
         code_matvec(down[e], down_steps[e], down_lead, ap, a_s, d)
+        add_bias(d, down_bias)
         w = weights[e]
         for j in range(n):
             x[j] += w * d[j]

@@ -60,11 +60,11 @@ class GpuLayer:
     """One decoder layer's trunk weights (smoe.runtime.layers.LayerWeights) on the device: matrices in the
     model's dtype, vectors (norms, correction bias) in fp32 like the residual stream they apply to."""
 
-    def __init__(self, layer, description, device, dtype):
+    def __init__(self, layer, index: int, description, device, dtype):
         def put(t, as_dtype=None):
             return t.detach().to(device=device, dtype=as_dtype or (ACT if t.dim() == 1 else dtype)).contiguous()
 
-        w = layer_weights(layer, description)
+        w = layer_weights(layer, description, index)
         attn = w.attention
         self.input_norm, self.post_norm = put(w.input_norm), put(w.post_norm)
         self.mla = isinstance(attn, MlaWeights)
@@ -122,7 +122,8 @@ class GpuDecoder(HoldsSequence):
         put = lambda t: t.detach().to(device=self.device, dtype=self.dtype).contiguous()
         self.embed, self.lm_head = put(trunk["embed"]), put(trunk["lm_head"])
         self.final_norm = trunk["final_norm"].detach().to(device=self.device, dtype=ACT)
-        self.layers = [GpuLayer(layer, self.description, self.device, self.dtype) for layer in trunk["layers"]]
+        self.layers = [GpuLayer(layer, i, self.description, self.device, self.dtype)
+                       for i, layer in enumerate(trunk["layers"])]
         self.layouts = {i: layer_layout(self.vault, i) for i, w in enumerate(self.layers) if w.moe}
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
