@@ -15,28 +15,33 @@ from smoe.testing.tiny_models import TOKENIZER_TEXT, tiny_config
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b",
                  "deepseek_v3": SHARED / "models" / "deepseek-v3-30m"}
-# DeepSeek's routing at its fullest: sigmoid with correction bias, 4 groups of which 2 are used, q_lora (V3);
-# softmax without groups and YaRN, as V2-Lite (V2)
-DEEPSEEK = {"deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=32),
-            "deepseek_v2": dict(n_routed_experts=8, rope_parameters={
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})}
+# Each family at its fullest where llama.cpp computes it: DeepSeek-V3's sigmoid with correction bias, 4 groups of
+# which 2 are used, q_lora; V2 softmax without groups and YaRN, as V2-Lite; GLM-4.5 with attention biases, q/k norms,
+# a routed scale and groups; as many key/value heads as heads and every layer MoE where llama.cpp needs it (gpt-oss's
+# tiny config is as released: biases everywhere, sinks, alternate sliding layers, YaRN)
+FULLEST = {
+    "qwen3_moe": dict(decoder_sparse_step=1, norm_topk_prob=True),
+    "qwen2_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
+    "deepseek_v3": dict(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=32),
+    "deepseek_v2": dict(n_routed_experts=8, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "glm4_moe": dict(n_routed_experts=8, n_group=4, topk_group=2, attention_bias=True, use_qk_norm=True,
+                     routed_scaling_factor=2.5),
+    "dots1": dict(n_routed_experts=8, routed_scaling_factor=2.5, norm_topk_prob=True, num_key_value_heads=4),
+    "olmoe": dict(num_key_value_heads=4),
+}
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
 
 def exportable_config(family: str, expert_width: int = 32):
     config = tiny_config(family)
     config.vocab_size = VOCAB
-    if family == "qwen3_moe":
-        config.moe_intermediate_size = expert_width
-        config.decoder_sparse_step = 1
-        config.norm_topk_prob = True
-    elif family in DEEPSEEK:
-        config.moe_intermediate_size = expert_width
-        for key, value in DEEPSEEK[family].items():
-            setattr(config, key, value)
-    else:
-        config.intermediate_size = expert_width
+    # the experts' width: moe_intermediate_size where the family has one, else intermediate_size
+    setattr(config, "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size",
+            expert_width)
+    for key, value in FULLEST.get(family, {}).items():
+        setattr(config, key, value)
     config.bos_token_id = config.eos_token_id = 0
     return config
 

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from export_models import exportable_vault
+from export_models import exportable_config, exportable_vault
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -352,14 +352,121 @@ def test_a_deepseek2_gguf_is_written_but_not_read_back(deepseek_vault, tmp_path)
         GgufCheckpoint(out)
 
 
+# --- GGUF: the families written only (smoe.export.gguf_families) --------------------------------
+
+WRITTEN_ONLY = {"glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
+                "minimax_m2": "minimax-m2", "dots1": "dots1"}
+
+
+@pytest.fixture(scope="module")
+def family_vaults(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("families")
+    return {f: exportable_vault(tmp, f, 4) for f in WRITTEN_ONLY}
+
+
+def arch_tensor_names(arch: str, layers: int) -> set[str]:
+    """Every tensor name llama.cpp's architecture lists (gguf's MODEL_TENSORS), with either suffix."""
+    kinds = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]
+    names = {gguf.TENSOR_NAMES[k].format(bid=b) for k in kinds for b in range(layers)}
+    return {f"{n}.{suffix}" for n in names for suffix in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("family", WRITTEN_ONLY)
+def test_gguf_of_each_family_names_only_tensors_its_llama_cpp_architecture_lists(family_vaults, tmp_path, family):
+    vault, arch = family_vaults[family], WRITTEN_ONLY[family]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(out)
+    config = json.loads((vault / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    assert field(reader, "general.architecture") == arch and field(reader, f"{arch}.block_count") == layers
+    tensors = gguf_tensors(out)
+    assert set(tensors) <= arch_tensor_names(arch, layers)
+    with Vault(vault) as v:
+        moe_layers, experts = v.meta["moe_layers"], v.meta["num_experts"]
+    assert field(reader, f"{arch}.expert_count") == experts
+    for layer in moe_layers:
+        assert list(tensors[f"blk.{layer}.ffn_gate_exps.weight"].shape) == [config["hidden_size"], 32, experts]
+        for role, name in ROLES.items():
+            got = gguf.quants.dequantize(tensors[f"blk.{layer}.{name}.weight"].data, gguf.GGMLQuantizationType.Q4_1)
+            want, s, _ = vault_experts(vault, layer, role)
+            assert_within_fp16_rounding_of_d(got, want, s)
+
+
+def test_gguf_glm4_moe_ropes_part_of_each_head_and_routes_as_smoe_describes(family_vaults, tmp_path):
+    vault = family_vaults["glm4_moe"]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    reader, c = gguf.GGUFReader(out), json.loads((vault / "config.json").read_text())
+    get = lambda key: field(reader, f"glm4moe.{key}")
+    assert get("rope.dimension_count") == c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"] == 8
+    assert get("leading_dense_block_count") == c["first_k_dense_replace"] == 1
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+    assert get("expert_weights_scale") == pytest.approx(c["routed_scaling_factor"])
+    assert (get("expert_group_count"), get("expert_group_used_count")) == (c["n_group"], c["topk_group"])
+    assert (get("feed_forward_length"), get("expert_feed_forward_length")) == (c["intermediate_size"], 32)
+    tensors = gguf_tensors(out)
+    trunk = load_file(vault / TRUNK_FILE)
+    assert torch.equal(torch.from_numpy(tensors["blk.1.exp_probs_b.bias"].data.copy()),
+                       trunk["model.layers.1.mlp.gate.e_score_correction_bias"].float())
+    assert {"blk.0.ffn_gate.weight", "blk.1.ffn_up_shexp.weight", "blk.1.attn_q.bias", "blk.1.attn_k_norm.weight"} <= set(tensors)
+
+
+def test_gguf_gpt_oss_holds_the_expert_biases_sinks_and_sliding_layers(family_vaults, tmp_path):
+    vault = family_vaults["gpt_oss"]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    reader, c = gguf.GGUFReader(out), json.loads((vault / "config.json").read_text())
+    assert field(reader, "gpt-oss.attention.sliding_window") == c["sliding_window"]
+    assert field(reader, "gpt-oss.attention.sliding_window_pattern") == [t == "sliding_attention" for t in c["layer_types"]]
+    assert field(reader, "gpt-oss.rope.scaling.type") == "yarn"
+    tensors = gguf_tensors(out)
+    trunk = load_file(vault / TRUNK_FILE)
+    sinks = tensors["blk.1.attn_sinks.weight"]
+    assert sinks.tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(torch.from_numpy(sinks.data.copy()), trunk["model.layers.1.self_attn.sinks"])
+    with Vault(vault) as v:
+        for role, name in ROLES.items():
+            bias = tensors[f"blk.1.{name}.bias"]
+            want = torch.stack([v.read_expert(1, e)[1][role] for e in range(v.meta["num_experts"])]).float()
+            assert bias.tensor_type == gguf.GGMLQuantizationType.F32
+            assert torch.equal(torch.from_numpy(bias.data.copy()), want)
+
+
+FAMILY_REFUSALS = [
+    ("gpt_oss", dict(swiglu_limit=5.0), "limit 7"),
+    ("gpt_oss", dict(attention_bias=False), "needs attention biases"),
+    ("olmoe", dict(num_key_value_heads=2), "as many key/value heads as heads"),
+    ("qwen2_moe", dict(norm_topk_prob=True), "normalise = False"),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), "'linear'"),
+    ("dots1", dict(sliding_window=16, layer_types=["sliding_attention"] * 3), "sliding-window"),
+]
+
+
+@pytest.mark.parametrize("family,changes,named", FAMILY_REFUSALS)
+def test_gguf_refuses_what_each_llama_cpp_graph_computes_differently(family, changes, named):
+    from smoe.errors import SmoeError
+    from smoe.export import gguf_families
+    from smoe.source.description import describe_model
+
+    config = exportable_config(family).to_dict() | changes
+    layers, first = config["num_hidden_layers"], config.get("first_k_dense_replace", 0)
+    with pytest.raises(SmoeError, match=named):
+        gguf_families.check(family, config, describe_model(config), list(range(first, layers)), {}, 32)
+
+
+def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tmp_path):
+    tiny_vault(tmp_path, "olmoe")  # 2 key/value heads for 4: llama.cpp's olmoe sizes k as n_head heads
+    r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "as many key/value heads as heads" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "m.gguf").exists()
+
+
 # --- errors and atomic output --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("to", ["gguf", "mlx"])
 def test_unsupported_family_is_refused_by_name(tmp_path, to):
-    tiny_vault(tmp_path, "olmoe")
+    tiny_vault(tmp_path, "granitemoe")  # llama.cpp's granitemoe scales by multipliers smoe does not map yet
     r = smoe_cli("export", tmp_path / "vault", "--to", to, "-o", tmp_path / "out")
-    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "olmoe" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "granitemoe" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "vault"]  # nothing half-written
 

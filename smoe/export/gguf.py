@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from smoe.errors import SmoeError
-from smoe.export import gguf_mla
+from smoe.export import gguf_families, gguf_mla
 from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
 from smoe.format import codec
 from smoe.format.dtypes import FLOAT_NAMES
@@ -69,10 +69,13 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
         writer.close()
 
 
+EXPORTED = {**ARCHITECTURES, **gguf_families.ARCHITECTURES}
+
+
 def architecture(source: ExportSource) -> Architecture:
-    arch = ARCHITECTURES.get(source.model_type)
+    arch = EXPORTED.get(source.model_type)
     if arch is None:
-        raise SmoeError(f"GGUF export supports {', '.join(ARCHITECTURES)}; this vault is {source.model_type}")
+        raise SmoeError(f"GGUF export supports {', '.join(EXPORTED)}; this vault is {source.model_type}")
     return arch
 
 
@@ -80,6 +83,14 @@ def check_config(source: ExportSource, config: dict) -> None:
     """What llama.cpp's graph for the architecture assumes and a config could contradict."""
     name = source.model_type
     layers = config["num_hidden_layers"]
+    family = gguf_families.FAMILIES.get(name)
+    require(not source.has_biases or (family and family.expert_biases),
+            f"{name}: experts with biases are not exported to GGUF")
+    if family:
+        shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
+        gguf_families.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
+                            source.expert_shape(source.roles[0])[0])
+        return
     if architecture(source).arch == gguf_mla.ARCH:
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
         gguf_mla.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
@@ -108,6 +119,12 @@ def head_dim(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+def rotary_dim(config: dict) -> int:
+    """The part of each head the rotary embedding turns (GLM-4.5: the first half)."""
+    rope = config.get("rope_parameters") or {}
+    return int(head_dim(config) * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+
+
 def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Architecture) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -120,7 +137,9 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
-        writer.add_rope_dimension_count(head_dim(config))
+        writer.add_rope_dimension_count(rotary_dim(config))
+    if source.model_type in gguf_families.FAMILIES:
+        gguf_families.write(writer, source.model_type, config, describe_model(config), source.meta["moe_layers"])
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
@@ -246,6 +265,8 @@ def trunk_pieces(key: str, shape: tuple[int, ...], names, config: dict, arch: Ar
     """The GGUF tensors (name, shape, how to make it from the trunk tensor) one trunk tensor becomes."""
     if arch.arch == gguf_mla.ARCH and (split := gguf_mla.pieces(key, shape, config)) is not None:
         return split
+    if arch.arch != gguf_mla.ARCH and (split := gguf_families.pieces(key, shape)) is not None:
+        return split
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")
     if arch.permute_qk and key.endswith(("q_proj.weight", "k_proj.weight")):
@@ -273,6 +294,9 @@ def experts_plan(source: ExportSource, decoded: bool = False) -> list[Planned]:
             load = lambda layer=layer, role=role, qtype=qtype: np.stack(
                 [expert_bytes(e, qtype) for e in source.experts(layer, role)])
             plan.append(planned(name, (source.num_experts, out, inp), qtype, load))
+            if source.has_biases:  # [E, out] in F32, as llama.cpp reads every bias
+                load = lambda layer=layer, role=role: torch.stack(source.expert_biases(layer, role)).float().numpy()
+                plan.append(planned(name.removesuffix(".weight") + ".bias", (source.num_experts, out), ggml_type("f32"), load))
     return plan
 
 

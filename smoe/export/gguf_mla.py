@@ -48,12 +48,7 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
             f"{name}: llama.cpp ranks expert groups by their top-2 sum; this model's router ranks them by their best "
             f"expert (topk_method group_limited_greedy)")
     require(r.scoring in ("softmax", "sigmoid"), f"{name}: router scoring {r.scoring!r} has no llama.cpp gating function")
-    for key, shape in shapes.items():  # llama.cpp sizes the shared experts as that many routed ones side by side
-        if ".mlp.shared_experts." in key:
-            width = shape[0] if key.endswith(("gate_proj.weight", "up_proj.weight")) else shape[-1]
-            require(width == expert_width * desc.shared_experts,
-                    f"{name}: shared experts {width} wide; llama.cpp's deepseek2 takes {desc.shared_experts} × the "
-                    f"routed experts' {expert_width}")
+    check_shared_experts(name, "deepseek2", shapes, expert_width, desc.shared_experts)
     lite = layers in LITE_LAYERS
     require(not (lite and config.get("q_lora_rank")),
             f"{name}: llama.cpp reads a {layers}-layer deepseek2 as DeepSeek-V2-Lite, without q_lora; this model has "
@@ -65,6 +60,17 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
         require(rope.get("mscale", 1.0) == rope.get("mscale_all_dim", rope.get("mscale", 1.0)),
                 f"{name}: YaRN with mscale {rope.get('mscale')} != mscale_all_dim {rope.get('mscale_all_dim')} is not "
                 "what llama.cpp's deepseek2 computes")
+
+
+def check_shared_experts(name: str, arch: str, shapes: dict[str, tuple[int, ...]], expert_width: int,
+                         shared: int) -> None:
+    """llama.cpp sizes the shared experts as `shared` routed ones side by side."""
+    for key, shape in shapes.items():
+        if ".mlp.shared_experts." in key:
+            width = shape[0] if key.endswith(("gate_proj.weight", "up_proj.weight")) else shape[-1]
+            require(width == expert_width * shared,
+                    f"{name}: shared experts {width} wide; llama.cpp's {arch} takes {shared} × the routed experts' "
+                    f"{expert_width}")
 
 
 def rope_parameters(config: dict) -> dict:

@@ -49,6 +49,7 @@ def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_byt
     family = FAMILIES.get(source.model_type)
     if family is None:
         raise SmoeError(f"MLX export supports {', '.join(FAMILIES)}; this vault is {source.model_type}")
+    require(not source.has_biases, f"{source.model_type}: experts with biases are not exported to MLX")
     out.mkdir(parents=True)
     config = source.vault.config
     quantization = {"group_size": codec.GROUP_SIZE, "bits": source.vault.bits, "mode": "affine"}

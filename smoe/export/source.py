@@ -68,9 +68,8 @@ class ExportSource:
         self.model_type = self.meta.get("model_type", self.family)
         self.num_experts = self.meta["num_experts"]
         self.roles = tuple(self.meta["roles"])
-        self._layer: tuple[int, list[dict[str, ExpertTensor]]] | None = None
-        if any(e.biases for e in self.vault.entries.values()):
-            raise SmoeError(f"{self.vault.dir}: experts with biases ({self.family}) are not exported")
+        self._layer: tuple[int, list[tuple[dict[str, ExpertTensor], dict[str, torch.Tensor]]]] | None = None
+        self.has_biases = any(e.biases for e in self.vault.entries.values())  # gpt-oss; each target says if it takes them
         if self.vault.config is None:
             raise SmoeError(f"{self.vault.dir}: no config.json")
         check_vault_config(self.vault.config, self.vault.meta, self.vault.dir)
@@ -98,13 +97,20 @@ class ExportSource:
 
     def experts(self, layer: int, role: str) -> list[ExpertTensor]:
         """Every expert's `role` projection in `layer`; a layer's blobs are read once for all roles."""
+        return [tensors[role] for tensors, _ in self._experts_of(layer)]
+
+    def expert_biases(self, layer: int, role: str) -> list[torch.Tensor]:
+        """Every expert's `role` bias [out] in `layer` (vaults whose experts have biases)."""
+        return [biases[role] for _, biases in self._experts_of(layer)]
+
+    def _experts_of(self, layer: int) -> list[tuple[dict[str, ExpertTensor], dict[str, torch.Tensor]]]:
         if self._layer is None or self._layer[0] != layer:
             self._layer = (layer, [self._read(layer, e) for e in range(self.num_experts)])
-        return [expert[role] for expert in self._layer[1]]
+        return self._layer[1]
 
-    def _read(self, layer: int, expert: int) -> dict[str, ExpertTensor]:
-        tensors, _ = self.vault.read_expert(layer, expert)
-        return {t.role: ExpertTensor(t.codes, t.scales.numpy(), t.bits, tuple(t.shape)) for t in tensors}
+    def _read(self, layer: int, expert: int) -> tuple[dict[str, ExpertTensor], dict[str, torch.Tensor]]:
+        tensors, biases = self.vault.read_expert(layer, expert)
+        return {t.role: ExpertTensor(t.codes, t.scales.numpy(), t.bits, tuple(t.shape)) for t in tensors}, biases
 
     def expert_shape(self, role: str) -> tuple[int, int]:
         return tuple(self.meta["expert_shapes"][role])
