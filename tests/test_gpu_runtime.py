@@ -135,7 +135,7 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1", "glm4_moe", "olmoe",
-                                    "minimax_m2", "qwen2_moe"])
+                                    "minimax_m2", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
@@ -147,7 +147,11 @@ def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(fami
     got = decode_in_pieces(dec, ids)
     want = load_reference(reference)(torch.tensor([ids]))[0]
     assert relative_error(want, got) < TOLERANCE
-    assert dec.cache.stats.misses > dec.cache.stats.hits > 0
+    stats = dec.cache.stats
+    if family == "gpt_oss":  # 2 layers of 4 experts: hits outnumber misses, experts come back from the host tier
+        assert stats.host_hits > 0 and stats.misses > 0
+    else:
+        assert stats.misses > stats.hits > 0
 
 
 GLM45_LAYOUT = dict(attention_bias=True, use_qk_norm=True)  # with glm4_moe's partial rotary and shared expert
@@ -223,8 +227,9 @@ torch.save(logits, sys.argv[2])
 """
 
 
-def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(tmp_path):
-    kernel_sized_vault(tmp_path, "qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # gpt-oss: expert biases, clamped SwiGLU, sinks, windows
+def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, tmp_path):
+    kernel_sized_vault(tmp_path, family)
     env = dict(os.environ, TRITON_INTERPRET="1")
     subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt")],
                    check=True, env=env, timeout=600)
@@ -263,7 +268,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe", "qwen2_moe",
-                                    "minimax_m2", "dots1"])
+                                    "minimax_m2", "dots1", "gpt_oss"])
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):

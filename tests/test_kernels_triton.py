@@ -24,9 +24,9 @@ CUDA = torch.cuda.is_available()
 NO_CUDA = "no CUDA device: the kernels run on the GPU only here; the interpreter tests cover them on CPU"
 
 
-def build_pool(hidden, inter, bits_gu, bits_d, n, device="cpu", spacing=64 * 3):
+def build_pool(hidden, inter, bits_gu, bits_d, n, device="cpu", spacing=64 * 3, bias_dtype=None):
     """n random experts' blobs, in reverse order with gaps between them (arbitrary cache slots)."""
-    blobs = [random_blob((hidden, inter), bits_gu, bits_d, seed=i) for i in range(n)]
+    blobs = [random_blob((hidden, inter), bits_gu, bits_d, seed=i, bias_dtype=bias_dtype) for i in range(n)]
     layout = blobs[0][1]
     slot = -(-len(blobs[0][0]) // 64) * 64 + spacing
     pool = torch.zeros(n * slot + 64, dtype=torch.uint8)
@@ -103,6 +103,47 @@ def test_interpreted_kernels_match_decode_then_matmul(pools, tmp_path):
         limit = 1e-4 if c["x"].dtype == torch.float32 else 1e-2
         err = relative_error(y, ref)
         assert err < limit, (layout.bits_gate_up, layout.bits_down, tuple(c["offsets"].shape), err)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_kernels_add_expert_biases_and_clamp_the_swiglu_as_gpt_oss_does(bias_dtype, tmp_path):
+    """Decode and grouped kernels with per-expert biases and gpt-oss's clamped SwiGLU, against the reference
+    (decode, then smoe.moe.activation.activate with the biases); a limit the values pass, so that it clamps."""
+    from dataclasses import replace
+
+    pool, layout, offsets = build_pool(HIDDEN, INTER, 4, 4, n=6, bias_dtype=bias_dtype)
+    clamped = replace(layout, clamp=(1.702, 0.3))
+    cases = []
+    for tokens, k, tiles in ((1, 3, ODD_TILES), (1, 4, None), (5, 2, None)):
+        idx, w = routing(len(offsets), tokens, k, seed=tokens + k)
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(k))
+        for lay in (layout, clamped):
+            cases.append({"pool": pool, "layout": vars(lay), "x": x, "offsets": offsets[idx], "weights": w,
+                          "tiles": tiles})
+    outs = run_interpreted(cases, tmp_path)
+    for c, y in zip(cases, outs):
+        lay = kt.ExpertLayout(**c["layout"])
+        ref = kt.reference_forward(c["pool"], lay, c["x"], c["offsets"], c["weights"])
+        plain = kt.reference_forward(c["pool"], replace(lay, bias_dtype="", clamp=None), c["x"], c["offsets"],
+                                     c["weights"])
+        assert relative_error(y, ref) < 1e-4, (lay.clamp, tuple(c["offsets"].shape), relative_error(y, ref))
+        assert relative_error(plain, ref) > 1e-2  # the biases (and the clamp) change the result
+
+
+def test_reference_experts_with_biases_and_the_clamp_are_transformers_gpt_oss_experts():
+    """The reference path against the formula of transformers' GptOssExperts on the decoded weights."""
+    from dataclasses import replace
+
+    pool, layout, offsets = build_pool(HIDDEN, INTER, 4, 4, n=2, bias_dtype=torch.float32)
+    layout = replace(layout, clamp=(1.702, 0.3))
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(0))
+    gate, up, down = kt.expert_weights(pool, layout, int(offsets[1]))
+    b_gate, b_up, b_down = kt.expert_biases(pool, layout, int(offsets[1]))
+    g = (x @ gate.t() + b_gate).clamp(max=0.3)
+    u = (x @ up.t() + b_up).clamp(-0.3, 0.3)
+    want = 0.7 * (((u + 1) * (g * torch.sigmoid(g * 1.702))) @ down.t() + b_down)
+    got = kt.reference_forward(pool, layout, x, offsets[1:2][None], torch.tensor([[0.7]]))
+    assert relative_error(got, want) < 1e-6
 
 
 def test_cpu_tensors_never_select_the_cuda_kernels(pools):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from smoe.format import codec
-from smoe.format.vault import QuantisedTensor, build_blob
+from smoe.format.vault import ExpertEntry, QuantisedTensor, build_blob
 from smoe.runtime.cuda.kernels import GROUP, SLOT_ALIGNMENT, ExpertLayout
 
 POOL_SLOT = 256  # random_pool's experts sit in pool slots aligned to this many bytes
@@ -22,9 +22,10 @@ def layout_for_shape(hidden: int, inter: int, bits_gate_up: int, bits_down: int)
     return ExpertLayout(hidden, inter, bits_gate_up, bits_down, *offsets), end
 
 
-def random_blob(layout_shape: tuple[int, int], bits_gate_up: int, bits_down: int, seed: int):
-    """A blob of one random expert (uniform codes, scales in [1e-3, 0.05)) in the vault's layout;
-    returns (bytes, ExpertLayout). layout_shape: (hidden, inter)."""
+def random_blob(layout_shape: tuple[int, int], bits_gate_up: int, bits_down: int, seed: int,
+                bias_dtype: torch.dtype | None = None):
+    """A blob of one random expert (uniform codes, scales in [1e-3, 0.05); with bias_dtype, gate, up and
+    down biases in [-0.5, 0.5)) in the vault's layout; returns (bytes, ExpertLayout). layout_shape: (hidden, inter)."""
     hidden, inter = layout_shape
     gen = torch.Generator().manual_seed(seed)
     tensors = []
@@ -34,12 +35,12 @@ def random_blob(layout_shape: tuple[int, int], bits_gate_up: int, bits_down: int
         codes = torch.randint(0, 2**bits, (groups, GROUP), generator=gen, dtype=torch.uint8)
         scales = (torch.rand(groups, generator=gen) * 0.049 + 1e-3).to(torch.float16)
         tensors.append(QuantisedTensor(role, shape, bits, codec.pack_codes(codes, bits), scales))
-    raw, entries, _ = build_blob(tensors)
-    t = {e.role: e for e in entries}
-    layout = ExpertLayout(hidden, inter, bits_gate_up, bits_down,
-                          t["gate"].codes_offset, t["gate"].scales_offset, t["up"].codes_offset,
-                          t["up"].scales_offset, t["down"].codes_offset, t["down"].scales_offset)
-    return raw, layout
+    biases = None if bias_dtype is None else {
+        role: (torch.rand(rows, generator=gen) - 0.5).to(bias_dtype) for role, rows in
+        (("gate", inter), ("up", inter), ("down", hidden))}
+    raw, entries, bias_entries = build_blob(tensors, biases)
+    entry = ExpertEntry(0, 0, 0, len(raw), "", entries, bias_entries)
+    return raw, ExpertLayout.from_entry(entry)
 
 
 def random_pool(hidden: int, inter: int, bits_gu: int, bits_d: int, device, pool_gb: float | None = None,

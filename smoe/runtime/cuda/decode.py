@@ -26,7 +26,7 @@ kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, th
 from __future__ import annotations
 
 import functools
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from smoe.runtime.cuda.routing import fused_route
 from smoe.runtime.kv import HoldsSequence, Latents, SequenceState, grown_capacity, sequence_state
 from smoe.runtime.layers import (
     MlaWeights,
+    attend_within,
     dense_mlp,
     mapped,
     mla_attention,
@@ -73,6 +74,8 @@ class GpuLayer:
         else:
             self.qkv, self.o = put(attn.qkv), put(attn.o)
             self.qkv_bias = put(attn.qkv_bias, dtype) if attn.qkv_bias is not None else None
+            self.o_bias = put(attn.o_bias, dtype) if attn.o_bias is not None else None
+            self.sinks, self.window = (put(attn.sinks) if attn.sinks is not None else None), attn.window
             self.qk_norm = self.q_norm_full = self.k_norm_full = None
             if description.attention.qk_norm == "full":  # over all heads: q and k each normalised whole
                 self.q_norm_full, self.k_norm_full = put(attn.q_norm, dtype), put(attn.k_norm, dtype)
@@ -82,6 +85,7 @@ class GpuLayer:
                                           put(attn.k_norm, dtype).expand(a.kv_heads, -1)])
         self.moe = w.router is not None
         self.router = put(w.router) if self.moe else None
+        self.router_bias = put(w.router_bias, dtype) if w.router_bias is not None else None
         self.correction = put(w.correction) if w.correction is not None else None
         self.shared = tuple(put(p) for p in w.shared) if w.shared is not None else None
         self.shared_gate = put(w.shared_gate) if w.shared_gate is not None else None
@@ -124,7 +128,9 @@ class GpuDecoder(HoldsSequence):
         self.final_norm = trunk["final_norm"].detach().to(device=self.device, dtype=ACT)
         self.layers = [GpuLayer(layer, i, self.description, self.device, self.dtype)
                        for i, layer in enumerate(trunk["layers"])]
-        self.layouts = {i: layer_layout(self.vault, i) for i, w in enumerate(self.layers) if w.moe}
+        # the blobs' layout, with the experts' activation the kernels compute (gpt-oss's clamped SwiGLU)
+        clamp = self.description.experts.clamp
+        self.layouts = {i: replace(layer_layout(self.vault, i), clamp=clamp) for i, w in enumerate(self.layers) if w.moe}
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
         self.rotary = trunk["rotary"]
@@ -219,12 +225,13 @@ class GpuDecoder(HoldsSequence):
         """Everything layer i's block needs but the residual and the positions."""
         w, held = self.layers[i], self.state.layers[i]
         shared = dict(positions=self.positions, cos=self.cos, sin=self.sin, input_norm=w.input_norm,
-                      post_norm=w.post_norm, router=w.router, eps=self.eps, dtype=self.dtype)
+                      post_norm=w.post_norm, router=w.router, router_bias=w.router_bias, eps=self.eps, dtype=self.dtype)
         if w.mla:
             weights = {f.name: getattr(w.attention, f.name) for f in fields(w.attention)}
             return shared | weights | dict(rows=held.rows, latent_dim=held.latent_dim, description=self.description)
         return shared | dict(k_cache=held.k[None], v_cache=held.v[None], qkv=w.qkv, qkv_bias=w.qkv_bias,
                              qk_norm=w.qk_norm, q_norm_full=w.q_norm_full, k_norm_full=w.k_norm_full, o=w.o,
+                             o_bias=w.o_bias, sinks=w.sinks, window=w.window,
                              heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
 
     def logits(self, x):
@@ -345,7 +352,7 @@ class GpuDecoder(HoldsSequence):
 
 
 def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router,
-              description, eps: float, dtype, **attention):
+              description, eps: float, dtype, router_bias=None, **attention):
     """attention_block's contract for an MLA layer, through the layer library's absorbed attention over the
     compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it. Its
     weights come as plain tensors (`attention`: MlaWeights' fields) and the bundles are made inside, so one
@@ -356,11 +363,12 @@ def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, inpu
     x = x + mla_attention(description, MlaWeights(**attention), rms_norm(x, input_norm, eps), Latents(rows, latent_dim),
                           step)
     h = rms_norm(x, post_norm, eps).to(dtype)
-    return x, h, F.linear(h, router) if router is not None else None
+    return x, h, F.linear(h, router, router_bias) if router is not None else None
 
 
 def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qkv_bias, qk_norm,
-                    q_norm_full, k_norm_full, o, post_norm, router, heads: int, kv_heads: int, head_dim: int, eps: float, dtype):
+                    q_norm_full, k_norm_full, o, post_norm, router, heads: int, kv_heads: int, head_dim: int, eps: float,
+                    dtype, o_bias=None, sinks=None, window: int | None = None, router_bias=None):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
     (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
     cache, then the experts' input h and the router's logits (None for a dense layer).
@@ -382,11 +390,16 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     # every cached position up to each token's own: a mask over the whole static cache, so the shapes
     # never change and the step can be captured in a graph
     visible = positions[None, :] <= pos[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, attn_mask=visible[None, None],
-                                         enable_gqa=True)
-    x = x + F.linear(out[0].transpose(0, 1).reshape(t, -1), o)
+    if window is not None or sinks is not None:  # a sliding layer (the last `window` positions), sink logits (gpt-oss)
+        if window is not None:
+            visible = visible & (positions[None, :] > pos[:, None] - window)
+        out = attend_within(q.transpose(0, 1)[None], k_cache, v_cache, visible, None, sinks).to(dtype)
+    else:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, attn_mask=visible[None, None],
+                                             enable_gqa=True)
+    x = x + F.linear(out[0].transpose(0, 1).reshape(t, -1), o, o_bias)
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
-    return x, h, F.linear(h, router) if router is not None else None
+    return x, h, F.linear(h, router, router_bias) if router is not None else None
 
 
 EAGER_BLOCKS = {"gqa": attention_block, "mla": mla_block}

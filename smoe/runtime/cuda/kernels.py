@@ -80,6 +80,14 @@ class ExpertLayout:
     up_scales: int
     down_codes: int
     down_scales: int
+    # per-expert biases (gpt-oss) kept in the blob: their dtype ("" for none) and byte offsets
+    bias_dtype: str = ""
+    gate_bias: int = 0
+    up_bias: int = 0
+    down_bias: int = 0
+    # the experts' activation: SiLU-gated, or gpt-oss's clamped SwiGLU (alpha, limit). A property of the
+    # model, not of the blob, carried here because every launch takes the layout (smoe.moe.activation)
+    clamp: tuple[float, float] | None = None
 
     @classmethod
     def from_entry(cls, entry) -> ExpertLayout:
@@ -94,13 +102,21 @@ class ExpertLayout:
             raise SmoeError("gate and up must share one depth")
         return cls(hidden, inter, t["gate"].bits, t["down"].bits,
                    t["gate"].codes_offset, t["gate"].scales_offset, t["up"].codes_offset, t["up"].scales_offset,
-                   t["down"].codes_offset, t["down"].scales_offset)
+                   t["down"].codes_offset, t["down"].scales_offset, **bias_fields(entry))
 
     def offsets(self) -> tuple[int, ...]:
         return (self.gate_codes, self.gate_scales, self.up_codes, self.up_scales, self.down_codes, self.down_scales)
 
+    @property
+    def experts(self) -> Experts:
+        """What the kernels compute, as the description states it (smoe.moe.activation.activate)."""
+        return Experts(intermediate_size=self.inter, clamp=self.clamp, biases=bool(self.bias_dtype))
+
     def unsupported(self) -> str | None:
         """Why the kernels cannot run this layout, or None."""
+        if self.bias_dtype and any(o % BIAS_TYPES[self.bias_dtype].itemsize
+                                   for o in (self.gate_bias, self.up_bias, self.down_bias)):
+            return "expert biases not aligned to their dtype"
         if self.hidden % GROUP or self.inter % GROUP:
             return f"input widths {self.hidden} / {self.inter} are not multiples of {GROUP} (groups span rows)"
         if any(o % SLOT_ALIGNMENT for o in self.offsets()):
@@ -108,6 +124,21 @@ class ExpertLayout:
         if self.bits_gate_up not in codec.DEPTHS or self.bits_down not in codec.DEPTHS:
             return f"depths {self.bits_gate_up}/{self.bits_down}"
         return None
+
+
+BIAS_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}  # the vault's bias dtypes
+
+
+def bias_fields(entry) -> dict:
+    """ExpertLayout's bias fields of a vault entry: gate, up and down biases of one dtype, or none."""
+    b = {x.role: x for x in entry.biases}
+    if not b:
+        return {}
+    if set(b) != {"gate", "up", "down"} or len({x.dtype for x in b.values()}) != 1 or b["gate"].dtype not in BIAS_TYPES:
+        raise SmoeError(f"GPU experts take gate, up and down biases of one dtype ({', '.join(BIAS_TYPES)}), "
+                        f"got {sorted((x.role, x.dtype) for x in b.values())}")
+    return dict(bias_dtype=b["gate"].dtype, gate_bias=b["gate"].offset, up_bias=b["up"].offset,
+                down_bias=b["down"].offset)
 
 
 # --- Triton kernels ------------------------------------------------------------------------------
@@ -185,10 +216,27 @@ if triton is not None:
         return tl.sum(acc_a - c[:, None, :], axis=2), tl.sum(acc_b - c[:, None, :], axis=2)
 
     @triton.jit
+    def _activate(gate, up, CLAMPED: tl.constexpr, ALPHA, LIMIT):
+        """silu(gate) * up, or gpt-oss's clamped SwiGLU (smoe.moe.activation.activate)."""
+        if CLAMPED:
+            gate = tl.minimum(gate, LIMIT)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+            return gate / (1.0 + tl.exp(-ALPHA * gate)) * (up + 1.0)
+        else:
+            return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
+    def _bias(bias_ptr, unit, at, rows, row_ok, BU: tl.constexpr):
+        """An expert's bias at `at` (elements from its blob's start; BU elements per 64-byte unit), fp32."""
+        return tl.load(bias_ptr + unit * BU + at + rows, mask=row_ok, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gate_up(words_ptr, halves_ptr, offsets_ptr, route_ptr, xp_ptr, hp_ptr,
-                 gate_w, gate_s, up_w, up_s, one, n_rows: tl.constexpr, n_in: tl.constexpr,
+                 gate_w, gate_s, up_w, up_s, one, bias_ptr, gate_b, up_b, ALPHA, LIMIT,
+                 n_rows: tl.constexpr, n_in: tl.constexpr,
                  BITS: tl.constexpr, BITS_OUT: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr,
-                 STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+                 STAGES: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                 BU: tl.constexpr):
         """Program (row block, expert e): hp[e] = route[e] * silu(gate_e x) * up_e x, field-major for
         the down projection's depth. gate_w/up_w: in-blob word offsets; gate_s/up_s: fp16 offsets.
         STAGES > 1: Triton pipelines the loop's loads through shared memory; PREFETCH: the codes and
@@ -232,7 +280,10 @@ if triton is not None:
             acc_u += pu * sb.to(tl.float32)
         gate = tl.sum(acc_g, axis=0) / H
         up = tl.sum(acc_u, axis=0) / H
-        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(route_ptr + e).to(tl.float32)
+        if HAS_BIAS:
+            gate += _bias(bias_ptr, unit, gate_b, rows, row_ok, BU)
+            up += _bias(bias_ptr, unit, up_b, rows, row_ok, BU)
+        h = _activate(gate, up, CLAMPED, ALPHA, LIMIT) * tl.load(route_ptr + e).to(tl.float32)
         PW_O: tl.constexpr = 32 // BITS_OUT
         PB_O: tl.constexpr = 8 // BITS_OUT
         f = rows % PW_O
@@ -241,8 +292,9 @@ if triton is not None:
 
     @triton.jit
     def _down(words_ptr, halves_ptr, offsets_ptr, hp_ptr, part_ptr, count_ptr, y_ptr, down_w, down_s, one,
-              n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
-              BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+              route_ptr, bias_ptr, down_b, n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
+              BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BU: tl.constexpr):
         """Program (row block, expert e): part[e] = down_e hp[e] (routing already in hp). The last
         program of a row block to finish sums the k parts in expert order into y (deterministic),
         and resets the block's counter for the next call."""
@@ -275,7 +327,10 @@ if triton is not None:
                 s = tl.load(s_ptr + s_off, mask=m2, other=0.0)
             p, unused = _group_products(a, a, xp, x_idx, g_ok, wpr, one, False, BITS)
             acc += p * s.to(tl.float32)
-        tl.store(part_ptr + e * n_rows + rows, tl.sum(acc, axis=0) / H, mask=row_ok)
+        part = tl.sum(acc, axis=0) / H
+        if HAS_BIAS:  # the routing weight is in hp already, not in the bias
+            part += _bias(bias_ptr, unit, down_b, rows, row_ok, BU) * tl.load(route_ptr + e).to(tl.float32)
+        tl.store(part_ptr + e * n_rows + rows, part, mask=row_ok)
         tl.debug_barrier()  # every thread's part is written before the arrival is counted
         arrived = tl.atomic_add(count_ptr + rb, 1, sem="acq_rel", scope="gpu")
         if arrived == k - 1:
@@ -312,9 +367,10 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gate_up(words_ptr, halves_ptr, block_units_ptr, pair_token_ptr, x_ptr, h_ptr,
-                         gate_w, gate_s, up_w, up_s, n_rows: tl.constexpr, n_in: tl.constexpr,
+                         gate_w, gate_s, up_w, up_s, bias_ptr, gate_b, up_b, ALPHA, LIMIT,
+                         n_rows: tl.constexpr, n_in: tl.constexpr,
                          BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, BU: tl.constexpr):
         """Program (block of BT sorted pairs of one expert, row block): h[pair] = silu(gate x) * up x,
         GK groups (GK*64 inputs) per step on the tensor cores. pair_token[pair] is the pair's token
         (T for a padding pair: x row T is zero)."""
@@ -341,14 +397,17 @@ if triton is not None:
                                rows, row_ok, g0, wpr, gpr, BITS, GK, DT)
             acc_g += _dot(x, wg, IEEE)
             acc_u += _dot(x, wu, IEEE)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if HAS_BIAS:
+            acc_g += _bias(bias_ptr, unit, gate_b, rows, row_ok, BU)[None, :]
+            acc_u += _bias(bias_ptr, unit, up_b, rows, row_ok, BU)[None, :]
+        h = _activate(acc_g, acc_u, CLAMPED, ALPHA, LIMIT)
         tl.store(h_ptr + pairs[:, None] * n_rows + rows[None, :], h.to(DT), mask=row_ok[None, :])
 
     @triton.jit
     def _grouped_down(words_ptr, halves_ptr, block_units_ptr, pair_id_ptr, h_ptr, route_ptr, y_ptr,
-                      down_w, down_s, n_rows: tl.constexpr, n_in: tl.constexpr, n_pairs,
+                      down_w, down_s, bias_ptr, down_b, n_rows: tl.constexpr, n_in: tl.constexpr, n_pairs,
                       BITS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, BU: tl.constexpr):
         """Program (block of BT sorted pairs, row block): y[pair_id] = route * down h[sorted pair]."""
         blk = tl.program_id(0)
         unit = tl.load(block_units_ptr + blk)
@@ -369,6 +428,8 @@ if triton is not None:
             w = _dequant_tile(words_ptr + unit * 16 + down_w, halves_ptr + unit * 32 + down_s,
                               rows, row_ok, g0, wpr, gpr, BITS, GK, DT)
             acc += _dot(h, w, IEEE)
+        if HAS_BIAS:
+            acc += _bias(bias_ptr, unit, down_b, rows, row_ok, BU)[None, :]
         real = pid < n_pairs
         route = tl.load(route_ptr + pid, mask=real, other=0.0).to(tl.float32)
         y = acc * route[:, None]
@@ -465,7 +526,7 @@ def decode_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.T
     xp = launch_prep(x, layout.bits_gate_up)
     hp = launch_gate_up(pool, layout, xp, offsets, weights, config.gate_up)
     y = out if out is not None else torch.empty(1, layout.hidden, dtype=x.dtype, device=x.device)
-    launch_down(pool, layout, hp, offsets, y, config.down)
+    launch_down(pool, layout, hp, offsets, y, config.down, weights)
     return y
 
 
@@ -483,26 +544,53 @@ def launch_gate_up(pool, layout: ExpertLayout, xp, offsets, weights, tiles: tupl
     k = offsets.numel()
     hp = torch.empty(k, layout.inter, dtype=torch.float32, device=xp.device)
     bn, gw, nw, stages, prefetch = tiles
+    b = bias_arguments(pool, layout)
     _gate_up[(triton.cdiv(layout.inter, bn), k)](
         words, halves, offsets, weights, xp, hp,
         layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2, ONE_BITS,
+        b.view, b.gate, b.up, *activation_arguments(layout),
         layout.inter, layout.hidden, BITS=layout.bits_gate_up, BITS_OUT=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
-        PREFETCH=bool(prefetch), num_warps=nw)
+        PREFETCH=bool(prefetch), HAS_BIAS=b.present, CLAMPED=layout.clamp is not None, BU=b.per_unit, num_warps=nw)
     return hp
 
 
-def launch_down(pool, layout: ExpertLayout, hp, offsets, y, tiles: tuple[int, int, int]) -> None:
-    """y [1, hidden] = sum over the k experts of down_e h'_e."""
+def launch_down(pool, layout: ExpertLayout, hp, offsets, y, tiles: tuple[int, int, int], weights=None) -> None:
+    """y [1, hidden] = sum over the k experts of down_e h'_e (+ weights[e] * the down bias where there is one)."""
     words, halves = pool_views(pool)
     k = offsets.numel()
     bn, gw, nw, stages, prefetch = tiles
     blocks = triton.cdiv(layout.hidden, bn)
     part = torch.empty(k, layout.hidden, dtype=torch.float32, device=hp.device)
+    b = bias_arguments(pool, layout)
     _down[(blocks, k)](
         words, halves, offsets, hp, part, arrival_counters(hp.device, blocks), y,
-        layout.down_codes // 4, layout.down_scales // 2, ONE_BITS,
-        layout.hidden, layout.inter, k, BITS=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
-        PREFETCH=bool(prefetch), num_warps=nw)
+        layout.down_codes // 4, layout.down_scales // 2, ONE_BITS, weights if weights is not None else hp,
+        b.view, b.down, layout.hidden, layout.inter, k, BITS=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
+        PREFETCH=bool(prefetch), HAS_BIAS=b.present, BU=b.per_unit, num_warps=nw)
+
+
+@dataclass(frozen=True)
+class BiasArguments:
+    view: torch.Tensor  # the pool in the biases' dtype (any view without biases: never read)
+    gate: int  # element offsets inside a blob
+    up: int
+    down: int
+    per_unit: int  # elements per 64-byte unit of blob offset
+    present: bool
+
+
+def bias_arguments(pool: torch.Tensor, layout: ExpertLayout) -> BiasArguments:
+    if not layout.bias_dtype:
+        return BiasArguments(pool.view(torch.float16), 0, 0, 0, 32, False)
+    dtype = BIAS_TYPES[layout.bias_dtype]
+    n = dtype.itemsize
+    return BiasArguments(pool.view(dtype), layout.gate_bias // n, layout.up_bias // n, layout.down_bias // n,
+                         SLOT_ALIGNMENT // n, True)
+
+
+def activation_arguments(layout: ExpertLayout) -> tuple[float, float]:
+    """(alpha, limit) of the clamped SwiGLU; unused for SiLU-gated experts."""
+    return layout.clamp if layout.clamp is not None else (1.0, 0.0)
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}
@@ -559,18 +647,33 @@ def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.
     y = torch.empty(n_pairs, layout.hidden, dtype=torch.float32, device=x.device)
     bn = 64
     grid = (capacity // bt, triton.cdiv(layout.inter, bn))
+    b = bias_arguments(pool, layout)
     _grouped_gate_up[grid](words, halves, block_units, pair_token, x_pad, h,
                            layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4,
-                           layout.up_scales // 2, layout.inter, layout.hidden,
-                           BITS=layout.bits_gate_up, BT=bt, BN=bn, GK=GROUPS_PER_STEP, IEEE=ieee, num_warps=4)
+                           layout.up_scales // 2, b.view, b.gate, b.up, *activation_arguments(layout),
+                           layout.inter, layout.hidden, BITS=layout.bits_gate_up, BT=bt, BN=bn, GK=GROUPS_PER_STEP,
+                           IEEE=ieee, HAS_BIAS=b.present, CLAMPED=layout.clamp is not None, BU=b.per_unit,
+                           num_warps=4)
     grid = (capacity // bt, triton.cdiv(layout.hidden, bn))
     _grouped_down[grid](words, halves, block_units, pair_id, h, weights.reshape(-1).contiguous(), y,
-                        layout.down_codes // 4, layout.down_scales // 2, layout.hidden, layout.inter, n_pairs,
-                        BITS=layout.bits_down, BT=bt, BN=bn, GK=GROUPS_PER_STEP, IEEE=ieee, num_warps=4)
+                        layout.down_codes // 4, layout.down_scales // 2, b.view, b.down, layout.hidden, layout.inter,
+                        n_pairs, BITS=layout.bits_down, BT=bt, BN=bn, GK=GROUPS_PER_STEP, IEEE=ieee,
+                        HAS_BIAS=b.present, BU=b.per_unit, num_warps=4)
     return y.view(n_tok, k, layout.hidden).sum(1).to(x.dtype)
 
 
 # --- reference: decode, then matmul --------------------------------------------------------------
+
+
+def expert_biases(pool: torch.Tensor, layout: ExpertLayout, offset: int) -> tuple:
+    """(gate, up, down) biases in fp32 of the blob at `offset` (Nones without)."""
+    if not layout.bias_dtype:
+        return None, None, None
+    dtype = BIAS_TYPES[layout.bias_dtype]
+    n = dtype.itemsize
+    return tuple(pool[offset + at: offset + at + rows * n].view(dtype).float()
+                 for at, rows in ((layout.gate_bias, layout.inter), (layout.up_bias, layout.inter),
+                                  (layout.down_bias, layout.hidden)))
 
 
 def expert_weights(pool: torch.Tensor, layout: ExpertLayout, offset: int, dtype=torch.float32):
@@ -596,17 +699,18 @@ def reference_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torc
 
     def fetch(group):
         # each decoded only when it runs: a layer's experts decoded at once could fill the GPU
-        return {off: (lambda rows, off=off: swiglu(rows, *expert_weights(pool, layout, int(off)))) for off in group}
+        return {off: (lambda rows, off=off: expert_mlp(layout.experts, rows, expert_weights(pool, layout, int(off)),
+                                                       expert_biases(pool, layout, int(off)))) for off in group}
 
     y = routed_sum(x2, offsets, weights, fetch)  # blobs keyed by their offset, not by expert id
     return y.to(x.dtype).view(x.shape)
 
 
-SILU_GATED = Experts(intermediate_size=None)  # the experts the kernels compute
-
-
-def swiglu(x, gate, up, down):
-    return activate(SILU_GATED, x @ gate.t(), x @ up.t()) @ down.t()
+def expert_mlp(experts: Experts, x, weights, biases):
+    """down(act(gate x + b_gate, up x + b_up)) + b_down in fp32, the biases where the expert has them."""
+    (gate, up, down), (b_gate, b_up, b_down) = weights, biases
+    linear = torch.nn.functional.linear
+    return linear(activate(experts, linear(x, gate, b_gate), linear(x, up, b_up)), down, b_down)
 
 
 @functools.cache
