@@ -35,8 +35,9 @@ KEYS = {
     # routed experts and top-k, under every family's name
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
                      "ffn_config.moe_num_experts", "moe.num_experts"), NOT_A_COUNT),
-    **dict.fromkeys(("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_top_k", "moe_k", "experts_per_token",
-                     "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k", "moe.experts_per_token"),
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_top_k",
+                     "moe_k", "experts_per_token", "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k",
+                     "moe.experts_per_token"),
                     NOT_A_COUNT),
     # model sizes
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "num_hidden_layers", "n_layers", "num_layers", "n_layer",

@@ -506,3 +506,28 @@ def test_supported_families_cover_the_required_set():
                 "glm4_moe", "mixtral", "minimax", "phimoe", "jamba", "gpt_oss", "llama4", "granitemoe",
                 "gemma4", "nemotron_h", "dbrx", "moondream3", "mistral4"}
     assert required <= set(families.supported_families())
+
+
+def _discovering(monkeypatch, answer) -> None:
+    """Families without a row answered by `answer` (config -> Family, a reason, or None) alone."""
+    monkeypatch.setattr(families, "_DISCOVERERS", [answer])
+
+
+def test_a_discoverer_s_reason_is_the_one_line_refusal(monkeypatch):
+    _discovering(monkeypatch, lambda config: "its experts are rows of an embedding table")
+    with pytest.raises(SmoeError, match=r"^unsupported model_type 'frobnitz_moe': its experts are rows of an "
+                                        r"embedding table$"):
+        map_experts({"model_type": "frobnitz_moe", "num_experts": 4}, qwen_names(range(2), range(4)))
+
+
+def test_tensors_of_identity_experts_are_neither_experts_nor_trunk(monkeypatch):
+    # LongCat: experts 0-3 routed, 4-5 identity ("zero"); transformers saves gate/up rows for the identity ones
+    family = families.Family("frobnitz_moe", ("frobnitz_moe",), families.standard("mlp"),
+                             identity_key="zero_expert_num")
+    _discovering(monkeypatch, lambda config: family)
+    names = qwen_names(range(2), range(4)) + qwen_names(range(2), [4, 5], roles=("gate_proj", "up_proj"))
+    plan = map_experts({**QWEN, "model_type": "frobnitz_moe", "zero_expert_num": 2}, names)
+    assert plan.num_experts == 4 and len(plan.experts) == 8
+    assert {n for n in names if ".experts." in n} <= plan.expert_names
+    with pytest.raises(SmoeError, match="experts beyond that"):  # without the key they are unexpected experts
+        map_experts({**QWEN, "model_type": "frobnitz_moe"}, names)

@@ -6,8 +6,11 @@ transposed), which the checkpoint conversion maps from the released per-expert t
 model on the meta device (no memory, no weights) shows where that module sits in a decoder layer and
 its sizes; the config keys holding those sizes are the ones whose values match. That is a row of
 smoe.source.families, made at the moment it is needed, so that a family transformers adds runs here
-without a row. Families whose experts are computed otherwise (other parameter names, several expert
-kinds in one layer, experts of a size no config key states) get None: they stay refused, by name.
+without a row. The experts may take in a latent width a config key states instead of the hidden size
+(Muse Spark's moe_hidden_size), and gate_up may hold rows for identity experts after the routed ones
+(LongCat). Families whose experts are computed otherwise (other parameter names, several expert kinds
+in one layer, experts of a size no config key states) get the reason instead: they stay refused, by
+name, saying why.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from smoe.source import families
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.(?P<block>.*?)\.?experts$")
 
 
-def discover_family(config: dict) -> families.Family | None:
-    """The family of a config whose model_type transformers knows and smoe's table does not, or None."""
+def discover_family(config: dict) -> families.Family | str | None:
+    """The family of a config whose model_type transformers knows and smoe's table does not; else why
+    its experts are not the kind smoe reads (one line), or None (a type or config transformers cannot
+    build)."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         return None
@@ -35,7 +40,7 @@ def discover_family(config: dict) -> families.Family | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _discover(model_type: str, config_json: str) -> families.Family | None:
+def _discover(model_type: str, config_json: str) -> families.Family | str | None:
     from transformers import CONFIG_MAPPING
 
     from smoe.hf.model import skeleton
@@ -45,25 +50,45 @@ def _discover(model_type: str, config_json: str) -> families.Family | None:
     config = json.loads(config_json)
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
     model = skeleton(hf_config, torch.float32)  # on the meta device
-    modules = {name: _block_of(name, module, hf_config.get_text_config().hidden_size)
-               for name, module in model.named_modules() if _routed(type(module).__name__)}
-    found = set(modules.values())
-    if len(found) != 1 or None in found:
-        return None
-    block, transposed, inner, experts = found.pop()
     text = hf_config.get_text_config().to_dict()
+    widths = _input_widths(text)
+    modules = {name: _block_of(name, module, widths)
+               for name, module in model.named_modules() if _routed(type(module).__name__)}
+    refused = _refusal(model, modules)
+    if refused:
+        return refused
+    block, transposed, inner, experts, identity, width = next(iter(modules.values()))
     inner_key = _key_holding(text, inner, ("moe", "expert"))
-    if inner_key is None or _key_holding(text, experts, ("expert",)) is None:
-        return None
+    identity_key = _named_key_holding(text, identity, ("zero", "identity")) if identity else None
+    if inner_key is None or _key_holding(text, experts, ("expert",)) is None or (identity and not identity_key):
+        return f"no config key states its experts' width ({inner}), count ({experts}) or identity experts ({identity})"
     released = released_layout(model, min(modules), transposed)
     if released is None:
-        return None
+        return "transformers' save-time conversion of its experts gives tensors smoe cannot tell gate, up and down in"
     # the release's own layout first; the others (per expert, transformers' fused, MLX) where they name
     # other tensors: a name means one thing
     taken = {how.template for how in released.roles.values()}
     layouts = (released, *(layout for layout in families.standard(block, fused_transpose=transposed)
                            if not taken & {how.template for how in layout.roles.values()}))
-    return families.Family(model_type, (model_type,), layouts, intermediate_keys=(inner_key,))
+    hidden = families._lookup([text], families.CONFIG_KEYS["hidden_size"])
+    return families.Family(model_type, (model_type,), layouts, intermediate_keys=(inner_key,),
+                           identity_key=identity_key, latent_keys=() if width == hidden else (widths[width],))
+
+
+def _refusal(model, modules: dict) -> str | None:
+    """Why the routed experts modules found are not one fused kind at one place of every MoE layer."""
+    if not modules:
+        return "transformers builds no routed ...Experts module for it (its experts are computed otherwise)"
+    odd = sorted({type(model.get_submodule(n)).__name__ for n, found in modules.items() if found is None})
+    if odd:
+        return (f"its {', '.join(odd)} modules are not fused experts (gate_up_proj [E, 2I, H], down_proj "
+                f"[E, H, I]) inside decoder layers")
+    blocks = sorted({found[0] for found in modules.values()})
+    if len(blocks) > 1:
+        return f"its layers hold routed experts in {len(blocks)} places ({', '.join(blocks)}); a vault holds one per layer"
+    if len(set(modules.values())) > 1:
+        return "its layers' experts differ in size; a vault holds experts of one size"
+    return None
 
 
 def _routed(class_name: str) -> bool:
@@ -71,18 +96,33 @@ def _routed(class_name: str) -> bool:
     return class_name.endswith("Experts") and "Shared" not in class_name
 
 
-def _block_of(name: str, module, hidden: int):
-    """(block path inside the decoder layer, transposed, expert width, experts) of a fused experts
-    module, or None for any other kind."""
+def _input_widths(text: dict) -> dict[int, str]:
+    """width -> the config key stating it, of the widths routed experts may take in: the hidden size, or
+    a latent one (Muse Spark projects the hidden state down to moe_hidden_size before its experts)."""
+    keys = [k for k in families.CONFIG_KEYS["hidden_size"] if type(text.get(k)) is int][:1]  # its own key first
+    keys += [k for k, v in text.items() if type(v) is int and k.endswith("_size") and ("hidden" in k or "latent" in k)]
+    widths: dict[int, str] = {}
+    for key in keys:
+        widths.setdefault(text[key], key)
+    return widths
+
+
+def _block_of(name: str, module, widths: dict[int, str]):
+    """(block path inside the decoder layer, transposed, expert width, experts, identity experts, input
+    width) of a fused experts module taking one of `widths` in, or None for any other kind. Experts are
+    the ones with a down projection; gate_up rows beyond them (LongCat) are identity experts', whose
+    tokens pass through unchanged."""
     m = _LAYER.search(name)
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if m is None or not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in (gate_up, down)):
         return None
-    experts = gate_up.shape[0]
-    if gate_up.shape[2] == hidden and down.shape[1] == hidden:  # [E, 2I, H], [E, H, I]
-        return m["block"], False, gate_up.shape[1] // 2, experts
-    if gate_up.shape[1] == hidden and down.shape[2] == hidden:  # [E, H, 2I], [E, I, H]
-        return m["block"], True, gate_up.shape[2] // 2, experts
+    experts, identity = down.shape[0], gate_up.shape[0] - down.shape[0]
+    if identity < 0:
+        return None
+    if gate_up.shape[2] == down.shape[1] in widths:  # [E, 2I, H], [E, H, I]
+        return m["block"], False, gate_up.shape[1] // 2, experts, identity, down.shape[1]
+    if gate_up.shape[1] == down.shape[2] in widths:  # [E, H, 2I], [E, I, H]
+        return m["block"], True, gate_up.shape[2] // 2, experts, identity, down.shape[2]
     return None
 
 
@@ -92,6 +132,12 @@ def _key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str | None
     keys = [k for k, v in config.items() if type(v) is int and v == value and "shared" not in k]
     named = [k for k in keys if any(h in k for h in hints)]
     return (named or keys or [None])[0]
+
+
+def _named_key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str | None:
+    """The config key whose value is `value` and whose name has one of `hints` (a count no other key may
+    stand in for)."""
+    return next((k for k, v in config.items() if type(v) is int and v == value and any(h in k for h in hints)), None)
 
 
 # Small sizes for the index tensors: experts, hidden, expert width (all different, so that a

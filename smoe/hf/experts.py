@@ -10,6 +10,7 @@ vault's experts.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -50,24 +51,44 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 
 class StreamingExperts(torch.nn.Module):
     """Stands in, through `set_submodule`, for an experts module that transformers' registry does not
-    reach: same call (hidden_states, top_k_index, top_k_weights), gated SwiGLU-style experts."""
+    reach: same call (hidden_states, top_k_index, top_k_weights), gated SwiGLU-style experts, clamped
+    as the module clamps them where it has a `limit` (Step-3.7: act(gate) at most `limit`, up within
+    ±limit; infinite where a layer is not clamped). Ids from `identity_from` on are identity experts
+    (LongCat's "zero" experts): the token itself, weighted, with no weights to fetch."""
 
     has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
 
-    def __init__(self, act_fn, scale_input: bool = False):
+    def __init__(self, act_fn, scale_input: bool = False, limit: float = float("inf"),
+                 identity_from: int | None = None):
         super().__init__()
         self.act_fn = act_fn
         self.smoe_scale_input = scale_input
+        self.limit = limit
+        self.identity_from = identity_from
 
     def _apply_gate(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.act_fn(gate) * up
+        if self.limit == float("inf"):
+            return self.act_fn(gate) * up
+        return self.act_fn(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out = self.smoe_routed.forward(self, flat, top_k_index.reshape(flat.shape[0], -1),
-                                       top_k_weights.reshape(flat.shape[0], -1))
-        return out.view(hidden_states.shape)
+        index, weights = top_k_index.reshape(flat.shape[0], -1), top_k_weights.reshape(flat.shape[0], -1)
+        if self.identity_from is None:
+            return self.smoe_routed.forward(self, flat, index, weights).view(hidden_states.shape)
+        return self._with_identity(flat, index, weights).view(hidden_states.shape)
+
+    def _with_identity(self, flat, index, weights):
+        """Routed slots as one row each (a token's slots may be any mix of routed and identity experts),
+        identity slots as the token times their summed weight."""
+        routed = index < self.identity_from
+        tokens, slots = torch.where(routed)
+        out = flat * (weights * ~routed).sum(-1, keepdim=True).to(flat.dtype)
+        if tokens.numel():
+            rows = self.smoe_routed.forward(self, flat[tokens], index[tokens, slots, None], weights[tokens, slots, None])
+            out = out.index_add(0, tokens, rows.to(out.dtype))
+        return out
 
 
 class StreamingLlama4Moe(torch.nn.Module):
@@ -93,6 +114,8 @@ def replace_unregistered_moe_blocks(model) -> None:
     replacements = {
         "DbrxExperts": lambda m: StreamingExperts(m.mlp.activation_fn),
         "Llama4TextMoe": StreamingLlama4Moe,
+        "Step3p7Experts": lambda m: StreamingExperts(m.act_fn, limit=m.limit),
+        "LongcatFlashExperts": lambda m: StreamingExperts(m.act_fn, identity_from=m.num_routed_experts),
     }
     for name, module in list(model.named_modules()):
         make = replacements.get(type(module).__name__)
@@ -179,8 +202,27 @@ def llama4_parameters(module, decoded, biases) -> dict:
     return {"gate_up_proj": gate_up, "down_proj": torch.stack([d["down"].t() for d in decoded])}
 
 
+# transformers' fused layout, for a module that does not carry the registry's flags saying so
+FUSED_LAYOUT = SimpleNamespace(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True)
+
+
+def unflagged_parameters(module, decoded, biases) -> dict:
+    """transformers' fused layout in a module without the registry's flags (Step-3.7, LongCat). The rows
+    LongCat's gate_up allots its identity experts, after the routed ones, are never read: zeros."""
+    params = expert_parameters(FUSED_LAYOUT, decoded, biases)
+    gate_up = params["gate_up_proj"]
+    spare = module.gate_up_proj.shape[0] - gate_up.shape[0]
+    params["gate_up_proj"] = torch.cat([gate_up, gate_up.new_zeros(spare, *gate_up.shape[1:])])
+    return params
+
+
 # experts modules outside transformers' registry, by class name; the rest follow their registry flags
-PARAMETER_WRITERS = {"DbrxExperts": dbrx_parameters, "Llama4TextExperts": llama4_parameters}
+PARAMETER_WRITERS = {
+    "DbrxExperts": dbrx_parameters,
+    "Llama4TextExperts": llama4_parameters,
+    "Step3p7Experts": unflagged_parameters,
+    "LongcatFlashExperts": unflagged_parameters,
+}
 
 
 def parameters_of(module, decoded: list[dict[str, torch.Tensor]], biases: list[dict[str, torch.Tensor]]) -> dict:

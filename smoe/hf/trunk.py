@@ -19,20 +19,31 @@ def model_trunk(model) -> dict:
             "rotary": base.rotary_emb, "layers": list(base.layers)}
 
 
-def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
+SHARED_EXPERTS = ("shared_experts", "shared_expert", "shared_mlp")  # where MoE blocks keep their shared experts
+
+
+def layer_tensors(layer, mla: bool, qk_norm: bool, output_gate: bool = False, output_norms: bool = False) -> dict:
     """One decoder layer's tensors in the common layout (self_attn with q/k/v/o or MLA's projections, an MoE
     block with `gate`, `experts` and optionally shared experts, or a gated dense MLP), under the names of
-    smoe.runtime.layers.LayerWeights; `attention` holds GqaWeights' or MlaWeights' (kv_b as stored, 2-D)."""
-    mlp = layer.mlp
+    smoe.runtime.layers.LayerWeights; `attention` holds GqaWeights' or MlaWeights' (kv_b as stored, 2-D).
+    output_gate: the attention's gate_proj rows follow q, k and v in the fused matrix; output_norms: AFMoE's
+    four norms, post_attention_layernorm on the attention's output and pre_mlp_layernorm on the MLP's input."""
+    mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe  # Granite's MoE block
     moe = hasattr(mlp, "experts")
     router, router_bias, correction = router_of(mlp) if moe else (None, None, None)
-    # DeepSeek's and GLM's `shared_experts`; Qwen2-MoE's `shared_expert`, scaled by its `shared_expert_gate`
-    shared = (getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert", None)) if moe else None
+    # DeepSeek's and GLM's `shared_experts`; Qwen2-MoE's `shared_expert`, scaled by its `shared_expert_gate`;
+    # HunYuan's `shared_mlp`, and Granite's beside the MoE block
+    owners = (mlp, layer)
+    shared = next(filter(None, (getattr(o, n, None) for o in owners for n in SHARED_EXPERTS)), None) if moe else None
     shared_gate = getattr(mlp, "shared_expert_gate", None) if moe else None
+    weight = lambda name: getattr(layer, name).weight.detach()
+    norms = dict(post_norm=weight("pre_mlp_layernorm"), attention_out_norm=weight("post_attention_layernorm"),
+                 mlp_out_norm=weight("post_mlp_layernorm")) if output_norms else dict(
+        post_norm=weight("post_attention_layernorm"))
     return dict(
         input_norm=layer.input_layernorm.weight.detach(),
-        attention=mla_tensors(layer.self_attn) if mla else gqa_tensors(layer.self_attn, qk_norm),
-        post_norm=layer.post_attention_layernorm.weight.detach(),
+        attention=mla_tensors(layer.self_attn) if mla else gqa_tensors(layer.self_attn, qk_norm, output_gate),
+        **norms,
         router=router.detach() if moe else None,
         router_bias=router_bias.detach() if router_bias is not None else None,
         correction=correction.detach() if correction is not None else None,
@@ -42,16 +53,28 @@ def layer_tensors(layer, mla: bool, qk_norm: bool) -> dict:
     )
 
 
-def gqa_tensors(attn, qk_norm: bool) -> dict:
-    """q/k/v fused, their biases, the q/k norms, o and its bias, and gpt-oss's per-head sink logits (`sinks`)."""
-    fuse_qkv(attn)
+def gqa_tensors(attn, qk_norm: bool, output_gate: bool = False) -> dict:
+    """q/k/v (and the output gate's rows) fused, their biases, the q/k norms, o and its bias, and gpt-oss's
+    per-head sink logits (`sinks`)."""
+    fuse_qkv(attn, output_gate)
     biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
     sinks = getattr(attn, "sinks", None)
-    return dict(qkv=attn.smoe_qkv, q_norm=attn.q_norm.weight.detach() if qk_norm else None,
-                k_norm=attn.k_norm.weight.detach() if qk_norm else None, o=attn.o_proj.weight.detach(),
+    q_norm, k_norm = qk_norms(attn) if qk_norm else (None, None)
+    return dict(qkv=attn.smoe_qkv, q_norm=q_norm, k_norm=k_norm, o=attn.o_proj.weight.detach(),
                 qkv_bias=torch.cat([b.detach() for b in biases]) if biases[0] is not None else None,
                 o_bias=attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None,
                 sinks=sinks.detach() if isinstance(sinks, torch.Tensor) else None)
+
+
+QK_NORMS = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"), ("q_layernorm", "k_layernorm"))
+
+
+def qk_norms(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q and k norms' weights, under the first of the names QK_NORMS lists that the module has."""
+    names = next((pair for pair in QK_NORMS if hasattr(attn, pair[0])), None)
+    if names is None:
+        raise SmoeError(f"no q/k norms found in {type(attn).__name__} (looked for {QK_NORMS})")
+    return tuple(getattr(attn, name).weight.detach() for name in names)
 
 
 def mla_tensors(attn) -> dict:
@@ -63,6 +86,9 @@ def mla_tensors(attn) -> dict:
 
 
 def mlp_tensors(mlp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if hasattr(mlp, "input_linear"):  # Granite's: gate and up stacked in one matrix (views of it, nothing copied)
+        gate, up = mlp.input_linear.weight.detach().chunk(2)
+        return gate, up, mlp.output_linear.weight.detach()
     return tuple(p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
@@ -87,12 +113,12 @@ def router_of(block) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | 
     return router.weight, bias if isinstance(bias, torch.Tensor) else None, correction
 
 
-def fuse_qkv(attn) -> None:
-    """One [q; k; v] matrix for one matmul; the attention module's three weights become views into it,
-    so the transformers path keeps working and no memory is duplicated."""
+def fuse_qkv(attn, output_gate: bool = False) -> None:
+    """One [q; k; v] matrix (then gate_proj's rows, with output_gate) for one matmul; the attention module's
+    weights become views into it, so the transformers path keeps working and no memory is duplicated."""
     if hasattr(attn, "smoe_qkv"):
         return
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, *((attn.gate_proj,) if output_gate else ()))
     fused = torch.cat([p.weight.detach() for p in projections])
     start = 0
     for p in projections:

@@ -49,12 +49,18 @@ class Attention:
     heads: int
     kv_heads: int
     head_dim: int
-    qk_norm: str | None = None  # None | "head": RMSNorm over each head | "full": over all heads together
+    qk_norm: str | None = None  # None | "head": RMSNorm over each head | "full": over all heads together |
+    # "head_after_rotary": over each head once it is rotated (HunYuan) | "l2_after_rotary": L2 norm after it (Llama 4)
     bias: bool = False  # q/k/v projections with biases
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()  # layers attending within the window
     sinks: bool = False  # learned per-head sink logits (gpt-oss)
     mixer_layers: tuple[int, ...] = ()  # layers with linear attention or a state-space mixer instead
+    nope_layers: tuple[int, ...] = ()  # the extra no_rope_layers' layers, where the rule can list them
+    # the extra temperature_tuning as Mistral 4 computes it, (beta, length): each query at position p scaled by
+    # 1 + beta * log(1 + floor(p / length)); None where the rule does not read it
+    query_temperature: tuple[float, int] | None = None
+    output_gate: bool = False  # the extra attention_gate as AFMoE computes it: sigmoid(gate_proj h) on each output
     latent_dim: int = 0  # MLA: width of the compressed K/V latent (kv_lora_rank), what a cache keeps per token
     rope_key_dim: int = 0  # MLA: width of the rotary key all heads share (qk_rope_head_dim), cached beside it
     # MLA: the eps of the query and latent norms. transformers' MLA modules (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash,
@@ -89,6 +95,16 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Multipliers:
+    """The numbers of the extra "multipliers" (Granite's): neutral values change nothing."""
+
+    embedding: float = 1.0  # the embeddings times this
+    attention: float | None = None  # the softmax scale, in place of 1 / sqrt(head_dim)
+    residual: float = 1.0  # each residual branch (attention, the MLP or MoE block) times this before it is added
+    logits: float = 1.0  # the logits divided by this
+
+
+@dataclass(frozen=True)
 class ModelDescription:
     family: str
     model_type: str
@@ -102,6 +118,10 @@ class ModelDescription:
     shared_experts: int = 0  # shared experts every token runs, besides the routed ones
     shared_gate: bool = False  # the shared experts' output scaled by sigmoid(a learned gate of the input)
     extras: tuple[str, ...] = ()  # keys of EXTRAS
+    multipliers: Multipliers | None = None  # the extra multipliers' numbers, where the rule reads them
+    # the extra sandwich_norms as AFMoE lays them out: the attention's and the MLP's outputs normalised before
+    # they join the residual stream, beside the usual norms of their inputs
+    output_norms: bool = False
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -137,6 +157,8 @@ def describe_model(config: dict) -> ModelDescription:
         sliding_window=c.get("sliding_window") or None, sliding_layers=facts.pop("sliding_layers", ()),
         sinks=facts.pop("sinks", False), mixer_layers=facts.pop("mixer_layers", _typed_layers(c, MIXER_TYPES)),
         latent_dim=facts.pop("latent_dim", 0), rope_key_dim=facts.pop("rope_key_dim", 0),
+        nope_layers=facts.pop("nope_layers", ()), query_temperature=facts.pop("query_temperature", None),
+        output_gate=facts.pop("output_gate", False),
     )
     if attention.sliding_window is None:
         attention = replace(attention, sliding_layers=())
@@ -149,6 +171,7 @@ def describe_model(config: dict) -> ModelDescription:
         vocab_size=int(c.get("vocab_size", default=0)), attention=attention, routing=routing, experts=experts,
         moe_layers=moe_layers, shared_experts=int(facts.pop("shared_experts", 0)),
         shared_gate=facts.pop("shared_gate", False), extras=tuple(sorted(set(facts.pop("extras", ())))),
+        multipliers=facts.pop("multipliers", None), output_norms=facts.pop("output_norms", False),
     )
 
 
@@ -255,9 +278,15 @@ def _deepseek_v32(c, n):
 
 
 def _mistral4(c, n):
+    """DeepSeek-V3's MLA with Mistral 4's query temperature (rope_parameters' llama_4_scaling_beta over
+    original_max_position_embeddings)."""
+    beta = c.get("rope_parameters.llama_4_scaling_beta", "rope_scaling.llama_4_scaling_beta")
+    length = c.get("rope_parameters.original_max_position_embeddings",
+                   "rope_scaling.original_max_position_embeddings")
     return dict(routing=dict(normalise=_normalise(c, True), normalise_eps=1e-20, scale=_scale(c),
                              **_groups(c, "top2")),
                 **_mla(c), shared_experts=c.get("n_shared_experts", default=1) or 0,
+                query_temperature=(float(beta), int(length)) if beta is not None and length else None,
                 extras=("interleaved_rotary", "temperature_tuning"))
 
 
@@ -340,17 +369,31 @@ def _dots1(c, n):
 
 
 def _exaone_moe(c, n):
+    """Where a window is set, the layers that do not slide have no rotary (NoPE); without layer_types, every
+    sliding_window_pattern-th layer is such a full one."""
+    pattern = c.get("sliding_window_pattern", default=4)
+    sliding = _sliding(c, n, lambda n: tuple(i for i in range(n) if (i + 1) % pattern)) if c.get("sliding_window") else ()
+    nope = tuple(i for i in range(n) if i not in sliding) if c.get("sliding_window") else ()
     return dict(routing=_sigmoid_biased(c, scale_default=2.5), qk_norm="head", attention_bias=False,
-                sliding_layers=_sliding(c, n), shared_experts=c.get("num_shared_experts", default=1) or 0,
-                extras=("no_rope_layers",) if c.get("sliding_window") else ())
+                sliding_layers=sliding, shared_experts=c.get("num_shared_experts", default=1) or 0,
+                nope_layers=nope, extras=("no_rope_layers",) if nope else ())
 
 
 def _afmoe(c, n):
+    """Rotary on the sliding layers only (without layer_types every global_attn_every_n_layers-th layer is a
+    full one); the output gate and norms around both branches; muP's embeddings times sqrt(hidden)."""
+    every = c.get("global_attn_every_n_layers", default=4)
+    sliding = _sliding(c, n, lambda n: tuple(i for i in range(n) if (i + 1) % every))
+    nope = tuple(i for i in range(n) if i not in sliding)
+    mup = bool(c.get("mup_enabled", default=False))
+    hidden = int(c.get(*families.CONFIG_KEYS["hidden_size"], default=0))
     return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True, normalise_eps=1e-20,
                              scale=_scale(c, "route_scale")),
-                qk_norm="head", sliding_layers=_sliding(c, n), shared_experts=c.get("num_shared_experts", default=2) or 0,
-                extras=("sandwich_norms", "attention_gate", "no_rope_layers",
-                        *(("multipliers",) if c.get("mup_enabled", default=False) else ())))
+                qk_norm="head", sliding_layers=sliding, shared_experts=c.get("num_shared_experts", default=2) or 0,
+                nope_layers=nope, output_gate=True, output_norms=True,
+                multipliers=Multipliers(embedding=hidden ** 0.5) if mup else None,
+                extras=("sandwich_norms", "attention_gate", *(("no_rope_layers",) if nope else ()),
+                        *(("multipliers",) if mup else ())))
 
 
 def _lfm2_moe(c, n):
@@ -374,7 +417,12 @@ def _llama4(c, n):
 
 def _granitemoe(c, n):
     shared = c.get("shared_intermediate_size", default=0)
-    return dict(routing=dict(normalise=True), shared_experts=int(bool(shared)), extras=("multipliers",))
+    numbers = Multipliers(embedding=float(c.get("embedding_multiplier", default=1.0)),
+                          attention=float(c.get("attention_multiplier", default=1.0)),
+                          residual=float(c.get("residual_multiplier", default=1.0)),
+                          logits=float(c.get("logits_scaling", default=1.0)))
+    return dict(routing=dict(normalise=True), shared_experts=int(bool(shared)), multipliers=numbers,
+                extras=("multipliers",))
 
 
 def _granitemoehybrid(c, n):

@@ -175,6 +175,8 @@ class Family:
     intermediate_keys: tuple[str, ...] = ("moe_intermediate_size",)  # expert width in the config
     roles: tuple[str, ...] = GATED
     hint: str | None = None  # a trunk-name fragment that prefers this family when there is no config
+    identity_key: str | None = None  # config key counting identity experts numbered after the routed ones
+    latent_keys: tuple[str, ...] = ()  # config key of a latent width the experts take in, beside moe_latent_size
 
 
 # One row per family.  Fused orientations are the ones the transformers modules compute with
@@ -261,8 +263,8 @@ CONFIG_KEYS = {
 NESTED_CONFIGS = ("text_config", "language_config", "llm_config", "thinker_config")
 
 
-# Functions config -> Family | None for a model_type without a row (smoe.hf adds transformers' own:
-# this layer cannot import transformers).
+# Functions config -> Family, or why a model_type without a row has none (str), or None when they cannot
+# tell (smoe.hf adds transformers' own: this layer cannot import transformers).
 _DISCOVERERS: list = []
 
 
@@ -271,12 +273,10 @@ def add_discoverer(discover) -> None:
         _DISCOVERERS.append(discover)
 
 
-def _discovered(config: dict) -> Family | None:
-    for discover in _DISCOVERERS:
-        family = discover(config)
-        if family is not None:
-            return family
-    return None
+def _discovered(config: dict) -> Family | str | None:
+    """The first discoverer's family, else the first reason one gives for having none."""
+    answers = [discover(config) for discover in _DISCOVERERS]
+    return next((a for a in answers if isinstance(a, Family)), next((a for a in answers if a), None))
 
 
 def supported_families() -> list[str]:
@@ -302,6 +302,8 @@ def _resolve(config: dict) -> tuple[Family | None, str, list[dict]]:
     if not model_type:
         return None, "", [*nested, config]
     family = _BY_TYPE.get(_normalise_type(model_type)) or _discovered(config)
+    if isinstance(family, str):
+        raise SmoeError(f"unsupported model_type {model_type!r}: {family}")
     if family is None:
         raise SmoeError(f"unsupported model_type {model_type!r}; supported families: "
                         f"{', '.join(supported_families())} (aliases: {', '.join(sorted(_ALIASES))})")
@@ -613,7 +615,7 @@ def _index_layers(meta, family, model_type, configs) -> str | None:
 def _index_shapes(meta, family, model_type, configs) -> str | None:
     inner = _lookup(configs, family.intermediate_keys)
     hidden = _lookup(configs, CONFIG_KEYS["hidden_size"])
-    outer = _lookup(configs, CONFIG_KEYS["latent_size"]) or hidden
+    outer = _lookup(configs, _latent_keys(family)) or hidden
     if not (_is_int(inner) and _is_int(outer)):
         return None  # per-layer widths, or no widths in the config: the checkpoint's shapes decided
     shapes = {"gate": [inner, outer], "up": [inner, outer], "down": [outer, inner]}
@@ -836,6 +838,8 @@ def map_experts(config: dict, names: list[str], num_experts: int | None = None) 
                         f"{'; or '.join(layout.what for layout in family.layouts)}")
     hits, mtp_names = _decoder_hits(hits)
     e_count = _expert_count(model_type, configs, hits, num_experts, family)
+    hits, identity_names = _without_identity_experts(hits, e_count, _int(_lookup(configs, (family.identity_key,)))
+                                                     if family.identity_key else 0)
     moe_layers = _expected_layers(configs, _num_layers(configs), hits, family)
 
     experts, biases, found = _collect(hits, e_count)
@@ -843,7 +847,7 @@ def map_experts(config: dict, names: list[str], num_experts: int | None = None) 
     _check_biases(model_type, biases, experts)
     keys = [(layer, e) for layer in moe_layers for e in range(e_count)]
 
-    expert_names = {h.name for h in hits} | mtp_names
+    expert_names = {h.name for h in hits} | mtp_names | identity_names
     owners = {_owner(n) for n in expert_names}
     # parts a format leaves beside a projection (input scales, ...) belong to the expert, not the trunk
     expert_names |= {n for n in names if _owner(n) in owners}
@@ -862,8 +866,14 @@ def map_experts(config: dict, names: list[str], num_experts: int | None = None) 
         expert_names=expert_names,
         hidden_size=hidden,
         expert_intermediate_size=_int(_lookup(configs, family.intermediate_keys)),
-        expert_input_size=_int(_lookup(configs, CONFIG_KEYS["latent_size"])) or hidden,
+        expert_input_size=_int(_lookup(configs, _latent_keys(family))) or hidden,
     )
+
+
+def _latent_keys(family: Family) -> tuple[str, ...]:
+    """Config keys of the width a family's experts take in where it is not the hidden size (Nemotron-H's
+    moe_latent_size; Muse Spark's moe_hidden_size, its discovered row says)."""
+    return (*family.latent_keys, *CONFIG_KEYS["latent_size"])
 
 
 def describe_config(config: dict, num_experts: int | None = None) -> ExpertMap:
@@ -883,7 +893,7 @@ def describe_config(config: dict, num_experts: int | None = None) -> ExpertMap:
         num_experts=count, top_k=_int(_lookup(configs, CONFIG_KEYS["top_k"])), roles=family.roles,
         experts={}, biases={}, expert_names=set(), hidden_size=hidden,
         expert_intermediate_size=_int(_lookup(configs, family.intermediate_keys)),
-        expert_input_size=_int(_lookup(configs, CONFIG_KEYS["latent_size"])) or hidden,
+        expert_input_size=_int(_lookup(configs, _latent_keys(family))) or hidden,
     )
 
 
@@ -914,6 +924,15 @@ def _decoder_hits(hits: list[_Hit]) -> tuple[list[_Hit], set[str]]:
     decoder = max(counts, key=counts.get)
     mtp = {h.name for h in hits if _MTP_RE.search(h.prefix)}
     return [h for h in hits if h.prefix == decoder], mtp
+
+
+def _without_identity_experts(hits: list[_Hit], e_count: int, identity: int | None) -> tuple[list[_Hit], set[str]]:
+    """The hits of the routed experts, and the names of tensors kept for identity experts (LongCat's "zero"
+    experts, numbered after the routed ones): an identity expert passes its token through, so what a
+    checkpoint holds for one (transformers saves the rows its fused gate_up allots them, never read) is
+    neither an expert nor trunk."""
+    dead = {h.name for h in hits if h.expert is not None and e_count <= h.expert < e_count + (identity or 0)}
+    return [h for h in hits if h.name not in dead], dead
 
 
 def _expert_count(model_type: str, configs: list[dict], hits: list[_Hit], num_experts: int | None,

@@ -191,9 +191,11 @@ _SHRUNK = {
     "swa_head_dim": 16, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "linear_head_dim": 16,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "unpadded_vocab_size": 128,
     # other names of a dense MLP's or an expert's width
-    "ffn_hidden_size": 96, "intermediate_size_mlp": 96, "moe_hidden_size": 24, "shared_experts_intermediate_size": 32,
+    "ffn_hidden_size": 96, "intermediate_size_mlp": 96, "shared_experts_intermediate_size": 32,
     "router_hidden_size": 32, "zero_expert_num": 2, "num_experts_per_token": 2, "linear_num_heads": 4,
     "num_expert_group": 1,
+    # the latent width experts work in (Muse Spark), unlike every other width so that no shape passes for it
+    "moe_latent_size": 40, "moe_hidden_size": 40,
 }
 
 
@@ -207,13 +209,14 @@ def tiny_default_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     values = cls().to_dict()
     towers = {k for k, v in values.items() if isinstance(v, dict) and k != "text_config" and "model_type" in v}
+    text_width = (values.get("text_config") or values).get("hidden_size")
     for key in towers:
-        values[key] = _shrink_tower(values[key])
+        values[key] = _shrink_tower(values[key], {text_width: _BASE["hidden_size"]})
     if isinstance(values.get("text_config"), dict):
-        values["text_config"] = _shrink_text(values["text_config"])
+        values["text_config"] = _shrink_text(_released(model_type, values["text_config"]))
         values |= {k: v for k, v in BRIDGE_SIZES.items() if values.get(k) is not None}
     else:
-        values = _shrink_text(values)
+        values = _shrink_text(_released(model_type, values))
     return cls(**{k: v for k, v in values.items() if k not in ("transformers_version", "model_type")})
 
 
@@ -228,13 +231,39 @@ def _shrink_text(values: dict) -> dict:
             values[key] = [keep.index(value[i]) for i in keep]
         elif isinstance(value, list) and depth and len(value) == depth:
             values[key] = [value[i] for i in keep]
-    if isinstance(values.get("per_layer_config"), dict):  # {"07": {size overrides}}: kept layers, renumbered
-        values["per_layer_config"] = {str(keep.index(int(k))): _shrunk(v)
-                                      for k, v in values["per_layer_config"].items() if int(k) in keep}
+    unshrunk, overrides = values, values.get("per_layer_config")
+    if isinstance(overrides, dict):  # {"07": {size overrides}}: kept layers, renumbered
+        overrides = {str(keep.index(int(k))): v for k, v in overrides.items() if int(k) in keep}
+        values["per_layer_config"] = {k: _shrunk(v) for k, v in overrides.items()}
     values = _shrunk(values)
+    for k, override in (overrides or {}).items():  # a layer whose own MLA sizes sum to head_dim (dots3's SWA)
+        if _mla_sums_to_head_dim(unshrunk | override):
+            values["head_dim"] = _mla_head_dim(values | values["per_layer_config"][k])
     if depth:
         values["num_hidden_layers"] = len(keep)
     return values
+
+
+# Values a family's releases set where its default config leaves them unset (a dict, or one made from the
+# text config's defaults): ones transformers' own model needs (DeepSeek-OCR-2's default names no MLP kind
+# per layer nor a top-k; Qwen4-Exp's default layers are indexed attention without an indexer's sizes;
+# Step-3.7 builds a sliding-window mask whatever layer_types says), or a computation the default switches
+# off that the walk must see (Step-3.7's clamped SwiGLU, its bound small enough to bite here).
+_QSA_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                "indexer_compress_ratio": 4}  # 2 blocks of 4 tokens kept: a 12-token prompt has 3
+RELEASE_VALUES = {
+    "deepseek_ocr2": lambda text: {"num_experts_per_tok": 6,
+                                   "mlp_layer_types": ["dense"] + ["sparse"] * (text["num_hidden_layers"] - 1)},
+    "step3p7": lambda text: {"sliding_window": 16, "swiglu_limits": [0.1] * text["num_hidden_layers"]},
+    "qwen4_exp": _QSA_INDEXER,
+    "qwen4_exp_text": _QSA_INDEXER,
+}
+
+
+def _released(model_type: str, text: dict) -> dict:
+    """The text config's default values with what the family's releases set over them (RELEASE_VALUES)."""
+    values = RELEASE_VALUES.get(model_type, {})
+    return text | (values(text) if callable(values) else values)
 
 
 INDEX_LISTS = ("mlp_only_layers", "moe_layers")  # lists of layer indices
@@ -273,30 +302,39 @@ def _shrunk(values: dict) -> dict:
     if old.get("num_key_value_heads") == old.get("num_attention_heads") and old.get("num_key_value_heads"):
         values["num_key_value_heads"] = values["num_attention_heads"]  # MLA requires as many as queries
     if values.get("kv_lora_rank") is not None and old.get("head_dim") is not None:
-        nope, rope = old.get("qk_nope_head_dim"), old.get("qk_rope_head_dim")
-        values["head_dim"] = (values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
-                              if old["head_dim"] == (nope or 0) + (rope or 0) else values["qk_rope_head_dim"])
+        values["head_dim"] = _mla_head_dim(values) if _mla_sums_to_head_dim(old) else values["qk_rope_head_dim"]
     return _mrope_fitted(values)
+
+
+def _mla_sums_to_head_dim(values: dict) -> bool:
+    """Whether MLA's head_dim is its query/key width (no-rope + rope parts), not the rope part alone."""
+    return values.get("kv_lora_rank") is not None and values.get("head_dim") == (
+        (values.get("qk_nope_head_dim") or 0) + (values.get("qk_rope_head_dim") or 0))
+
+
+def _mla_head_dim(values: dict) -> int:
+    return values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
 
 
 CONFIG_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k_experts", "num_experts_per_token")
 
 
 # sections a family's rotary module takes when its config gives none (modeling_glm4v_moe.py)
-MROPE_DEFAULT = {"glm4v_moe_text": [8, 12, 12]}
+MROPE_DEFAULT = {"glm4v_moe_text": [8, 12, 12], "ernie4_5_vl_moe_text": [22, 22, 20]}
 
 
 def _mrope_fitted(values: dict) -> dict:
-    """Multimodal rotary sections (time, height, width) rescaled to half the tiny rotary width."""
+    """Multimodal rotary sections (time, height, width) rescaled to half the tiny rotary width, the rest of
+    the rounding on a section no other equals (ERNIE-VL interleaves its equal height and width ones)."""
     rope = dict(values.get("rope_parameters") or {})
     sections = rope.get("mrope_section", MROPE_DEFAULT.get(values.get("model_type")))
     if not isinstance(sections, list) or not sections:
         return values
-    width = values.get("qk_rope_head_dim") or int(values.get("head_dim", 16) * rope.get(
+    width = values.get("qk_rope_head_dim") or int((values.get("head_dim") or 16) * rope.get(
         "partial_rotary_factor", values.get("partial_rotary_factor", 1.0)))
     half, total = width // 2, sum(sections)
     fitted = [max(1, s * half // total) for s in sections]
-    fitted[0] += half - sum(fitted)
+    fitted[next((i for i, s in enumerate(sections) if sections.count(s) == 1), 0)] += half - sum(fitted)
     return values | {"rope_parameters": rope | {"mrope_section": fitted}}
 
 
@@ -315,12 +353,19 @@ TOWER_SIZES = {
 BRIDGE_SIZES = {"out_hidden_size": _BASE["hidden_size"], "projector_hidden_size": 64, "projection_dim": 64}
 
 
-def _shrink_tower(values: dict) -> dict:
-    """A tower at TOWER_SIZES, its per-layer lists cut to its one layer, its own sub-towers likewise."""
+def _shrink_tower(values: dict, widths: dict) -> dict:
+    """A tower at TOWER_SIZES, its per-layer lists and overrides cut to its one layer, its own sub-towers
+    likewise. Other sizes equal to the tower's width or the text model's (`widths`: old -> new) follow
+    them, keeping what validators check (dots3's adapter_in_dim is the tower's width, adapter_out_dim the
+    text model's)."""
     depth = next((values[k] for k in ("num_hidden_layers", "depth", "n_layers", "encoder_layers")
                   if isinstance(values.get(k), int)), None)
-    values = {k: _shrink_tower(v) if isinstance(v, dict) and ("hidden_size" in v or "model_type" in v)
-              else v[:1] if isinstance(v, list) and depth and len(v) == depth else v for k, v in values.items()}
+    widths = widths | ({values["hidden_size"]: TOWER_SIZES["hidden_size"]} if values.get("hidden_size") else {})
+    values = {k: _shrink_tower(v, widths) if isinstance(v, dict) and ("hidden_size" in v or "model_type" in v)
+              else v[:1] if isinstance(v, list) and depth and len(v) == depth
+              else widths[v] if type(v) is int and v in widths else v for k, v in values.items()}
+    if isinstance(values.get("per_layer_config"), dict):  # {"25": {overrides}} (dots3's vision experts)
+        values["per_layer_config"] = {k: v for k, v in values["per_layer_config"].items() if int(k) == 0}
     return values | {k: v for k, v in TOWER_SIZES.items() if values.get(k) is not None}
 
 
