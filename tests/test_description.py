@@ -29,8 +29,12 @@ CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a norm
 GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "nemotron_h": {}, "mistral4": {},
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
 # the tiny families the GPU's fast decoder covers
-GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe"}
-CPU = GPU | {"ernie4_5_moe", "gpt_oss"}  # and the CPU's (interleaved rotary in GQA attention; gpt-oss's kinds)
+# (EXAONE-MoE's tiny model slides on every layer: none of them is a NoPE full layer)
+GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe",
+       "gpt_oss", "exaone_moe"}
+# and the CPU's: interleaved rotary in GQA attention; q/k norm after rotary; multipliers; Mistral 4's temperature;
+# AFMoE's output gate and norms and NoPE layers
+CPU = GPU | {"ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "mistral4", "afmoe"}
 
 
 def description_of(family: str, **overrides):
@@ -153,17 +157,30 @@ def test_fast_decoders_cover_exactly_the_descriptions_their_layers_implement():
     for device, expected in (("cpu", CPU), ("cuda", GPU)):
         assert {f for f in tiny_families() if fast_decoder_gap(description_of(f), device) is None} == expected
     assert fast_decoder_gap(description_of("ernie4_5_moe"), "cuda") == "interleaved rotary in GQA attention"
-    assert fast_decoder_gap(description_of("gpt_oss"), "cuda") == (
-        "sliding-window attention, attention sinks, a router bias, clamped SwiGLU experts, expert biases")
-    assert fast_decoder_gap(description_of("mixtral", sliding_window=4), "cuda") == "sliding-window attention"
+    assert fast_decoder_gap(description_of("mixtral", sliding_window=4), "cuda") is None
     assert fast_decoder_gap(description_of("mixtral", sliding_window=4)) is None
-    assert "head_after_rotary q/k norm" in fast_decoder_gap(description_of("hunyuan_v1_moe"))
+    assert fast_decoder_gap(description_of("hunyuan_v1_moe"), "cuda") == "head_after_rotary q/k norm"
+    assert fast_decoder_gap(description_of("granitemoe"), "cuda") == "multipliers"
+    assert fast_decoder_gap(description_of("mistral4"), "cuda") == "temperature_tuning"
+    nope = description_of("exaone_moe", layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert nope.attention.nope_layers == (1,) and fast_decoder_gap(nope) is None
+    assert fast_decoder_gap(nope, "cuda") == "no_rope_layers"
+    assert fast_decoder_gap(description_of("afmoe"), "cuda") == "no_rope_layers, attention_gate, sandwich_norms"
+    assert fast_decoder_gap(description_of("afmoe", mup_enabled=True), "cuda") == (
+        "no_rope_layers, multipliers, attention_gate, sandwich_norms")
+
+
+def test_exaone_moe_without_layer_types_has_transformers_pattern_of_nope_full_layers():
+    config = {k: v for k, v in tiny_config("exaone_moe").to_dict().items() if k != "layer_types"}
+    d = describe_model(config | {"sliding_window": 4, "sliding_window_pattern": 2})
+    assert (d.attention.sliding_layers, d.attention.nope_layers, d.extras) == ((0, 2), (1,), ("no_rope_layers",))
+    assert describe_model(config | {"sliding_window": None}).attention.nope_layers == ()
     assert set(description_of("afmoe").extras) <= set(EXTRAS)
 
 
 def test_fast_decoder_refuses_a_family_it_does_not_cover_with_the_reason(tmp_path):
-    vault = vaults.tiny_vault(tmp_path, "hunyuan_v1_moe")
-    with pytest.raises(SmoeError, match="head_after_rotary q/k norm"):
+    vault = vaults.tiny_vault(tmp_path, "llama4_text")
+    with pytest.raises(SmoeError, match="routing weights on the experts' input"):
         OpenedVault(vault, decoder="fast")
 
 

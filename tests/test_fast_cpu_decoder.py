@@ -51,7 +51,7 @@ def check_steps(sm: OpenedVault, steps: int = 10) -> None:
 
 
 @pytest.mark.parametrize("depth", [4, 2, "mixed"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "hunyuan_v1_moe"])
 def test_compiled_step_matches_the_eager_and_transformers_paths_on_tiny_models(family, depth, tmp_path):
     check_steps(open_codes(tiny_vault(tmp_path, family, depth)))
 

@@ -89,6 +89,50 @@ def test_sliding_windows_match_transformers_before_and_past_the_window(variant, 
     check_fast_against_reference(vault, reference, "codes")
 
 
+# Kinds only the CPU's fast decoder computes, each with values that matter within the 40-token check: EXAONE-MoE's
+# full layers without rotary between sliding ones, HunYuan's q/k norm after rotary (with its biases), Granite's
+# multipliers (3.0's values), Mistral 4's query temperature stepping up every 8 positions, AFMoE's output gate and
+# norms, NoPE full layer and muP embeddings within a short window. Their attention is
+# sharpened, so that positions (rotary, temperature) move the logits well past the tolerance.
+CPU_ONLY = {
+    "exaone_moe-nope-full-layers": ("exaone_moe", dict(
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "hunyuan_v1_moe-biases": ("hunyuan_v1_moe", dict(attention_bias=True)),
+    "granitemoe-multipliers": ("granitemoe", dict(embedding_multiplier=12.0, attention_multiplier=0.015625,
+                                                  residual_multiplier=0.22, logits_scaling=6.0)),
+    "granitemoeshared-multipliers": ("granitemoeshared", dict(embedding_multiplier=12.0, attention_multiplier=0.03,
+                                                              residual_multiplier=0.5, logits_scaling=3.0)),
+    "mistral4-temperature": ("mistral4", dict(rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 8})),
+    "afmoe-mup-window": ("afmoe", dict(sliding_window=4, mup_enabled=True)),
+}
+
+
+@pytest.mark.parametrize("variant", CPU_ONLY)
+def test_kinds_only_the_cpu_computes_match_transformers_there_and_stay_gaps_on_the_gpu(variant, tmp_path):
+    family, architecture = CPU_ONLY[variant]
+    model = sharpened(vaults.tiny_model_dir(tmp_path, family, seed=3, architecture=architecture))
+    vault = vaults.vault_of(model, tmp_path / "vault")
+    d = describe_model(tiny_config(family, **architecture).to_dict())
+    assert fast_decoder_gap(d) is None and fast_decoder_gap(d, "cuda") is not None
+    check_fast_against_reference(vault, vaults.dequantised_reference(vault, tmp_path), "codes")
+
+
+QUERY_AND_KEY = ("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight", "query_layernorm.weight",
+                 "key_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight")
+
+
+def sharpened(model: Path, factor: float = 8.0) -> Path:
+    """The tiny model with its query and key weights (projections and norms) times factor: its random weights
+    (0.05 each) make every attention nearly uniform, where positions hardly matter."""
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    tensors = {k: t * factor if "self_attn" in k and k.endswith(QUERY_AND_KEY) else t for k, t in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model
+
+
 def test_the_library_covers_deepseek_v2_and_v3_on_both_devices():
     assert {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"} <= set(LIBRARY)
     for family in ("deepseek_v2", "deepseek_v3"):

@@ -135,7 +135,7 @@ def test_generate_json_names_the_decoder_that_ran_so_a_fallback_cannot_pass_for_
         runs[decoder] = json.loads(proc.stdout)
         assert runs[decoder]["decoder"] == decoder
         assert runs[decoder]["stats"]["misses"] > 0  # the experts came through the cache the stats describe
-    proc = smoe_cli("generate", tiny_vault(tmp_path / "g", "hunyuan_v1_moe"), "-p", "x", "--max-tokens", "2", "--json",
+    proc = smoe_cli("generate", tiny_vault(tmp_path / "g", "llama4_text"), "-p", "x", "--max-tokens", "2", "--json",
                     "--decoder", "fast", "--device", "cpu")
     assert proc.returncode == 2 and proc.stderr.strip().endswith("(use --decoder generic)")
 

@@ -2,11 +2,13 @@
 description (smoe.source.description), over one layer's trunk tensors (`LayerWeights`) and one
 sequence's state (smoe.runtime.kv).
 
-- attention: `gqa` (grouped-query and multi-head; optional q/k RMSNorm, q/k/v and o biases, a sliding window,
-  gpt-oss's sink logits) or `mla` (DeepSeek's latent attention, computed absorbed: the query is taken into
-  the latent space through kv_b's key rows, attention runs over the cached latents, and the output leaves
-  through kv_b's value rows, so K and V are never expanded per head); rotary in the half-split or
-  interleaved layout;
+- attention: `gqa` (grouped-query and multi-head; optional q/k RMSNorm before or after rotary, q/k/v and o
+  biases, a sliding window, gpt-oss's sink logits, AFMoE's output gate) or `mla` (DeepSeek's latent attention,
+  computed absorbed: the query is taken into the latent space through kv_b's key rows, attention runs over the
+  cached latents, and the output leaves through kv_b's value rows, so K and V are never expanded per head);
+  rotary in the half-split or interleaved layout, or none on a NoPE layer; Mistral 4's query temperature;
+- around them: Granite's multipliers (embeddings, softmax scale, residual branches, logits) and AFMoE's norms
+  on each branch's output;
 - the MoE block: routing through smoe.moe.route (router bias, correction bias, groups, scale), the routed
   experts from the caller (the decoders differ only in where experts come from), plus shared experts;
 - dense layers: a gated SiLU MLP.
@@ -26,14 +28,14 @@ import torch.nn.functional as F
 
 from smoe.moe.routing import route
 from smoe.runtime.kv import KeyValues, Latents
-from smoe.source.description import ModelDescription
+from smoe.source.description import ModelDescription, Multipliers
 
 ACT = torch.float32  # the residual stream and activations; matrices may stay in the model's dtype
 
 
 @dataclass
 class GqaWeights:
-    qkv: torch.Tensor  # [q; k; v] rows
+    qkv: torch.Tensor  # [q; k; v] rows, then the output gate's where `gated`
     q_norm: torch.Tensor | None  # RMSNorm weights per head [head_dim], or over all heads [heads * head_dim]
     k_norm: torch.Tensor | None
     o: torch.Tensor
@@ -41,6 +43,8 @@ class GqaWeights:
     o_bias: torch.Tensor | None = None  # gpt-oss
     sinks: torch.Tensor | None = None  # [heads]: a logit per head that joins its softmax and takes a share (gpt-oss)
     window: int | None = None  # a sliding layer: each token attends to itself and the window - 1 tokens before it
+    rotary: bool = True  # False: a layer without rotary embedding (the description's nope_layers)
+    gated: bool = False  # the heads' output times sigmoid of the gate rows' projection (AFMoE)
 
 
 @dataclass
@@ -78,6 +82,8 @@ class LayerWeights:
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of the shared experts
     shared_gate: torch.Tensor | None = None  # [1, hidden]: the shared experts' output scaled by sigmoid(it · h)
     dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # gate, up, down of a dense MLP
+    attention_out_norm: torch.Tensor | None = None  # norms on the attention's and the MLP's outputs (AFMoE)
+    mlp_out_norm: torch.Tensor | None = None
 
     def map(self, fn) -> LayerWeights:
         """The bundle with fn applied to every tensor (None and numbers stay as they are)."""
@@ -128,12 +134,49 @@ Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # 
 
 
 def decoder_layer(d: ModelDescription, w: LayerWeights, x, state: KeyValues | Latents, step: Step, experts: Experts):
-    """x [T, hidden] (fp32) after one decoder layer: pre-norm attention, then the MoE block or dense MLP."""
+    """x [T, hidden] (fp32) after one decoder layer: pre-norm attention, then the MoE block or dense MLP, each
+    branch times the residual multiplier."""
+    residual = multipliers(d).residual
     h = rms_norm(x, w.input_norm, step.eps)
-    x = x + (mla_attention(d, w.attention, h, state, step) if isinstance(w.attention, MlaWeights)
-             else gqa_attention(d, w.attention, h, state, step))
+    out = (mla_attention(d, w.attention, h, state, step) if isinstance(w.attention, MlaWeights)
+           else gqa_attention(d, w.attention, h, state, step))
+    x = x + scaled(out if w.attention_out_norm is None else rms_norm(out, w.attention_out_norm, step.eps), residual)
     h = rms_norm(x, w.post_norm, step.eps)
-    return x + (moe_block(d, w, h, experts) if w.router is not None else dense_mlp(w.dense, h))
+    out = moe_block(d, w, h, experts) if w.router is not None else dense_mlp(w.dense, h)
+    return x + scaled(out if w.mlp_out_norm is None else rms_norm(out, w.mlp_out_norm, step.eps), residual)
+
+
+def multipliers(d: ModelDescription) -> Multipliers:
+    """The description's multipliers, neutral where it has none."""
+    return d.multipliers or NEUTRAL
+
+
+NEUTRAL = Multipliers()
+
+
+def scaled(x, factor: float):
+    return x if factor == 1 else x * factor
+
+
+def embed(d: ModelDescription, table: torch.Tensor, ids: list[int]):
+    """The tokens' embeddings [T, hidden] in fp32, times the embedding multiplier."""
+    return scaled(table[torch.tensor(ids)].to(ACT), multipliers(d).embedding)
+
+
+def final_logits(d: ModelDescription, x, norm, head, eps: float):
+    """Logits [T, V] of the last layer's output, divided by the logits multiplier."""
+    logits = matmul(rms_norm(x, norm, eps), head)
+    divisor = multipliers(d).logits
+    return logits if divisor == 1 else logits / divisor
+
+
+def query_temperature(d: ModelDescription, pos: torch.Tensor) -> torch.Tensor | None:
+    """[T] the queries' scale at positions pos where the description has Mistral 4's temperature tuning
+    (1 + beta * log(1 + floor(p / length)), in fp32 as transformers computes it), else None."""
+    if d.attention.query_temperature is None:
+        return None
+    beta, length = d.attention.query_temperature
+    return 1 + beta * torch.log(1 + torch.floor(pos / length))
 
 
 def rms_norm(x, weight, eps: float):
@@ -215,18 +258,26 @@ def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: St
     a, t = d.attention, h.shape[0]
     hd, end = a.head_dim, step.end
     qkv = matmul(h, w.qkv) if w.qkv_bias is None else matmul(h, w.qkv) + w.qkv_bias
-    q, k, v = qkv.split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
+    q, k, v, gate = qkv.split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd, a.heads * hd * w.gated], dim=-1)
     if a.qk_norm == "full":  # OLMoE's: one norm over all heads, before they are split
         q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
     q, k = q.view(t, a.heads, hd), k.view(t, a.kv_heads, hd)
     if a.qk_norm == "head":
         q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
-    q, k = rotate(torch.cat([q, k], dim=1), step.cos, step.sin, step.interleaved).split([a.heads, a.kv_heads], dim=1)
+    if w.rotary:
+        qk = rotate(torch.cat([q, k], dim=1), step.cos, step.sin, step.interleaved)
+        q, k = qk.split([a.heads, a.kv_heads], dim=1)
+    if a.qk_norm == "head_after_rotary":  # HunYuan's: each rotated head normalised
+        q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
     kv.k.index_copy_(1, step.pos, k.transpose(0, 1).to(kv.k.dtype))
     kv.v.index_copy_(1, step.pos, v.view(t, a.kv_heads, hd).transpose(0, 1).to(kv.v.dtype))
-    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], step, window=w.window,
-                 sinks=w.sinks)
-    out = matmul(out[0].transpose(0, 1).reshape(t, -1), w.o)
+    temperature = query_temperature(d, step.pos)
+    if temperature is not None:
+        q = q * temperature[:, None, None]
+    out = attend(q.transpose(0, 1)[None], kv.k[None, :, :end], kv.v[None, :, :end], step, multipliers(d).attention,
+                 window=w.window, sinks=w.sinks)
+    out = out[0].transpose(0, 1).reshape(t, -1)
+    out = matmul(out * torch.sigmoid(gate) if w.gated else out, w.o)
     return out if w.o_bias is None else out + w.o_bias
 
 
@@ -243,6 +294,9 @@ def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step
     kv.rows.index_copy_(0, step.pos, row.to(kv.rows.dtype))
     q_rope = rotate(q_rope, step.cos, step.sin, step.interleaved)
     query = torch.cat([bmm(q_nope.transpose(0, 1), w.k_up), q_rope.transpose(0, 1)], dim=-1)  # [heads, T, r + rope]
+    temperature = query_temperature(d, step.pos)
+    if temperature is not None:  # Mistral 4's: the whole query scaled, so its latent form too
+        query = query * temperature[None, :, None]
     key = kv.rows[: step.end]  # [S, r + rope]
     out = attend(query[None], key[None, None], key[None, None, :, :r], step, w.scale)  # [1, heads, T, r]
     out = bmm(out[0], w.v_up.transpose(1, 2))  # [heads, T, v_head]

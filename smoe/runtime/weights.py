@@ -11,47 +11,69 @@ from smoe.source.description import ModelDescription
 
 def layer_weights(layer, description: ModelDescription, index: int) -> LayerWeights:
     """Decoder layer `index`'s trunk tensors (smoe.hf.trunk) as the layer library's bundle; MLA's kv_b
-    [heads * (nope + v_head), latent] viewed per head (nothing is copied); a sliding layer's window."""
+    [heads * (nope + v_head), latent] viewed per head (nothing is copied); a sliding layer's window, and whether
+    the layer has rotary."""
     a = description.attention
-    tensors = layer_tensors(layer, mla=a.kind == "mla", qk_norm=a.qk_norm in ("head", "full"))
+    tensors = layer_tensors(layer, mla=a.kind == "mla", qk_norm=a.qk_norm in ("head", "full", "head_after_rotary"),
+                            output_gate=a.output_gate, output_norms=description.output_norms)
     attention = tensors.pop("attention")
     if a.kind == "mla":
         kv_b = attention.pop("kv_b")
         attention = MlaWeights(kv_b=kv_b.view(a.heads, kv_b.shape[0] // a.heads, a.latent_dim), **attention)
     else:
-        attention = GqaWeights(window=a.sliding_window if index in a.sliding_layers else None, **attention)
+        attention = GqaWeights(window=a.sliding_window if index in a.sliding_layers else None,
+                               rotary=index not in a.nope_layers, gated=a.output_gate, **attention)
     return LayerWeights(attention=attention, **tensors)
 
 
 def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
     """Why the fast decoder of a device type ("cpu" | "cuda") does not cover description d, or None when it
-    does. Both run the layer library's kinds (smoe.runtime.layers, library_gap); the GPU's own GQA block
-    rotates the two halves only, and the GPU runs none of gpt-oss's kinds (windows, sinks, biases, clamps)."""
+    does. Both run the layer library's kinds (smoe.runtime.layers, library_gap), gpt-oss's included (windows,
+    sinks, biases: the GPU's GQA block; biases and the clamped SwiGLU: its Triton kernels); the GPU's own GQA
+    block rotates the two halves only, and does not have HunYuan's q/k norm after rotary, layers without rotary,
+    multipliers, Mistral 4's query temperature or AFMoE's output gate and norms."""
     a, gpu = d.attention, device != "cpu"
     gap = library_gap(d)
     return _gaps((gap is not None, gap or ""),
                  (gpu and a.kind == "gqa" and "interleaved_rotary" in d.extras, "interleaved rotary in GQA attention"),
-                 (gpu and bool(a.sliding_layers), "sliding-window attention"),
-                 (gpu and a.sinks, "attention sinks"),
-                 (gpu and d.routing.router_bias, "a router bias"),
-                 (gpu and d.experts.clamp is not None, "clamped SwiGLU experts"),
-                 (gpu and d.experts.biases, "expert biases"))
+                 (gpu and a.qk_norm == "head_after_rotary", "head_after_rotary q/k norm"),
+                 (gpu and bool(a.nope_layers), "no_rope_layers"),
+                 (gpu and d.multipliers is not None, "multipliers"),
+                 (gpu and a.query_temperature is not None, "temperature_tuning"),
+                 (gpu and a.output_gate, "attention_gate"),
+                 (gpu and d.output_norms, "sandwich_norms"))
 
 
 # the description's extras the layer library computes: rotary in pairs, and over part of each head
 LIBRARY_EXTRAS = ("interleaved_rotary", "partial_rotary")
+# and those it computes where the description carries their layers or numbers (a rule that does not read them
+# leaves a gap)
+DESCRIBED_EXTRAS = {
+    "no_rope_layers": lambda d: bool(d.attention.nope_layers) and d.attention.kind == "gqa",
+    "multipliers": lambda d: d.multipliers is not None and d.attention.kind == "gqa",
+    "temperature_tuning": lambda d: d.attention.query_temperature is not None,
+    "attention_gate": lambda d: d.attention.output_gate and d.attention.kind == "gqa" and not d.attention.bias,
+    "sandwich_norms": lambda d: d.output_norms and d.attention.kind == "gqa",
+}
+
+
+def computes_extra(d: ModelDescription, extra: str) -> bool:
+    return extra in LIBRARY_EXTRAS or (extra in DESCRIBED_EXTRAS and DESCRIBED_EXTRAS[extra](d))
 
 
 def library_gap(d: ModelDescription) -> str | None:
-    """What the layer library lacks for d: it runs GQA attention (q/k/v and o biases, q/k RMSNorm per head or
-    over all heads, sliding windows and sink logits optional) and MLA without biases, windows or sinks, rotary
-    half-split or interleaved, over the whole head or part of it; every routing kind smoe.moe.route computes,
-    router bias included; SiLU-gated or clamped SwiGLU experts, with or without biases; shared experts, gated
-    or not; gated SiLU dense layers; no other EXTRAS."""
+    """What the layer library lacks for d: it runs GQA attention (q/k/v and o biases, q/k RMSNorm per head before
+    or after rotary or over all heads, sliding windows and sink logits optional) and MLA without biases, windows
+    or sinks, rotary half-split or interleaved, over the whole head or part of it, or none on the layers the
+    description lists; every routing kind smoe.moe.route computes, router bias included; SiLU-gated or clamped
+    SwiGLU experts, with or without biases; shared experts, gated or not; gated SiLU dense layers; Granite's
+    multipliers (GQA), Mistral 4's query temperature, AFMoE's attention output gate (GQA without biases) and
+    output norms where the description reads them; no other EXTRAS."""
     a, r, e = d.attention, d.routing, d.experts
     return _gaps(
         (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
-        (a.qk_norm not in (None, "head", "full") or (a.kind == "mla" and a.qk_norm), f"{a.qk_norm} q/k norm"),
+        (a.qk_norm not in (None, "head", "full", "head_after_rotary") or (a.kind == "mla" and a.qk_norm),
+         f"{a.qk_norm} q/k norm"),
         (a.bias and a.kind == "mla", "attention biases"),
         (bool(a.sliding_layers) and a.kind == "mla", "sliding-window attention"),
         (a.sinks and a.kind == "mla", "attention sinks"),
@@ -59,7 +81,7 @@ def library_gap(d: ModelDescription) -> str | None:
         (r.custom is not None, f"its own routing ({r.custom})"),
         (r.weight_input, "routing weights on the experts' input"),
         (e.clamp is None and (not e.gated or e.activation != "silu"), f"{e.activation} experts"),
-        *((True, f"{extra}") for extra in d.extras if extra not in LIBRARY_EXTRAS),
+        *((True, f"{extra}") for extra in d.extras if not computes_extra(d, extra)),
     )
 
 

@@ -11,17 +11,20 @@ rotary module, and calls the expert store once per layer. The generic decoder (t
 modules) stays the reference and runs every other family.
 
 One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): per layer one call for
-attention (GQA with its biases, window and sinks, or MLA absorbed over the latent rows) and, where the
-routing is plain softmax, its top-k (any other routing kind: one call to the route kernel); then the routed
-experts straight from their codes (biases and gpt-oss's clamped SwiGLU included) when the store prepared
-them in the "codes" form, else the eager expert path; shared experts and dense layers compiled too. They
-work on numpy views of the same weights and state, so a prefill on the eager path and steps on the compiled
-one share one cache. A sliding layer's step reads only its window's positions. Activations stay in fp32
-there (the eager path rounds them to the model's dtype before bf16 matmuls).
+attention (GQA with its biases, window, sinks, output gate and norm, or MLA absorbed over the latent rows; a
+layer without rotary gets tables of width 0; the softmax scale carries multipliers and query temperature)
+and, where the routing is plain softmax, its top-k (any other routing kind: one call to the route kernel);
+then the routed experts straight from their codes (biases and gpt-oss's clamped SwiGLU included) when the
+store prepared them in the "codes" form, else the eager expert path; shared experts and dense layers compiled
+too. They work on numpy views of the same weights and state, so a prefill on the eager path and steps on the
+compiled one share one cache. A sliding layer's step reads only its window's positions; a branch with a norm
+on its output (AFMoE's MLP) is summed apart and normalised before it joins the residual stream. Activations
+stay in fp32 there (the eager path rounds them to the model's dtype before bf16 matmuls).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +44,11 @@ from smoe.runtime.layers import (
     MlaWeights,
     decoder_layer,
     eager_step,
+    embed,
+    final_logits,
     matmul,
-    rms_norm,
+    multipliers,
+    query_temperature,
     rope_tables,
     rotary_dim,
 )
@@ -101,13 +107,13 @@ class FastCpuDecoder(HoldsSequence):
         self.reserve(start + t)
         if t == 1 and self.compiled.enabled:
             return self.compiled.step(ids[0])
-        x = self.embed[torch.tensor(ids)].to(ACT)  # [T, H]
+        x = embed(self.description, self.embed, ids)  # [T, H]
         step = eager_step(start, t, self.cos, self.sin, self.eps, self.interleaved)
         for i, w in enumerate(self.layers):
             x = decoder_layer(self.description, w, x, self.state.layers[i], step,
                               lambda h, top_i, top_w, i=i: self.experts(i, h, top_i, top_w))
         self.state.length = start + t
-        return matmul(rms_norm(x, self.final_norm, self.eps), self.lm_head)
+        return final_logits(self.description, x, self.final_norm, self.lm_head, self.eps)
 
     def prefetch_next(self, i: int, h) -> None:
         """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
@@ -172,6 +178,9 @@ class CompiledLayer:
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     attention_scale: float = 0.0  # MLA's softmax scale
     window: int = 0  # a sliding GQA layer's window (0: none)
+    rotary: bool = True  # False: a GQA layer without rotary (the kernel gets tables of width 0)
+    attention_out_norm: np.ndarray | None = None  # the norm on the attention's output (length 0: none)
+    mlp_out_norm: np.ndarray | None = None  # the norm on the MLP's or MoE block's output (None: none)
     state: tuple = ()  # views of the sequence state's tensors: (k, v) or (latent rows,)
 
 
@@ -193,6 +202,9 @@ class CompiledStep:
         if not self.enabled:
             return
         self.mla = d.attention.kind == "mla"
+        self.norm_after_rotary = d.attention.qk_norm == "head_after_rotary"
+        self.multipliers = multipliers(d)
+        self.softmax_scale = self.multipliers.attention or 1.0 / math.sqrt(d.attention.head_dim)
         r = d.routing
         # the GQA kernel's own top-k computes softmax routing without bias, groups or scale
         self.fused_top_k = not self.mla and (r.scoring, r.correction_bias, r.n_group, r.scale, r.normalise_eps) == (
@@ -205,6 +217,7 @@ class CompiledStep:
         self.wide = np.zeros(max([hidden, *(m.shape[-1] for m in matrices)]), dtype=np.uint32)
         self.x = np.zeros(hidden, dtype=np.float32)
         self.h = np.zeros(hidden, dtype=np.float32)
+        self.branch = np.zeros(hidden, dtype=np.float32)
         self.logits = np.zeros(self.lm_head.shape[0], dtype=np.float32)
         self.router_logits = np.zeros(r.num_experts or 1, dtype=np.float32)
         self.no_router = np.zeros((0, hidden), dtype=np.float32)
@@ -221,6 +234,7 @@ class CompiledStep:
         for layer, held in zip(self.layers, state.layers):
             layer.state = (held.rows.numpy(),) if self.mla else (held.k.numpy(), held.v.numpy())
         self.cos, self.sin = dec.cos.contiguous().numpy(), dec.sin.contiguous().numpy()
+        self.no_cos, self.no_sin = self.cos[:, :0], self.sin[:, :0]  # a layer without rotary rotates nothing
         mlps = [2 * m[0].shape[0] + self.x.shape[0] for layer in self.layers for m in (layer.dense, layer.shared) if m]
         self.work = np.zeros(max([self.attention_work(state.capacity), *mlps]), dtype=np.float32)
         self.bound = (id(state), state.generation)
@@ -238,35 +252,59 @@ class CompiledStep:
     def step(self, token: int) -> torch.Tensor:
         """Logits [1, V] of one token appended after the cached ones."""
         self.bind()
-        dec, pos = self.dec, self.dec.pos
+        dec, pos, m = self.dec, self.dec.pos, self.multipliers
         kn.load_row(self.embed, token, self.x)
+        if m.embedding != 1:
+            self.x *= np.float32(m.embedding)
+        temperature = self.temperature(pos)
         for i, layer in enumerate(self.layers):
-            self.attention(layer, pos)
-            if layer.dense is not None:
-                kn.dense_mlp(self.x, self.h, *layer.dense, self.ungated, self.work, self.wide)
+            self.attention(layer, pos, temperature)
+            if layer.mlp_out_norm is None:
+                self.mlp(i, layer, self.x, m.residual)
                 continue
-            if not self.fused_top_k:
-                self.route(layer)
-            self.experts(i)
-            if layer.shared is not None:
-                kn.dense_mlp(self.x, self.h, *layer.shared, layer.shared_gate, self.work, self.wide)
+            self.branch[:] = 0  # the branch apart, to be normalised before it joins x
+            self.mlp(i, layer, self.branch, 1.0)
+            kn.rms_norm(self.branch, layer.mlp_out_norm, dec.eps, self.branch)
+            self.x += np.float32(m.residual) * self.branch
         dec.state.length = pos + 1
         kn.final_logits(self.x, self.final_norm, dec.eps, self.lm_head, self.h, self.logits, self.wide)
-        return torch.from_numpy(self.logits.copy())[None]
+        logits = torch.from_numpy(self.logits.copy())[None]
+        return logits if m.logits == 1 else logits / m.logits
 
-    def attention(self, layer: CompiledLayer, pos: int) -> None:
-        """x += the layer's attention; h = the experts' input (and the top-k, when fused)."""
+    def mlp(self, i: int, layer: CompiledLayer, out: np.ndarray, residual: float) -> None:
+        """out += residual times layer i's dense MLP or MoE block (routed and shared experts) on h."""
+        if layer.dense is not None:
+            kn.dense_mlp(out, self.h, *layer.dense, self.ungated, residual, self.work, self.wide)
+            return
+        if not self.fused_top_k:
+            self.route(layer)
+        if residual != 1:  # the routed experts' share scaled through their weights
+            self.codes.top_w *= np.float32(residual)
+        self.experts(i, out)
+        if layer.shared is not None:
+            kn.dense_mlp(out, self.h, *layer.shared, layer.shared_gate, residual, self.work, self.wide)
+
+    def temperature(self, pos: int) -> float:
+        """The queries' scale at pos (layers.query_temperature: Mistral 4's), 1 where the description has none."""
+        scale = query_temperature(self.dec.description, torch.tensor([pos]))
+        return 1.0 if scale is None else float(scale[0])
+
+    def attention(self, layer: CompiledLayer, pos: int, temperature: float) -> None:
+        """x += the layer's attention; h = the experts' input (and the top-k, when fused). A query scaled by
+        `temperature` scales its scores, so the softmax scale carries it."""
         dec = self.dec
         if self.mla:
             kn.mla_attention(self.x, pos, dec.heads, dec.eps, dec.description.attention.latent_norm_eps,
                              layer.input_norm, *layer.attention, layer.post_norm,
-                             *layer.state, self.cos, self.sin, layer.attention_scale, dec.interleaved, self.h,
-                             self.work, self.wide)
+                             *layer.state, self.cos, self.sin, layer.attention_scale * temperature, dec.interleaved,
+                             self.h, self.work, self.wide)
             return
         router = layer.router if self.fused_top_k else self.no_router
+        cos, sin = (self.cos, self.sin) if layer.rotary else (self.no_cos, self.no_sin)
         kn.attention_and_route(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.window,
-                               layer.post_norm, router, layer.router_bias, *layer.state, self.cos, self.sin,
-                               dec.interleaved, dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w,
+                               layer.attention_out_norm, layer.post_norm, router, layer.router_bias, *layer.state, cos,
+                               sin, dec.interleaved, self.norm_after_rotary, self.softmax_scale * temperature,
+                               self.multipliers.residual, dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w,
                                self.work, self.wide)
 
     def route(self, layer: CompiledLayer) -> None:
@@ -279,22 +317,23 @@ class CompiledStep:
                  r.group_score == "top2", r.top_k, r.normalise, r.normalise_eps, r.scale, self.top_i,
                  self.codes.top_w, self.route_work)
 
-    def experts(self, i: int) -> None:
+    def experts(self, i: int, out: np.ndarray) -> None:
+        """out += layer i's routed experts on h, weighted."""
         dec = self.dec
         ids = self.top_i.tolist()
         if dec.prefetch:
             dec.prefetch_next(i, torch.from_numpy(self.h)[None])
         prepared = dec.store.get(i, ids)
         chosen = [prepared[e] for e in ids]
-        if not self.codes.run(self.x, self.h, chosen):
-            self.eager_experts(chosen)
+        if not self.codes.run(out, self.h, chosen):
+            self.eager_experts(chosen, out)
 
-    def eager_experts(self, chosen: list) -> None:
+    def eager_experts(self, chosen: list, out: np.ndarray) -> None:
         """Experts in another form (dequant, int4, or a tensor the codes kernels cannot read)."""
         h = torch.from_numpy(self.h)[None].to(self.dec.dtype)
         weights = self.codes.top_w
         y = sum(float(w) * expert_mlp(p, h, self.dec.kind).float() for w, p in zip(weights, chosen))
-        self.x += y[0].numpy()
+        out += y[0].numpy()
 
 
 def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
@@ -317,6 +356,8 @@ def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
         vector(w.correction), tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
         vector(w.shared_gate), tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
         a.scale if isinstance(a, MlaWeights) else 0.0, 0 if isinstance(a, MlaWeights) else a.window or 0,
+        isinstance(a, MlaWeights) or a.rotary, vector(w.attention_out_norm),
+        as_numpy(w.mlp_out_norm) if w.mlp_out_norm is not None else None,
     )
 
 

@@ -276,11 +276,10 @@ def rotate(v, cos, sin, tmp):
 
 
 @jit
-def attend(q, k_cache, v_cache, kv_head, first, length, sinks, head, scores, out):
-    """One query head over cached positions first..length-1 of one kv head: softmax(q k / sqrt(hd)) v, the
+def attend(q, k_cache, v_cache, kv_head, first, length, scale, sinks, head, scores, out):
+    """One query head over cached positions first..length-1 of one kv head: softmax(scale q k) v, the
     softmax also over the head's sink logit sinks[head] when sinks is not empty (its share is dropped)."""
     hd = q.shape[0]
-    scale = np.float32(1.0 / math.sqrt(hd))
     best = -np.inf
     if sinks.shape[0]:
         best = sinks[head]
@@ -391,13 +390,16 @@ def route_work_size(experts: int, n_group: int) -> int:
 
 @jit
 def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, sinks, window,
-                        post_norm, router, router_bias, k_cache, v_cache, cos, sin, interleaved, k, normalize, h, top_i,
-                        top_w, work, wide):
+                        out_norm, post_norm, router, router_bias, k_cache, v_cache, cos, sin, interleaved, norm_after_rotary,
+                        scale, residual, k, normalize, h, top_i, top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
     h = the experts' (post-norm) input, and the router's top-k (router of shape [0, H]: a dense layer,
     nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, o_bias, sinks, router_bias of
-    length 0: none; q_norm / k_norm of length 0: none, of length hd: per head, longer: over all heads;
-    window > 0: the token attends to itself and the window - 1 positions before it.
+    length 0: none; q_norm / k_norm of length 0: none, of length hd: per head (after rotary where
+    norm_after_rotary), longer: over all heads; window > 0: the token attends to itself and the window - 1
+    positions before it; cos / sin of width 0: no rotary. The scores are q k times `scale`. qkv rows past
+    q, k and v: an output gate, the heads' output times their sigmoid (AFMoE). The attention's output, normalised
+    by out_norm where it is not empty, joins x times `residual`.
     `work`: fp32 scratch of attention_work_size(...) or more."""
     n = x.shape[0]
     kv_heads, positions, hd = k_cache.shape
@@ -418,23 +420,33 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
     if full:
         rms_norm(proj[: heads * hd], q_norm, eps, proj[: heads * hd])
         rms_norm(proj[heads * hd : (heads + kv_heads) * hd], k_norm, eps, proj[heads * hd : (heads + kv_heads) * hd])
-    for head in range(heads + kv_heads):  # q heads then k heads: per-head norm, then rotary
+    per_head = q_norm.shape[0] > 0 and not full
+    for head in range(heads + kv_heads):  # q heads then k heads: per-head norm and rotary
         v = proj[head * hd : (head + 1) * hd]
-        if q_norm.shape[0] and not full:
+        if per_head and not norm_after_rotary:
             rms_norm(v, q_norm if head < heads else k_norm, eps, v)
         _rope(v, cos[pos], sin[pos], interleaved, tmp)
+        if per_head and norm_after_rotary:
+            rms_norm(v, q_norm if head < heads else k_norm, eps, v)
     for g in range(kv_heads):
         k_cache[g, pos] = proj[(heads + g) * hd : (heads + g + 1) * hd]
         v_cache[g, pos] = proj[(heads + kv_heads + g) * hd : (heads + kv_heads + g + 1) * hd]
     group = heads // kv_heads  # GQA: query head i reads kv head i // group
     first = max(0, pos + 1 - window) if window > 0 else 0
     for head in range(heads):
-        attend(proj[head * hd : (head + 1) * hd], k_cache, v_cache, head // group, first, pos + 1, sinks, head, scores,
-               attn[head * hd : (head + 1) * hd])
+        attend(proj[head * hd : (head + 1) * hd], k_cache, v_cache, head // group, first, pos + 1, np.float32(scale),
+               sinks, head, scores, attn[head * hd : (head + 1) * hd])
+    gate = (heads + 2 * kv_heads) * hd
+    if rows > gate:
+        for j in range(heads * hd):
+            attn[j] /= np.float32(1) + np.exp(-proj[gate + j])
     matvec(o, attn[: heads * hd], out, wide)
     add_bias(out, o_bias)
+    if out_norm.shape[0]:
+        rms_norm(out, out_norm, eps, out)
+    r = np.float32(residual)
     for j in range(n):
-        x[j] += out[j]
+        x[j] += r * out[j]
     rms_norm(x, post_norm, eps, h)
     if router.shape[0]:
         matvec(router, h, logits, wide)
@@ -565,9 +577,9 @@ def attention_work_size(qkv_rows: int, head_dim: int, positions: int, router_row
 
 
 @jit
-def dense_mlp(x, h, gate, up, down, scale_by, work, wide):
-    """x += down(silu(gate h) * up h) for a dense (unrouted) MLP layer, times sigmoid(scale_by · h) when
-    scale_by (fp32 [n]) is not empty (Qwen2-MoE's gated shared expert); work: fp32 of >= 2 * inter + n."""
+def dense_mlp(x, h, gate, up, down, scale_by, residual, work, wide):
+    """x += residual * down(silu(gate h) * up h) for a dense (unrouted) MLP layer, times sigmoid(scale_by · h)
+    when scale_by (fp32 [n]) is not empty (Qwen2-MoE's gated shared expert); work: fp32 of >= 2 * inter + n."""
     inter = gate.shape[0]
     g = work[:inter]
     u = work[inter : 2 * inter]
@@ -577,12 +589,12 @@ def dense_mlp(x, h, gate, up, down, scale_by, work, wide):
         g[j] = silu(g[j]) * u[j]
     d = work[2 * inter : 2 * inter + x.shape[0]]
     matvec(down, g, d, wide)
-    scale = np.float32(1)
+    scale = np.float32(residual)
     if scale_by.shape[0]:
         acc = np.float32(0)
         for j in range(h.shape[0]):
             acc += scale_by[j] * h[j]
-        scale = np.float32(1) / (np.float32(1) + np.exp(-acc))
+        scale /= np.float32(1) + np.exp(-acc)
     for j in range(x.shape[0]):
         x[j] += scale * d[j]
 
