@@ -168,3 +168,23 @@ def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int
     logits = smoe_logits(vault, prompt + generated[:-1])
     picks = logits[len(prompt) - 1 :].argmax(-1)
     return float((picks == np.array(generated)).mean())
+
+
+# mlx-lm's YaRN rounds its correction range (Hugging Face's truncate = true); gpt-oss as released does not round
+# it and the MLX export refuses that, so the MLX tests take gpt-oss's config with the range rounded
+MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}}
+
+
+def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:
+    """exportable_vault's model of `family`, its config changed by MLX_CHANGES (one level deep) before sculpting."""
+    import json
+
+    model = save_exportable_model(family, tmp / f"{family}-mlx-model-{bits}")
+    path = model / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in MLX_CHANGES.get(family, {}).items():
+        config[key] = config[key] | value if isinstance(value, dict) else value
+    path.write_text(json.dumps(config, indent=2))
+    vault = tmp / f"{family}-mlx-q{bits}"
+    sculpt(model, vault, bits=bits, progress=False)
+    return vault

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from export_models import exportable_config, exportable_vault
+from export_models import exportable_config, exportable_vault, mlx_exportable_vault
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -258,6 +258,95 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
         assert f"{module}.scales" not in f.keys()
         want, _, _ = vault_experts(vault, 0, "down")
         assert np.array_equal(f.get_tensor(f"{module}.weight"), want)
+
+
+# --- MLX: the families of smoe.export.mlx_families ----------------------------------------------
+
+MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2"]
+
+
+@pytest.fixture(scope="module")
+def mlx_vaults(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mlx-families")
+    return {f: mlx_exportable_vault(tmp, f, 4) for f in MLX_FAMILIES}
+
+
+@pytest.mark.parametrize("family", MLX_FAMILIES)
+def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_where_mlx_lm_reads_them(
+        mlx_vaults, tmp_path, family):
+    from smoe.export.mlx_families import FAMILIES
+
+    vault = mlx_vaults[family]
+    out = export(vault, "mlx", tmp_path / "mlx")
+    config = json.loads((out / "config.json").read_text())
+    exported = load_file(out / "model.safetensors")
+    trunk = load_file(vault / TRUNK_FILE)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in trunk.items())
+    with Vault(vault) as v:
+        layers, experts = v.meta["moe_layers"], v.meta["num_experts"]
+        biases = {(layer, role): torch.stack([v.read_expert(layer, e)[1][role] for e in range(experts)]).float()
+                  for layer in layers for role in MLX_ROLES} if family == "gpt_oss" else {}
+    expert_names = set()
+    for layer in layers:
+        for role, proj in MLX_ROLES.items():
+            module = f"model.layers.{layer}.{FAMILIES[family].experts}.{proj}"
+            parts = ("weight", "scales", "biases", *(("bias",) if biases else ()))
+            weight, scales, offsets, *bias = (exported[f"{module}.{k}"].numpy() for k in parts)
+            expert_names |= {f"{module}.{k}" for k in parts}
+            want, s, _ = vault_experts(vault, layer, role)
+            assert config["quantization"][module]["bits"] == 4
+            assert_within_fp16_rounding_of_d(mlx_decode(weight, scales, offsets, 4), want, s)
+            if biases:  # gpt-oss: the experts' own biases, exact
+                assert np.array_equal(bias[0], biases[(layer, role)].numpy())
+    assert set(exported) == set(trunk) | expert_names
+
+
+def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
+    configs = {f: json.loads((export(v, "mlx", tmp_path / f) / "config.json").read_text()) for f, v in mlx_vaults.items()}
+    read = configs.get
+    glm = read("glm4_moe")
+    assert (glm["partial_rotary_factor"], glm["first_k_dense_replace"], glm["use_qk_norm"]) == (0.5, 1, True)
+    assert (glm["n_group"], glm["topk_group"], glm["routed_scaling_factor"], glm["rope_scaling"]) == (4, 2, 2.5, None)
+    oss = read("gpt_oss")
+    assert oss["layer_types"] == ["sliding_attention", "full_attention"] and oss["rope_scaling"]["rope_type"] == "yarn"
+    assert read("minimax_m2")["rotary_dim"] == 16  # transformers' MiniMax-M2 rotates whole heads unless told
+    assert read("deepseek_v2")["rope_scaling"]["factor"] == 4.0
+    assert read("deepseek_v3")["topk_method"] == "noaux_tc" and read("olmoe")["norm_topk_prob"] is False
+    assert all(read(f)["model_type"] == f for f in MLX_FAMILIES)
+
+
+MLX_REFUSALS = [
+    ("gpt_oss", dict(), "truncate = false"),  # as released: mlx-lm's YaRN rounds the correction range
+    ("gpt_oss", dict(swiglu_limit=5.0), "clamps SwiGLU"),
+    ("qwen2_moe", dict(norm_topk_prob=True), "normalise = False"),
+    ("qwen2_moe", dict(head_dim=32), "head_dim = hidden_size / heads"),
+    ("olmoe", dict(clip_qkv=8.0), "does not compute clip_qkv"),
+    ("dots1", dict(attention_bias=True), "attention biases = True"),
+    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave"),
+    ("deepseek_v3", dict(num_experts_per_tok=1), "single chosen expert"),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), "'linear'"),
+    ("minimax_m2", dict(attention_bias=True), "attention biases = True"),
+    ("mixtral", dict(sliding_window=16), "sliding-window"),
+]
+
+
+@pytest.mark.parametrize("family,changes,named", MLX_REFUSALS)
+def test_mlx_refuses_what_each_mlx_lm_model_file_computes_differently(family, changes, named):
+    from smoe.errors import SmoeError
+    from smoe.export import mlx_families
+    from smoe.source.description import describe_model
+
+    config = exportable_config(family).to_dict() | changes
+    desc = describe_model(config)
+    with pytest.raises(SmoeError, match=named):
+        mlx_families.check(family, config, desc, list(desc.moe_layers), {}, 32)
+
+
+def test_mlx_ernie_is_refused_at_export_naming_the_correction_bias_mlx_lm_drops(tmp_path):
+    vault = exportable_vault(tmp_path, "ernie4_5_moe", 4)
+    r = smoe_cli("export", vault, "--to", "mlx", "-o", tmp_path / "mlx")
+    assert r.returncode == 2 and "e_score_correction_bias" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "mlx").exists()
 
 
 # --- GGUF: DeepSeek's MLA as llama.cpp's deepseek2 ----------------------------------------------

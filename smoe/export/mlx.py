@@ -6,7 +6,9 @@ experts become mlx-lm's fused `switch_mlp.{gate,up,down}_proj` ([E, out, in·bit
 and biases [E, out, in/group] in fp16), listed one by one with an explicit `mode` under
 `quantization` in config.json. Where a row is not a multiple of 64 wide (SMOE groups then run
 across rows) the group is 32 and each SMOE scale is written twice, which stays exact. The trunk
-keeps the vault's precision and Hugging Face names, which mlx-lm's models read as they are.
+keeps the vault's precision and Hugging Face names, which mlx-lm's models read as they are. Which families,
+where each model file keeps its experts and what it computes: smoe.export.mlx_families. Experts with
+biases (gpt-oss) keep them as `bias` [E, out] beside the quantised weight, as mlx-lm's switch layers read them.
 """
 
 from __future__ import annotations
@@ -14,78 +16,47 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from smoe.errors import SmoeError
+from smoe.export import mlx_families
+from smoe.export.mlx_families import MlxFamily
 from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
 from smoe.format import codec
 from smoe.format.dtypes import FLOATS, SAFETENSORS_NAMES
 from smoe.format.safetensors_io import write_stream
 from smoe.format.vault import COPIED_FILES
+from smoe.source.description import describe_model
 
 SHARD_BYTES = 5 * 2**30
 SAFETENSORS_DTYPES = {t: SAFETENSORS_NAMES[t] for t in FLOATS.values()}
-
-
-@dataclass(frozen=True)
-class MlxFamily:
-    block: str  # the MoE block's attribute in mlx-lm's model ("mlp", "block_sparse_moe")
-    renames: tuple[tuple[str, str], ...] = ()  # trunk key rewrites into mlx-lm's names
-
-
-FAMILIES = {
-    "qwen3_moe": MlxFamily("mlp"),
-    # transformers 5 names Mixtral's block `mlp`; mlx-lm keeps the released `block_sparse_moe`
-    "mixtral": MlxFamily("block_sparse_moe", ((r"\.mlp\.gate\.", ".block_sparse_moe.gate."),)),
-}
 PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> None:
-    family = FAMILIES.get(source.model_type)
-    if family is None:
-        raise SmoeError(f"MLX export supports {', '.join(FAMILIES)}; this vault is {source.model_type}")
-    require(not source.has_biases, f"{source.model_type}: experts with biases are not exported to MLX")
+    name, config = source.model_type, source.vault.config
+    row = mlx_families.family(name)
+    desc = describe_model(config)
+    shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
+    mlx_families.check(name, config, desc, source.meta["moe_layers"], shapes, source.expert_shape(source.roles[0])[0])
+    require(row.expert_biases or not source.has_biases, f"{name}: experts with biases are not exported to MLX")
     out.mkdir(parents=True)
-    config = source.vault.config
     quantization = {"group_size": codec.GROUP_SIZE, "bits": source.vault.bits, "mode": "affine"}
-    plan = trunk_plan(source, family) + experts_plan(source, family, quantization)
+    plan = trunk_plan(source, row) + experts_plan(source, row, quantization)
     write_shards(out, plan, progress, shard_bytes)
-    (out / "config.json").write_text(json.dumps(mlx_config(source, config, quantization), indent=2))
-    for name in COPIED_FILES:
-        if name != "config.json" and (source.dir / name).exists():
-            shutil.copyfile(source.dir / name, out / name)
-
-
-def mlx_config(source: ExportSource, config: dict, quantization: dict) -> dict:
-    """The vault's config plus what mlx-lm's model classes read under their own names."""
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
-    heads = config["num_attention_heads"]
-    rope = config.get("rope_parameters") or {}
-    require(rope.get("rope_type", "default") == "default",
-            f"{source.model_type}: RoPE scaling {rope.get('rope_type')!r} is not exported to MLX")
-    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    if source.model_type == "mixtral":
-        require(config.get("head_dim") in (None, config["hidden_size"] // heads),
-                f"mixtral: mlx-lm assumes head_dim = hidden_size / heads; this model has head_dim {config.get('head_dim')}")
-    else:
-        config.setdefault("head_dim", config["hidden_size"] // heads)
-        config["num_experts"] = source.num_experts
-        config.setdefault("norm_topk_prob", False)  # transformers' default for the family
-        config.setdefault("decoder_sparse_step", 1)
-        config.setdefault("mlp_only_layers", [])
-    config["quantization"] = quantization
-    return config
+    args = mlx_families.model_args(name, config, desc, source.meta["moe_layers"]) | {"quantization": quantization}
+    (out / "config.json").write_text(json.dumps(args, indent=2))
+    for copied in COPIED_FILES:
+        if copied != "config.json" and (source.dir / copied).exists():
+            shutil.copyfile(source.dir / copied, out / copied)
 
 
 # --- tensors -------------------------------------------------------------------------------------
 
 
-def trunk_plan(source: ExportSource, family: MlxFamily) -> list[Planned]:
+def trunk_plan(source: ExportSource, row: MlxFamily) -> list[Planned]:
     plan = []
     for key in source.trunk_names():
         if key.endswith("rotary_emb.inv_freq"):
@@ -93,7 +64,7 @@ def trunk_plan(source: ExportSource, family: MlxFamily) -> list[Planned]:
         t_dtype = source.trunk_dtype(key)
         require(t_dtype in SAFETENSORS_DTYPES, f"trunk tensor {key}: {t_dtype} is not exported to MLX")
         name = key
-        for pattern, repl in family.renames:
+        for pattern, repl in row.renames:
             name = re.sub(pattern, repl, name)
         shape = source.trunk_shape(key)
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=t_dtype).element_size()
@@ -107,30 +78,43 @@ def group_width(inp: int) -> int | None:
     return 64 if inp % 64 == 0 else 32 if inp % 32 == 0 else None
 
 
-def experts_plan(source: ExportSource, family: MlxFamily, quantization: dict) -> list[Planned]:
-    plan, experts = [], source.num_experts
+def experts_plan(source: ExportSource, row: MlxFamily, quantization: dict) -> list[Planned]:
+    plan = []
     for layer in source.meta["moe_layers"]:
         for role in source.roles:
-            module = f"model.layers.{layer}.{family.block}.switch_mlp.{PROJECTIONS[role]}"
-            out, inp = source.expert_shape(role)
-            width = group_width(inp)
-            get = lambda layer=layer, role=role: source.experts(layer, role)
-            if width is None:  # rows too narrow for any MLX group: written decoded (toy sizes only)
-                load = lambda get=get: np.stack([e.decoded() for e in get()])
-                plan.append(Planned(f"{module}.weight", "F32", (experts, out, inp), experts * out * inp * 4, load))
-                continue
-            bits = source.role_bits(layer, role)  # a mixed-depth layer's Q2 codes fit 4-bit slots too
-            quantization[module] = {"group_size": width, "bits": bits, "mode": "affine"}
-            words, groups = (experts, out, inp * bits // 32), (experts, out, inp // width)
-            plan += [
-                Planned(f"{module}.weight", "U32", words, 4 * int(np.prod(words)),
-                        lambda get=get, bits=bits: np.stack([pack_uint32(e, bits) for e in get()])),
-                Planned(f"{module}.scales", "F16", groups, 2 * int(np.prod(groups)),
-                        lambda get=get, w=width: np.stack([scale_bias(e, w)[0] for e in get()])),
-                Planned(f"{module}.biases", "F16", groups, 2 * int(np.prod(groups)),
-                        lambda get=get, w=width: np.stack([scale_bias(e, w)[1] for e in get()])),
-            ]
+            module = f"model.layers.{layer}.{row.experts}.{PROJECTIONS[role]}"
+            plan += role_plan(source, layer, role, module, quantization)
+            if row.expert_biases:
+                plan.append(bias_plan(source, layer, role, module))
     return plan
+
+
+def role_plan(source: ExportSource, layer: int, role: str, module: str, quantization: dict) -> list[Planned]:
+    """One projection of every expert of `layer`: weight, scales and biases of MLX's affine form."""
+    experts, (out, inp) = source.num_experts, source.expert_shape(role)
+    width = group_width(inp)
+    get = lambda: source.experts(layer, role)
+    if width is None:  # rows too narrow for any MLX group: written decoded (toy sizes only)
+        load = lambda: np.stack([e.decoded() for e in get()])
+        return [Planned(f"{module}.weight", "F32", (experts, out, inp), experts * out * inp * 4, load)]
+    bits = source.role_bits(layer, role)  # a mixed-depth layer's Q2 codes fit 4-bit slots too
+    quantization[module] = {"group_size": width, "bits": bits, "mode": "affine"}
+    words, groups = (experts, out, inp * bits // 32), (experts, out, inp // width)
+    return [
+        Planned(f"{module}.weight", "U32", words, 4 * int(np.prod(words)),
+                lambda: np.stack([pack_uint32(e, bits) for e in get()])),
+        Planned(f"{module}.scales", "F16", groups, 2 * int(np.prod(groups)),
+                lambda: np.stack([scale_bias(e, width)[0] for e in get()])),
+        Planned(f"{module}.biases", "F16", groups, 2 * int(np.prod(groups)),
+                lambda: np.stack([scale_bias(e, width)[1] for e in get()])),
+    ]
+
+
+def bias_plan(source: ExportSource, layer: int, role: str, module: str) -> Planned:
+    """The experts' own biases [E, out] in fp32 (what mlx-lm's switch layers add after the product)."""
+    shape = (source.num_experts, source.expert_shape(role)[0])
+    load = lambda: torch.stack(source.expert_biases(layer, role)).float().numpy()
+    return Planned(f"{module}.bias", "F32", shape, 4 * int(np.prod(shape)), load)
 
 
 def pack_uint32(expert: ExpertTensor, bits: int) -> np.ndarray:

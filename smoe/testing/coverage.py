@@ -104,8 +104,8 @@ def model_class(model_type: str):
     return transformers.AutoModelForImageTextToText
 
 
-def check(model_type: str, tmp: Path) -> Row:
-    """One family through quantize -> verify -> open -> generate -> compare; the first failing stage."""
+def check(model_type: str, tmp: Path, device: str = "cpu") -> Row:
+    """One family through quantize -> verify -> open (on `device`) -> generate -> compare; the first failing stage."""
     from smoe.convert.dequantize import dequantize
     from smoe.convert.sculpt import sculpt
     from smoe.format.vault import verify
@@ -126,7 +126,7 @@ def check(model_type: str, tmp: Path) -> Row:
         if problems:
             raise SmoeError(problems[0])
         row.stage = "open"
-        sm = OpenedVault(tmp / "vault", dtype="float32")
+        sm = OpenedVault(tmp / "vault", dtype="float32", device=device)
         row.decoder = sm.decoder
         row.gpu_decoder = "generic" if fast_decoder_gap(sm.description, "cuda") else "fast"
         row.stage = "generate"
@@ -162,11 +162,11 @@ def stepwise_logits(sm, tokens: list[int], prompt: int = 6) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def walk(model_types: list[str] | None = None) -> list[Row]:
+def walk(model_types: list[str] | None = None, device: str = "cpu") -> list[Row]:
     rows = []
     for model_type in model_types or moe_model_types():
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append(check(model_type, Path(tmp)))
+            rows.append(check(model_type, Path(tmp), device))
     return rows
 
 
@@ -237,18 +237,27 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def decoders_table(rows: list[Row]) -> str:
-    """Per family that runs, the decoder `--decoder auto` takes on each device: the CPU's as the walk ran it,
-    the GPU's from the description's gaps (smoe.runtime.weights.fast_decoder_gap)."""
+def decoders_table(rows: list[Row], gpu_rows: list[Row] | None = None) -> str:
+    """Per family that runs, the decoder `--decoder auto` takes on each device: the CPU's as the walk ran it;
+    the GPU's as a walk on a GPU ran it (`gpu_rows`: its --json), else from the description's gaps
+    (smoe.runtime.weights.fast_decoder_gap)."""
+    measured = {r.model_type: r for r in gpu_rows or []}
+
+    def gpu(r: Row) -> str:
+        if r.model_type not in measured:
+            return f"{r.gpu_decoder} (by its description)"
+        g = measured[r.model_type]
+        return g.decoder if g.passed else f"fails at {g.stage}: {g.error[:80]}"
+
     lines = ["| model_type | CPU | NVIDIA GPU |", "|---|---|---|"]
-    lines += [f"| `{r.model_type}` | {r.decoder} | {r.gpu_decoder} |" for r in rows if r.passed]
+    lines += [f"| `{r.model_type}` | {r.decoder} | {gpu(r)} |" for r in rows if r.passed]
     return "\n".join(lines)
 
 
 README_START, README_END = "<!-- family table: python -m smoe.testing.coverage --write -->", "<!-- end of family table -->"
 
 
-def write(rows: list[Row], root: Path) -> None:
+def write(rows: list[Row], root: Path, gpu_rows: list[Row] | None = None) -> None:
     """docs/FAMILIES.md, and the README's per-family decoder table between its markers."""
     import transformers
 
@@ -257,8 +266,9 @@ def write(rows: list[Row], root: Path) -> None:
     readme = (root / "README.md").read_text()
     head, rest = readme.split(README_START)
     _, tail = rest.split(README_END)
-    (root / "README.md").write_text(f"{head}{README_START}\n{summary(rows)}.\n\n{decoders_table(rows)}\n"
-                                    f"{README_END}{tail}")
+    gpu = f" On an NVIDIA GPU: {summary(gpu_rows)}." if gpu_rows else ""
+    (root / "README.md").write_text(f"{head}{README_START}\nOn the CPU: {summary(rows)}.{gpu}\n\n"
+                                    f"{decoders_table(rows, gpu_rows)}\n{README_END}{tail}")
 
 
 FAMILIES_HEADER = """# MoE families of transformers {version} in smoe
@@ -281,25 +291,48 @@ transformers' save-time conversion, the trunk is loaded through its load-time co
 """
 
 
-if __name__ == "__main__":
-    import sys
+def speed_table(rows: list[Row]) -> str:
+    lines = ["| model_type | fast tok/s | generic tok/s | fast / generic (median of rounds) |", "|---|---|---|---|"]
+    for r in rows:
+        if r.decoder == "fast":
+            with tempfile.TemporaryDirectory() as tmp:
+                v = decode_speeds(r.model_type, Path(tmp))
+            ratio = sorted(f / g for f, g in zip(v["fast"], v["generic"]))[len(v["fast"]) // 2]
+            lines.append(f"| `{r.model_type}` | {' / '.join(f'{x:.0f}' for x in v['fast'])} | "
+                         f"{' / '.join(f'{x:.0f}' for x in v['generic'])} | {ratio:.1f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+    import json
+    from dataclasses import asdict
 
     from smoe.hf.bars import quiet_library_bars
 
+    p = argparse.ArgumentParser(prog="python -m smoe.testing.coverage", description=__doc__.splitlines()[0])
+    p.add_argument("model_types", nargs="*", help="default: every MoE family of the installed transformers")
+    p.add_argument("--device", default="cpu", help="where the vaults are opened (cuda: the GPU decoders)")
+    p.add_argument("--speed", action="store_true", help="fast / generic decode speed of each family that runs fast")
+    p.add_argument("--json", type=Path, help="write the rows there")
+    p.add_argument("--write", action="store_true", help="write docs/FAMILIES.md and the README's table (whole walk)")
+    p.add_argument("--gpu-rows", type=Path, help="with --write: the --json of a walk on a GPU, for the GPU column")
+    args = p.parse_args(argv)
     quiet_library_bars()
-    arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if "--speed" in sys.argv:  # fast / generic decode speed of each family that runs fast
-        print("| model_type | fast tok/s | generic tok/s | fast / generic (median of rounds) |\n|---|---|---|---|")
-        for r in walk(arguments or None):
-            if r.decoder == "fast":
-                with tempfile.TemporaryDirectory() as tmp:
-                    v = decode_speeds(r.model_type, Path(tmp))
-                ratio = sorted(f / g for f, g in zip(v["fast"], v["generic"]))[len(v["fast"]) // 2]
-                print(f"| `{r.model_type}` | {' / '.join(f'{x:.0f}' for x in v['fast'])} | "
-                      f"{' / '.join(f'{x:.0f}' for x in v['generic'])} | {ratio:.1f}x |", flush=True)
-        raise SystemExit(0)
-    result = walk(arguments or None)
-    print(table(result))
-    print(f"\n{summary(result)}")
-    if "--write" in sys.argv and not arguments:
-        write(result, Path(__file__).resolve().parents[2])
+    rows = walk(args.model_types or None, args.device)
+    if args.speed:
+        print(speed_table(rows))
+        return
+    print(table(rows))
+    print(f"\n{summary(rows)}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.write and not args.model_types:
+        gpu_rows = [Row(**r) for r in json.loads(args.gpu_rows.read_text())] if args.gpu_rows else None
+        write(rows, Path(__file__).resolve().parents[2], gpu_rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

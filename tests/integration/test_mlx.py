@@ -10,7 +10,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
 
 import mlx.core as mx  # noqa: E402
-from export_models import agreement, figures_line, integration_vault, prompt_ids, smoe_logits, teacher_forced_agreement  # noqa: E402
+from export_models import (  # noqa: E402
+    agreement,
+    figures_line,
+    integration_vault,
+    mlx_exportable_vault,
+    prompt_ids,
+    smoe_logits,
+    teacher_forced_agreement,
+)
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate, generate_step  # noqa: E402
 
@@ -39,6 +47,41 @@ def test_mlx_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
     print(figures_line(f"mlx-lm {family} Q{bits} (fp32)", fp32))
     assert fp32["median_pos_max_abs"] < 1e-3 * fp32["ref_max_abs"]
     assert fp32["mean_kl"] < 1e-4 and fp32["top1"] >= 0.99
+
+
+# the families of smoe.export.mlx_families beyond the shared models', on tiny models at their fullest
+# (tests/export_models.py; gpt-oss with its YaRN range rounded, as mlx-lm computes it)
+TINY_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2"]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_mlx_logits_follow_smoe_for_each_family(tmp_path, family, bits):
+    """The tiny models' trunks are fp32, so mlx-lm computes in fp32 as loaded: only the fp16 rounding of s/h
+    separates it from smoe, the bounds of the shared models' fp32 check."""
+    vault = mlx_exportable_vault(tmp_path, family, bits)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    ids = prompt_ids(vault)
+    a = agreement(smoe_logits(vault, ids), mlx_logits(model, ids))
+    print("\n" + figures_line(f"mlx-lm tiny {family} Q{bits}", a))
+    assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
+    assert a["mean_kl"] < 1e-4 and a["top1"] >= 0.99
+
+
+def test_mlx_lm_gpt_oss_rotary_is_transformers_yarn(tmp_path):
+    """The tiny models' attention barely depends on position, so their logits cannot tell rotary bases apart:
+    the frequencies and scale mlx-lm builds from the exported config are checked against transformers' YaRN."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    vault = mlx_exportable_vault(tmp_path, "gpt_oss", 4)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    rope = model.model.layers[0].self_attn.rope
+    config = AutoConfig.from_pretrained(tmp_path / "gpt_oss-mlx-model-4")
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    np.testing.assert_allclose(1 / np.array(rope._freqs), inv_freq.numpy(), rtol=1e-6)
+    assert rope.mscale == pytest.approx(attention_factor)
 
 
 def test_mlx_lm_generates_smoe_greedy_tokens(tmp_path_factory, tmp_path):

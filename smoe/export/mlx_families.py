@@ -1,0 +1,260 @@
+"""What each mlx-lm model file computes, one row per family `smoe export --to mlx` writes.
+
+A row says where mlx-lm's model keeps a layer's fused experts, which trunk names it reads its own way,
+which of smoe's description (smoe.source.description) its module computes, and the ModelArgs keys it
+reads that the Hugging Face config spells otherwise or lacks. What the model file computes differently
+is refused by name before anything is written. Every layer layout is written from the vault's MoE
+layers (first_k_dense_replace, mlp_only_layers), so mlx-lm builds the layers the vault holds.
+
+Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
+router chooses with). The other MoE model files of mlx-lm are families smoe's vaults do not describe
+the same way (multipliers, hybrid mixers, chunked attention) or hold no vault yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from smoe.export.source import require
+from smoe.source.description import ModelDescription
+
+OAI_CLAMP = (1.702, 7.0)  # mlx-lm's SwigluOAI defaults, which its gpt_oss never changes
+REFUSED = {"ernie4_5_moe": "mlx-lm's ernie4_5_moe drops the router's correction bias (its sanitize removes "
+                           "e_score_correction_bias)"}
+
+
+@dataclass(frozen=True)
+class MlxFamily:
+    experts: str  # the fused experts' module under a layer: "mlp.switch_mlp", "mlp.experts", ...
+    routing: dict  # Routing fields the model file fixes (what it reads from the config is written instead)
+    layers: str = "all"  # MoE layers it builds: "all", "dense_first" (first_k_dense_replace) or "any"
+    renames: tuple[tuple[str, str], ...] = ()  # trunk key rewrites into mlx-lm's names
+    extras: tuple[str, ...] = ()  # description extras it computes; any other is refused
+    attention: str = "gqa"
+    qk_norms: tuple[str | None, ...] = (None,)
+    attention_bias: tuple[bool, ...] = (False,)  # q/k/v biases it builds (never, always or as the config says)
+    shared: str = "none"  # shared experts: "none", "n_shared" (n × the routed width), "gated" (qwen2_moe's)
+    sinks: bool = False
+    sliding_window: bool = False
+    expert_biases: bool = False
+    clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU
+    rope_types: tuple[str, ...] = ("default",)
+    config: Callable[[dict, ModelDescription, list[int]], dict] | None = None  # ModelArgs keys it adds
+    check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
+
+
+# --- the ModelArgs keys each model file reads -----------------------------------------------------
+
+
+def _qwen3_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(num_experts=desc.routing.num_experts, norm_topk_prob=desc.routing.normalise, decoder_sparse_step=1,
+                mlp_only_layers=list(desc.dense_layers))
+
+
+def _dense_first(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(first_k_dense_replace=moe_layers[0], moe_layer_freq=1, norm_topk_prob=desc.routing.normalise,
+                routed_scaling_factor=desc.routing.scale, n_group=desc.routing.n_group,
+                topk_group=desc.routing.topk_group)
+
+
+def _glm4_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return _dense_first(config, desc, moe_layers) | dict(
+        partial_rotary_factor=_partial_rotary(config), use_qk_norm=desc.attention.qk_norm is not None,
+        attention_bias=desc.attention.bias, topk_method="noaux_tc")
+
+
+def _deepseek_v3(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return _dense_first(config, desc, moe_layers) | dict(topk_method="noaux_tc", scoring_func="sigmoid")
+
+
+def _deepseek_v2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    r = desc.routing
+    grouped = r.n_group > 1 and r.topk_group < r.n_group
+    # its rotary is always the YaRN module, which factor 1 makes plain RoPE
+    rope = _rope(config) if _rope_kind(config) == "yarn" else {"factor": 1.0}
+    return _dense_first(config, desc, moe_layers) | dict(
+        topk_method="group_limited_greedy" if grouped else "greedy", rope_scaling=rope)
+
+
+def _olmoe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(num_experts=desc.routing.num_experts, norm_topk_prob=desc.routing.normalise,
+                attention_bias=desc.attention.bias, mlp_bias=False)
+
+
+def _gpt_oss(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(layer_types=["sliding_attention" if i in desc.attention.sliding_layers else "full_attention"
+                             for i in range(desc.num_layers)])
+
+
+def _minimax_m2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(rotary_dim=int(desc.attention.head_dim * _partial_rotary(config)),
+                use_qk_norm=desc.attention.qk_norm is not None, shared_intermediate_size=0)
+
+
+# --- the refusals a row's fields cannot say -------------------------------------------------------
+
+
+def _check_gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
+    rope = _rope(config)
+    # mlx-lm's YaRN always rounds the correction range (Hugging Face's truncate = true)
+    require(_rope_kind(config) != "yarn" or rope.get("truncate", True),
+            f"{name}: YaRN with truncate = false is not what mlx-lm's YaRN computes (it rounds the correction range)")
+    sliding = set(desc.attention.sliding_layers)  # its masks come from the first layer of each kind
+    require(0 < len(sliding) < desc.num_layers, f"{name}: mlx-lm's gpt_oss needs both sliding and full attention layers")
+
+
+def _check_head_width(name: str, config: dict, desc: ModelDescription) -> None:
+    require(desc.attention.head_dim == desc.hidden_size // desc.attention.heads,
+            f"{name}: mlx-lm assumes head_dim = hidden_size / heads; this model has head_dim {desc.attention.head_dim}")
+
+
+def _check_sigmoid_top1(name: str, config: dict, desc: ModelDescription) -> None:
+    # the model file normalises only when more than one expert is chosen
+    require(not (desc.routing.normalise and desc.routing.top_k == 1),
+            f"{name}: mlx-lm does not normalise a single chosen expert's weight; this router does")
+
+
+def _check_deepseek(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_sigmoid_top1(name, config, desc)
+    require("interleaved_rotary" in desc.extras,
+            f"{name}: rope_interleave = false (half-split rotary) is not what mlx-lm's {name} computes")
+    rope = _rope(config)
+    if _rope_kind(config) == "yarn":  # Hugging Face takes mscale only beside mscale_all_dim
+        require(not rope.get("mscale", 1.0) != 1.0 or rope.get("mscale_all_dim"),
+                f"{name}: YaRN with mscale {rope.get('mscale')} and no mscale_all_dim is not what mlx-lm computes")
+        require(rope.get("truncate", True), f"{name}: YaRN with truncate = false is not what mlx-lm computes")
+
+
+SOFTMAX = dict(scoring="softmax", correction_bias=False, n_group=1, scale=1.0)
+SIGMOID_BIASED = dict(scoring="sigmoid", correction_bias=True, group_score="top2")
+FAMILIES = {
+    "qwen3_moe": MlxFamily("mlp.switch_mlp", SOFTMAX, layers="any", qk_norms=("head",), config=_qwen3_moe),
+    # transformers 5 names Mixtral's block `mlp`; mlx-lm keeps the released `block_sparse_moe`
+    "mixtral": MlxFamily("block_sparse_moe.switch_mlp", SOFTMAX | dict(normalise=True),
+                         renames=((r"\.mlp\.gate\.", ".block_sparse_moe.gate."),), check=_check_head_width),
+    "glm4_moe": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="dense_first", extras=("partial_rotary",),
+                          qk_norms=(None, "head"), attention_bias=(False, True), shared="n_shared", config=_glm4_moe,
+                          check=_check_sigmoid_top1),
+    "gpt_oss": MlxFamily("mlp.experts", dict(scoring="softmax", normalise=True, router_bias=True, correction_bias=False,
+                                             n_group=1, scale=1.0),
+                         attention_bias=(True,), sinks=True, sliding_window=True, expert_biases=True, clamp=OAI_CLAMP,
+                         rope_types=("default", "yarn"), config=_gpt_oss, check=_check_gpt_oss),
+    "olmoe": MlxFamily("mlp.switch_mlp", SOFTMAX, qk_norms=("full",), attention_bias=(False, True), config=_olmoe),
+    "qwen2_moe": MlxFamily("mlp.switch_mlp", SOFTMAX | dict(normalise=False), attention_bias=(True,), shared="gated",
+                           check=_check_head_width),
+    "deepseek_v3": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="dense_first", extras=("interleaved_rotary",),
+                             attention="mla", attention_bias=(False, True), shared="n_shared",
+                             rope_types=("default", "yarn"), config=_deepseek_v3, check=_check_deepseek),
+    "deepseek_v2": MlxFamily("mlp.switch_mlp", dict(scoring="softmax", normalise=False, correction_bias=False,
+                                                    group_score="max"),
+                             layers="dense_first", extras=("interleaved_rotary",), attention="mla",
+                             attention_bias=(False, True), shared="n_shared", rope_types=("default", "yarn"),
+                             config=_deepseek_v2, check=_check_deepseek),
+    "dots1": MlxFamily("mlp.experts", SIGMOID_BIASED, layers="dense_first", qk_norms=("head",), shared="n_shared",
+                       config=_dense_first, check=_check_sigmoid_top1),
+    "minimax_m2": MlxFamily("block_sparse_moe.switch_mlp", SIGMOID_BIASED | dict(normalise=True, n_group=1, scale=1.0),
+                            extras=("partial_rotary",), qk_norms=(None, "full"), config=_minimax_m2),
+}
+# what a router may do beyond the fields a row fixes, refused unless the row allows it
+PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)
+
+
+def family(name: str) -> MlxFamily:
+    require(name not in REFUSED, f"{name}: {REFUSED.get(name)}; not exported to MLX")
+    row = FAMILIES.get(name)
+    require(row is not None, f"MLX export supports {', '.join(FAMILIES)}; this vault is {name}")
+    return row
+
+
+def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int],
+          shapes: dict[str, tuple[int, ...]], expert_width: int) -> None:
+    """What the family's mlx-lm model file assumes that this config (and the trunk's `shapes`) could contradict."""
+    row, where = FAMILIES[name], f"mlx-lm's {name}"
+    _check_layers(name, row, desc, moe_layers)
+    unsupported = [e for e in desc.extras if e not in row.extras]
+    require(not unsupported, f"{name}: {where} does not compute {', '.join(unsupported)}")
+    a = desc.attention
+    require(a.kind == row.attention, f"{name}: {where} computes {row.attention} attention; this model has {a.kind}")
+    require(a.qk_norm in row.qk_norms, f"{name}: q/k norm {a.qk_norm!r} is not what {where} computes")
+    require(a.bias in row.attention_bias, f"{name}: attention biases = {a.bias} is not what {where} builds")
+    require(a.sinks == row.sinks, f"{name}: attention sinks = {a.sinks} is not what {where} computes")
+    require(row.sliding_window or not a.sliding_layers, f"{name}: sliding-window attention is not exported to MLX")
+    _check_routing(name, row, desc)
+    _check_experts(name, row, desc, shapes, expert_width)
+    kind = _rope_kind(config)
+    require(kind in row.rope_types, f"{name}: RoPE scaling {kind!r} is not exported to MLX")
+    if row.check:
+        row.check(name, config, desc)
+
+
+def _check_layers(name: str, row: MlxFamily, desc: ModelDescription, moe_layers: list[int]) -> None:
+    layers = desc.num_layers
+    first = moe_layers[0] if moe_layers else layers
+    if row.layers == "all":
+        require(moe_layers == list(range(layers)), f"{name}: mlx-lm's {name} takes every layer MoE; this model's MoE "
+                f"layers are {moe_layers}")
+    elif row.layers == "dense_first":
+        require(moe_layers == list(range(first, layers)) and first < layers,
+                f"{name}: mlx-lm's {name} takes dense layers only before the MoE ones; this model's MoE layers are "
+                f"{moe_layers}")
+
+
+def _check_routing(name: str, row: MlxFamily, desc: ModelDescription) -> None:
+    r = desc.routing
+    grouped = r.n_group > 1 and r.topk_group < r.n_group
+    for key, value in (PLAIN_ROUTING | row.routing).items():
+        if key == "group_score" and not grouped:
+            continue  # no group is ever dropped: how groups are ranked changes nothing
+        actual = getattr(r, key)
+        require(actual == value, f"{name}: mlx-lm's {name} routes with {key} = {value!r}; this model's router has "
+                f"{actual!r}")
+
+
+def _check_experts(name: str, row: MlxFamily, desc: ModelDescription, shapes: dict[str, tuple[int, ...]],
+                   expert_width: int) -> None:
+    e = desc.experts
+    require(e.gated and e.activation == "silu", f"{name}: mlx-lm's {name} computes SwiGLU experts; this model's are "
+            f"{e.activation}{'' if e.gated else ' (not gated)'}")
+    require(e.clamp == row.clamp, f"{name}: mlx-lm's {name} clamps SwiGLU at {row.clamp}; this model at {e.clamp}")
+    require(e.biases == row.expert_biases, f"{name}: expert biases = {e.biases} is not what mlx-lm's {name} builds")
+    require((desc.shared_experts > 0) == (row.shared != "none"),
+            f"{name}: {desc.shared_experts} shared experts is not what mlx-lm's {name} computes")
+    require(desc.shared_gate == (row.shared == "gated"),
+            f"{name}: shared_gate = {desc.shared_gate} is not what mlx-lm's {name} computes")
+    if row.shared == "n_shared":
+        for key, shape in shapes.items():
+            if ".mlp.shared_experts." in key:
+                width = shape[0] if key.endswith(("gate_proj.weight", "up_proj.weight")) else shape[-1]
+                require(width == expert_width * desc.shared_experts,
+                        f"{name}: shared experts {width} wide; mlx-lm's {name} takes {desc.shared_experts} × the "
+                        f"routed experts' {expert_width}")
+
+
+def model_args(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    """The vault's config plus what the family's mlx-lm ModelArgs reads under its own names."""
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    rope = _rope(config)
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    config["rope_scaling"] = rope if _rope_kind(config) != "default" else None
+    if name != "mixtral":  # mixtral's ModelArgs has no head_dim
+        config.setdefault("head_dim", desc.attention.head_dim)
+    row = FAMILIES[name]
+    return config | (row.config(config, desc, moe_layers) if row.config else {})
+
+
+def _rope(config: dict) -> dict:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def _partial_rotary(config: dict) -> float:
+    """The share of each head rotated: rope_parameters' (transformers 5), else the top level's or MiniMax's rotary_dim."""
+    factor = _rope(config).get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor is None and config.get("rotary_dim"):
+        factor = config["rotary_dim"] / (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return factor or 1.0
+
+
+def _rope_kind(config: dict) -> str:
+    rope = _rope(config)
+    return rope.get("rope_type", rope.get("type", "default"))
