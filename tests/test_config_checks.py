@@ -223,7 +223,7 @@ def test_top_k_outside_one_to_experts_is_refused_before_any_kernel_runs(built, t
 
 def test_a_group_of_one_expert_is_refused_where_the_router_scores_each_group_by_its_best_two():
     """DeepSeek-V3-style routers take torch.topk(2) inside each of the n_group groups."""
-    from smoe.source.families import check_model_config
+    from smoe.source.config_checks import check_model_config
     from smoe.testing.tiny_models import tiny_config
 
     config = tiny_config("deepseek_v3").to_dict() | {"n_group": 4, "topk_group": 2}  # 4 experts, top-2
@@ -233,7 +233,7 @@ def test_a_group_of_one_expert_is_refused_where_the_router_scores_each_group_by_
 
 def test_every_checked_key_is_in_this_table():
     """A key the checks learn must get bad values here too."""
-    from smoe.source.families import CONFIG_VALUES, ROPE_VALUES
+    from smoe.source.config_checks import CONFIG_VALUES, ROPE_VALUES
 
     tested = {key.removeprefix("rope_parameters.") for key in KEYS} | set(KEYS)
     assert set(CONFIG_VALUES) - tested == set() and set(ROPE_VALUES) - tested == set()
@@ -241,7 +241,7 @@ def test_every_checked_key_is_in_this_table():
 
 def test_the_configs_of_every_tiny_family_pass_the_checks():
     """Every family's own config, as transformers writes it (qwen2 writes a 0 window for none), is accepted."""
-    from smoe.source.families import check_model_config
+    from smoe.source.config_checks import check_model_config
     from smoe.testing.tiny_models import tiny_config, tiny_families
 
     for family in tiny_families():
@@ -263,8 +263,8 @@ ABSENT_VALUES = {
 @pytest.mark.parametrize("family, overrides, builds", ABSENT_VALUES.values(), ids=list(ABSENT_VALUES))
 def test_absent_values_that_the_config_class_accepts_stay_valid(family, overrides, builds):
     from smoe.hf.model import check_buildable
+    from smoe.source.config_checks import check_model_config
     from smoe.source.description import describe_model
-    from smoe.source.families import check_model_config
     from smoe.testing.tiny_models import tiny_config
 
     config = tiny_config(family).to_dict() | overrides
@@ -279,13 +279,14 @@ def default_and_fixture_configs() -> dict[str, dict]:
     default without an expert count or top-k is a dense stand-in), and every config in ../shared/fixtures."""
     from transformers import CONFIG_MAPPING
 
-    from smoe.source.families import CONFIG_KEYS, FAMILIES, _lookup, _resolve
+    from smoe.source.config_numbers import CONFIG_KEYS, lookup, resolve
+    from smoe.source.families import FAMILIES
 
     configs = {}
     for model_type in sorted({t for f in FAMILIES for t in f.model_types} & set(CONFIG_MAPPING)):
         config = CONFIG_MAPPING[model_type]().to_dict()
-        scopes = _resolve(config)[2]
-        if all(_lookup(scopes, CONFIG_KEYS[k]) is not None for k in ("num_experts", "top_k")):
+        scopes = resolve(config)[2]
+        if all(lookup(scopes, CONFIG_KEYS[k]) is not None for k in ("num_experts", "top_k")):
             configs[f"default {model_type}"] = config
     fixtures = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
     for path in sorted(fixtures.glob("**/config.json")):
@@ -294,8 +295,8 @@ def default_and_fixture_configs() -> dict[str, dict]:
 
 
 def test_ranges_admit_every_family_default_and_fixture_config():
+    from smoe.source.config_checks import check_model_config
     from smoe.source.description import describe_model
-    from smoe.source.families import check_model_config
 
     configs = default_and_fixture_configs()
     assert len(configs) >= 20
@@ -311,9 +312,9 @@ def test_ranges_admit_every_family_default_and_fixture_config():
 
 
 def _resolve_family(config: dict):
-    from smoe.source.families import _resolve
+    from smoe.source.config_numbers import resolve
 
-    return _resolve(config)[0]
+    return resolve(config)[0]
 
 
 def index_edited(built, tmp: Path, edit) -> Path:

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import save_file
 
 from smoe.errors import SmoeError
-from smoe.source import families
+from smoe.source import families, layouts
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import load_bias, load_projection, map_experts
+from smoe.source.loading import load_bias, load_projection
+from smoe.source.matching import map_experts
 from smoe.testing.tiny_models import save_tiny_model, tiny_families
 
 FIXTURES = Path(__file__).parents[1] / ".." / "shared" / "fixtures" / "real-checkpoints"
@@ -522,7 +523,7 @@ def test_a_discoverer_s_reason_is_the_one_line_refusal(monkeypatch):
 
 def test_tensors_of_identity_experts_are_neither_experts_nor_trunk(monkeypatch):
     # LongCat: experts 0-3 routed, 4-5 identity ("zero"); transformers saves gate/up rows for the identity ones
-    family = families.Family("frobnitz_moe", ("frobnitz_moe",), families.standard("mlp"),
+    family = families.Family("frobnitz_moe", ("frobnitz_moe",), layouts.standard("mlp"),
                              identity_key="zero_expert_num")
     _discovering(monkeypatch, lambda config: family)
     names = qwen_names(range(2), range(4)) + qwen_names(range(2), [4, 5], roles=("gate_proj", "up_proj"))

@@ -2,14 +2,14 @@
 
 import pytest
 
-from smoe.source import families
+from smoe.source import config_numbers, families
 from smoe.testing import coverage
 
 
 # solar_open and hy_v3 have a description rule (their computation is kinds the layer library has): fast
 @pytest.mark.parametrize(("model_type", "decoder"), [("solar_open", "fast"), ("hy_v3", "fast"), ("beam", "generic")])
 def test_a_family_without_a_row_runs_through_the_experts_module_transformers_builds(model_type, decoder, tmp_path):
-    assert families._normalise_type(model_type) not in families._BY_TYPE
+    assert families.normalise_type(model_type) not in families.BY_TYPE
     row = coverage.check(model_type, tmp_path)
     assert row.passed, row.error
     assert row.decoder == decoder and row.relative_error <= coverage.TOLERANCE
@@ -45,7 +45,7 @@ def test_a_config_transformers_cannot_build_is_refused_by_name_not_a_traceback()
     # hy_v4 is a family transformers has and smoe's table lacks; its padding token outside the vocabulary makes
     # transformers' own constructor fail
     with pytest.raises(SmoeError, match="unsupported model_type 'hy_v4'"):
-        families.config_number({"model_type": "hy_v4", "vocab_size": 8, "pad_token_id": 100}, "num_experts")
+        config_numbers.config_number({"model_type": "hy_v4", "vocab_size": 8, "pad_token_id": 100}, "num_experts")
 
 
 # One family per mechanism; each row names what it needs beyond the discovery above.

@@ -14,8 +14,8 @@ from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.vault import Vault
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import map_experts
 from smoe.source.inspect import format_report, inspect_path
+from smoe.source.matching import map_experts
 from smoe.testing.tiny_models import TOKENIZER_TEXT
 from smoe.testing.vaults import tiny_model_dir
 

@@ -38,7 +38,7 @@ def sources(tmp_path_factory, tiny_qwen_vault) -> dict[str, Path]:
     """A tiny model, its vault, a calibration text and a plan for the model (the tests copy them all)."""
     from smoe.quality.sensitivity import UNITS
     from smoe.source.checkpoint import Checkpoint
-    from smoe.source.families import map_experts
+    from smoe.source.matching import map_experts
 
     root = tmp_path_factory.mktemp("sources")
     (root / "calib.txt").write_text(TOKENIZER_TEXT * 4)

@@ -26,7 +26,7 @@ from smoe.quality.plan import (
 )
 from smoe.quality.sensitivity import UNITS, KLMeter, QuantisedModel, key, measure
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import map_experts
+from smoe.source.matching import map_experts
 from smoe.testing.tiny_models import TOKENIZER_TEXT
 from smoe.testing.vaults import SHARED, SHARED_MODELS, tiny_model_dir
 
@@ -351,7 +351,7 @@ def test_gptq_beats_grid_on_a_trained_expert():
         pytest.skip(f"{model} is absent: the trained-model check needs the shared models")
     ckpt = Checkpoint(model)
     moe = map_experts(ckpt.config, ckpt.names())
-    from smoe.source.families import load_projection
+    from smoe.source.loading import load_projection
 
     src = moe.experts[(0, 0)][0]
     w = load_projection(ckpt, src).float()

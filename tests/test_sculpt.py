@@ -16,7 +16,8 @@ from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.vault import TRUNK_FILE, Vault, verify
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import load_projection, map_experts
+from smoe.source.loading import load_projection
+from smoe.source.matching import map_experts
 from smoe.testing.tiny_models import tiny_families
 from smoe.testing.vaults import SHARED_MODELS, tiny_model_dir, tiny_vault
 

@@ -13,7 +13,7 @@ from smoe.errors import SmoeError
 from smoe.format.vault import TRUNK_FILE
 from smoe.source import quantised as sq
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import map_experts
+from smoe.source.matching import map_experts
 from smoe.testing.vaults import tiny_model_dir
 
 EXPERT = "model.layers.1.mlp.experts.2.up_proj.weight"  # qwen3_moe tiny

@@ -82,7 +82,7 @@ def cmd_verify(args) -> int:
 def config_problems(vault_dir) -> list[str]:
     """What opening would refuse in a sound vault: its config's values, and the index against them."""
     from smoe.format.vault import Vault
-    from smoe.source.families import check_vault_config
+    from smoe.source.config_checks import check_vault_config
 
     try:
         with Vault(vault_dir) as vault:

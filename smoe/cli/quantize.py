@@ -73,7 +73,7 @@ def quantize_inputs(args, progress: bool):
     from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
     from smoe.convert.encoders import default_encoder
     from smoe.source.checkpoint import open_checkpoint
-    from smoe.source.families import map_experts
+    from smoe.source.matching import map_experts
 
     if args.plan and args.budget is not None:
         raise SmoeError("give --plan or --budget, not both")

@@ -29,7 +29,9 @@ from smoe.hf.gguf import open_source
 from smoe.hf.model import check_buildable
 from smoe.progress import bar as progress_bar
 from smoe.source.checkpoint import SAFETENSORS_INDEX, Checkpoint
-from smoe.source.families import ExpertMap, load_bias, load_projection, map_experts
+from smoe.source.layouts import ExpertMap
+from smoe.source.loading import load_bias, load_projection
+from smoe.source.matching import map_experts
 from smoe.version import __version__
 
 ENCODER = "grid"  # the 64-candidate fp16 scale search of smoe.format.codec

@@ -23,7 +23,7 @@ from smoe.format import codec
 from smoe.format.dtypes import FLOATS, SAFETENSORS, SAFETENSORS_NAMES
 from smoe.format.safetensors_io import read_tensor
 from smoe.format.vault import Vault
-from smoe.source.families import check_vault_config
+from smoe.source.config_checks import check_vault_config
 
 TRUNK_DTYPES = {SAFETENSORS_NAMES[t]: t for t in FLOATS.values()}
 

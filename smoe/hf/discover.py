@@ -22,6 +22,9 @@ import re
 import torch
 
 from smoe.source import families
+from smoe.source.config_numbers import CONFIG_KEYS, lookup
+from smoe.source.layouts import GATED, Layout, Stored, standard
+from smoe.source.matching import LAYER_RE
 
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.(?P<block>.*?)\.?experts$")
 
@@ -68,9 +71,9 @@ def _discover(model_type: str, config_json: str) -> families.Family | str | None
     # the release's own layout first; the others (per expert, transformers' fused, MLX) where they name
     # other tensors: a name means one thing
     taken = {how.template for how in released.roles.values()}
-    layouts = (released, *(layout for layout in families.standard(block, fused_transpose=transposed)
+    layouts = (released, *(layout for layout in standard(block, fused_transpose=transposed)
                            if not taken & {how.template for how in layout.roles.values()}))
-    hidden = families._lookup([text], families.CONFIG_KEYS["hidden_size"])
+    hidden = lookup([text], CONFIG_KEYS["hidden_size"])
     return families.Family(model_type, (model_type,), layouts, intermediate_keys=(inner_key,),
                            identity_key=identity_key, latent_keys=() if width == hidden else (widths[width],))
 
@@ -99,7 +102,7 @@ def _routed(class_name: str) -> bool:
 def _input_widths(text: dict) -> dict[int, str]:
     """width -> the config key stating it, of the widths routed experts may take in: the hidden size, or
     a latent one (Muse Spark projects the hidden state down to moe_hidden_size before its experts)."""
-    keys = [k for k in families.CONFIG_KEYS["hidden_size"] if type(text.get(k)) is int][:1]  # its own key first
+    keys = [k for k in CONFIG_KEYS["hidden_size"] if type(text.get(k)) is int][:1]  # its own key first
     keys += [k for k, v in text.items() if type(v) is int and k.endswith("_size") and ("hidden" in k or "latent" in k)]
     widths: dict[int, str] = {}
     for key in keys:
@@ -145,7 +148,7 @@ def _named_key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str 
 _E, _H, _I = 3, 5, 2
 
 
-def released_layout(model, module: str, transposed: bool) -> families.Layout | None:
+def released_layout(model, module: str, transposed: bool) -> Layout | None:
     """How the released checkpoint stores the experts of the fused module `module`: transformers' own
     save-time conversion (the reverse of what it applies on load: renames, per-expert splits, gate/up
     concatenation or interleaving) applied to tensors of distinct numbers, and each tensor it writes
@@ -161,21 +164,21 @@ def released_layout(model, module: str, transposed: bool) -> families.Layout | N
     experts = model.get_submodule(module)
     for name, tensor in stored.items():  # conversions that compare shapes with the model's see these
         setattr(experts, name.rsplit(".", 1)[1], torch.nn.Parameter(torch.empty_like(tensor, device="meta")))
-    layer = families._LAYER_RE.match(module)
-    roles: dict[str, families.Stored] = {}
+    layer = LAYER_RE.match(module)
+    roles: dict[str, Stored] = {}
     for name, tensor in revert_weight_conversion(model, stored).items():
-        m = families._LAYER_RE.match(name)
+        m = LAYER_RE.match(name)
         if m is None or m["layer"] != layer["layer"]:
             return None
         for role, how in _stored_roles(m["rest"], tensor, wanted).items():
             roles.setdefault(role, how)
-    if set(roles) != set(families.GATED):
+    if set(roles) != set(GATED):
         return None
     what = "released " + ", ".join(sorted({how.template for how in roles.values()}))
-    return families.Layout(what, roles)
+    return Layout(what, roles)
 
 
-def _stored_roles(rest: str, tensor: torch.Tensor, wanted: dict) -> dict[str, families.Stored]:
+def _stored_roles(rest: str, tensor: torch.Tensor, wanted: dict) -> dict[str, Stored]:
     """role -> how it is stored in this tensor (name `rest` relative to its decoder layer), for every
     role the tensor holds the same way for every expert it holds."""
     if tensor.dim() == 3:  # every expert, along dim 0
@@ -188,16 +191,16 @@ def _stored_roles(rest: str, tensor: torch.Tensor, wanted: dict) -> dict[str, fa
     return _matches(template, tensor, e, wanted)
 
 
-def _matches(template: str, matrix: torch.Tensor, e: int, wanted: dict) -> dict[str, families.Stored]:
+def _matches(template: str, matrix: torch.Tensor, e: int, wanted: dict) -> dict[str, Stored]:
     found = {}
     for transpose in (False, True):
         rows = matrix.t() if transpose else matrix
         for parts, interleaved in ((1, False), (2, False), (2, True)):
             for part in range(parts):
                 piece = rows[part::parts] if interleaved else rows.chunk(parts)[part] if parts > 1 else rows
-                for role in families.GATED:
+                for role in GATED:
                     if piece.shape == wanted[e, role].shape and torch.equal(piece, wanted[e, role]):
-                        found[role] = families.Stored(template, transpose, part, parts, interleaved)
+                        found[role] = Stored(template, transpose, part, parts, interleaved)
     return found
 
 

@@ -18,8 +18,8 @@ from transformers.core_model_loading import revert_weight_conversion
 from smoe.errors import SmoeError
 from smoe.hf.model import build_model, read_config
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import map_experts
 from smoe.source.gguf import GgufCheckpoint, is_gguf, tensor_name_map
+from smoe.source.matching import map_experts
 
 
 def open_source(path, calibrated: bool = False):

@@ -24,7 +24,7 @@ from smoe.errors import SmoeError
 from smoe.format.safetensors_io import load_tensors
 from smoe.format.vault import Vault
 from smoe.hf.experts import EXPERTS_IMPLEMENTATION, is_experts_module, layer_of, replace_unregistered_moe_blocks
-from smoe.source.families import check_vault_config, show_value
+from smoe.source.config_checks import check_vault_config, show_value
 
 
 def model_config(vault: Vault):

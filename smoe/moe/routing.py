@@ -36,7 +36,7 @@ def route(routing: Routing, logits: torch.Tensor, correction_bias: torch.Tensor 
 
 def group_limited(choice: torch.Tensor, routing: Routing) -> torch.Tensor:
     """`choice` with every expert outside the best `topk_group` groups set to -inf, so never chosen: the
-    config check (families.check_model_config) makes those groups hold at least top_k experts.
+    config check (config_checks.check_model_config) makes those groups hold at least top_k experts.
     DeepSeek-V2's and Mistral 4's routers fill 0 instead, which with their positive softmax scores
     chooses the same experts. A group scores its best two experts summed ("top2") or its best ("max")."""
     t, e = choice.shape

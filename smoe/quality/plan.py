@@ -284,7 +284,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         unit_sizes,
     )
     from smoe.source.checkpoint import Checkpoint
-    from smoe.source.families import map_experts
+    from smoe.source.matching import map_experts
 
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")

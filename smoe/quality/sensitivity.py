@@ -27,7 +27,8 @@ from smoe.format.jsonfile import read_json
 from smoe.hf.experts import UNIT_PARAMETERS, expert_parameters
 from smoe.progress import bar as progress_bar
 from smoe.source.checkpoint import Checkpoint
-from smoe.source.families import load_bias, load_projection, map_experts
+from smoe.source.loading import load_bias, load_projection
+from smoe.source.matching import map_experts
 
 SENSITIVITY_WINDOWS = 8  # calibration windows (of 512 tokens) that each (tensor, depth) measurement runs
 UNITS = ("gate_up", "down")

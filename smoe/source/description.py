@@ -1,9 +1,9 @@
 """What a model computes, as the decoders need it: a description read once from the config.
 
-`smoe.source.families` says where a checkpoint's tensors are; this module says what the model does
-with them: the attention kind, the routing kind, the experts' activation, shared experts and dense
-layers, plus the trunk features outside the common decoder layout. The two are the only modules that
-read config keys. The fast decoders state the descriptions they cover
+`smoe.source.families` and the modules beside it say where a checkpoint's tensors are; this module says
+what the model does with them: the attention kind, the routing kind, the experts' activation, shared
+experts and dense layers, plus the trunk features outside the common decoder layout. They are the only
+modules that read config keys. The fast decoders state the descriptions they cover
 (smoe.runtime.weights.fast_decoder_gap), the generic decoder
 runs them all through the family's transformers modules, and the one routing function
 (smoe.moe.routing.route) computes every routing kind stated here but a family's own (`custom`).
@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 from smoe.errors import SmoeError
 from smoe.source import families
+from smoe.source.config_checks import check_model_config
+from smoe.source.config_numbers import CONFIG_KEYS, as_int, config_moe_layers, lookup, num_layers, resolve
 
 # Trunk features outside the common decoder layout (pre-norm RMSNorm layers, rotary over the whole
 # head in the half-split layout, no extra scales). A decoder that does not implement one must not
@@ -136,18 +138,18 @@ class ModelDescription:
 
 def describe_model(config: dict) -> ModelDescription:
     """The description of the model a config (config.json's dict) defines; SmoeError when the
-    family is unknown or a value it reads is out of its range (families.check_model_config: a decoder
+    family is unknown or a value it reads is out of its range (config_checks.check_model_config: a decoder
     built from the description alone trusts them as the generic decoder's transformers modules do)."""
-    family, model_type, configs = families._resolve(config or {})
+    family, model_type, configs = resolve(config or {})
     if family is None:
         raise SmoeError("config has no model_type: cannot tell the model family")
-    families.check_model_config(config)
+    check_model_config(config)
     c = _Config(configs)
-    n_layers = families._num_layers(configs) or 0
-    moe_layers = tuple(families._config_moe_layers(configs, n_layers))
-    rule = _RULES.get(families._normalise_type(model_type)) or _RULES.get(family.name, _undescribed)
+    n_layers = num_layers(configs) or 0
+    moe_layers = tuple(config_moe_layers(configs, n_layers))
+    rule = _RULES.get(families.normalise_type(model_type)) or _RULES.get(family.name, _undescribed)
     facts = rule(c, n_layers)
-    hidden = int(c.get(*families.CONFIG_KEYS["hidden_size"], default=0))
+    hidden = int(c.get(*CONFIG_KEYS["hidden_size"], default=0))
     heads = int(c.get("num_attention_heads", "n_heads", default=1))
     attention = Attention(
         kind=facts.pop("attention_kind", "gqa"), heads=heads,
@@ -162,9 +164,9 @@ def describe_model(config: dict) -> ModelDescription:
     )
     if attention.sliding_window is None:
         attention = replace(attention, sliding_layers=())
-    routing = Routing(num_experts=int(c.get(*families.CONFIG_KEYS["num_experts"], default=0)),
-                      top_k=families._int(c.get(*families.CONFIG_KEYS["top_k"], default=1)), **facts.pop("routing"))
-    experts = Experts(intermediate_size=families._int(c.get(*family.intermediate_keys)),
+    routing = Routing(num_experts=int(c.get(*CONFIG_KEYS["num_experts"], default=0)),
+                      top_k=as_int(c.get(*CONFIG_KEYS["top_k"], default=1)), **facts.pop("routing"))
+    experts = Experts(intermediate_size=as_int(c.get(*family.intermediate_keys)),
                       **({"activation": str(c.get("hidden_act", default="silu"))} | facts.pop("experts", {})))
     return ModelDescription(
         family=family.name, model_type=str(model_type), hidden_size=hidden, num_layers=n_layers,
@@ -180,7 +182,7 @@ class _Config:
         self.configs = configs
 
     def get(self, *keys: str, default=None):
-        value = families._lookup(self.configs, keys)
+        value = lookup(self.configs, keys)
         return default if value is None else value
 
 
@@ -386,7 +388,7 @@ def _afmoe(c, n):
     sliding = _sliding(c, n, lambda n: tuple(i for i in range(n) if (i + 1) % every))
     nope = tuple(i for i in range(n) if i not in sliding)
     mup = bool(c.get("mup_enabled", default=False))
-    hidden = int(c.get(*families.CONFIG_KEYS["hidden_size"], default=0))
+    hidden = int(c.get(*CONFIG_KEYS["hidden_size"], default=0))
     return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True, normalise_eps=1e-20,
                              scale=_scale(c, "route_scale")),
                 qk_norm="head", sliding_layers=sliding, shared_experts=c.get("num_shared_experts", default=2) or 0,

@@ -10,7 +10,9 @@ from smoe.format.safetensors_io import read_entries
 from smoe.format.vault import DATA_FILE, HEADER_SIZE, INDEX_FILE, Vault
 from smoe.format.vault_index import align, blob_layout
 from smoe.source.checkpoint import CONFIG_DTYPES, Checkpoint, open_checkpoint
-from smoe.source.families import ExpertMap, config_number, describe_config, map_experts
+from smoe.source.config_numbers import config_number
+from smoe.source.layouts import ExpertMap
+from smoe.source.matching import describe_config, map_experts
 
 DEPTHS = {"bf16": None, "q4": 4, "q2": 2}
 DEFAULT_DISK_GBPS = 7.4  # a PCIe 4 NVMe drive's sequential reads

@@ -71,11 +71,11 @@ def _routes(model_type: str) -> bool:
     whose default is dense, such as gemma4_text, are walked through their hand-made tiny model)."""
     from transformers import CONFIG_MAPPING
 
-    from smoe.source.families import CONFIG_KEYS, NESTED_CONFIGS, _lookup
+    from smoe.source.config_numbers import CONFIG_KEYS, NESTED_CONFIGS, lookup
 
     config = CONFIG_MAPPING[model_type]().to_dict()
     nested = [config[k] for k in NESTED_CONFIGS if isinstance(config.get(k), dict)]
-    return _lookup([*nested, config], CONFIG_KEYS["num_experts"]) is not None
+    return lookup([*nested, config], CONFIG_KEYS["num_experts"]) is not None
 
 
 def tiny_model_of(model_type: str, seed: int = 0):

@@ -21,8 +21,8 @@ from export_models import exportable_vault, save_exportable_model  # noqa: E402
 from smoe.export.writer import export  # noqa: E402
 from smoe.hf.gguf import trunk_names  # noqa: E402
 from smoe.source.checkpoint import Checkpoint  # noqa: E402
-from smoe.source.families import map_experts  # noqa: E402
 from smoe.source.gguf import GgufCheckpoint  # noqa: E402
+from smoe.source.matching import map_experts  # noqa: E402
 from smoe.testing.tiny_models import TOKENIZER_TEXT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
