@@ -254,7 +254,8 @@ def decoders_table(rows: list[Row], gpu_rows: list[Row] | None = None) -> str:
     return "\n".join(lines)
 
 
-README_START, README_END = "<!-- family table: python -m smoe.testing.coverage --write -->", "<!-- end of family table -->"
+README_START = "<!-- family table: python -m smoe.testing.coverage --write --gpu-rows docs/walk-h200.json -->"
+README_END = "<!-- end of family table -->"
 
 
 def write(rows: list[Row], root: Path, gpu_rows: list[Row] | None = None) -> None:
