@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from test_layer_library import KIND_VARIANTS, sharpened
 
 from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE, Vault
@@ -134,15 +135,29 @@ def test_direct_io_reads_the_same_bytes(tiny_vault):
 # --- the decoder ---------------------------------------------------------------------------------
 
 
+def vault_and_reference(tmp_path, family: str, bits: int) -> tuple:
+    """A tiny family's vault and reference, or a variant's of test_layer_library.KIND_VARIANTS (EXAONE-MoE's NoPE
+    layers, HunYuan's q/k norm after rotary, Granite's multipliers, Mistral 4's query temperature, AFMoE's kinds),
+    built with the values that make its kind matter and its attention sharpened."""
+    if family not in KIND_VARIANTS:
+        return tiny_vault_and_reference(tmp_path, family, bits, seed=2)
+    family, architecture = KIND_VARIANTS[family]
+    model = sharpened(tiny_model_dir(tmp_path, family, seed=3, architecture=architecture))
+    vault = vault_of(model, tmp_path / "vault", bits)
+    return vault, dequantised_reference(vault, tmp_path)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "dots1", "glm4_moe", "olmoe",
-                                    "minimax_m2", "qwen2_moe", "gpt_oss"])
+                                    "minimax_m2", "qwen2_moe", "gpt_oss", *KIND_VARIANTS])
 @pytest.mark.parametrize("bits", [4, 2])
 def test_segmented_decoder_matches_the_dequantised_reference_with_evictions(family, bits, tmp_path):
-    vault, reference = tiny_vault_and_reference(tmp_path, family, bits, seed=2)
+    vault, reference = vault_and_reference(tmp_path, family, bits)
     sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     top_k = sm.vault.meta["top_k"]
-    # two slots more than one token's experts, for the layers' 2 x 4 experts: evictions, and hits
-    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k + 2), max_positions=64)
+    # two slots more than one token's experts, for the layers' 2 x 4 experts: evictions, and hits (one slot more
+    # for the variants: AFMoE's sharpened router keeps to 2 experts a layer, all of which 4 slots hold)
+    slots = top_k + (1 if family in KIND_VARIANTS else 2)
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, slots), max_positions=64)
     ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
     got = decode_in_pieces(dec, ids)
     want = load_reference(reference)(torch.tensor([ids]))[0]
@@ -268,7 +283,8 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2", "glm4_moe", "olmoe", "qwen2_moe",
-                                    "minimax_m2", "dots1", "gpt_oss"])
+                                    "minimax_m2", "dots1", "gpt_oss", "hunyuan_v1_moe", "granitemoe", "granitemoeshared",
+                                    "afmoe"])  # EXAONE-MoE and Mistral 4: kernel_sized_vault does not build them yet
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):

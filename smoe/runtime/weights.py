@@ -29,19 +29,13 @@ def layer_weights(layer, description: ModelDescription, index: int) -> LayerWeig
 def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
     """Why the fast decoder of a device type ("cpu" | "cuda") does not cover description d, or None when it
     does. Both run the layer library's kinds (smoe.runtime.layers, library_gap), gpt-oss's included (windows,
-    sinks, biases: the GPU's GQA block; biases and the clamped SwiGLU: its Triton kernels); the GPU's own GQA
-    block rotates the two halves only, and does not have HunYuan's q/k norm after rotary, layers without rotary,
-    multipliers, Mistral 4's query temperature or AFMoE's output gate and norms."""
+    sinks, biases: the GPU's GQA block; biases and the clamped SwiGLU: its Triton kernels), as do HunYuan's q/k
+    norm after rotary, layers without rotary, multipliers, Mistral 4's query temperature and AFMoE's output gate
+    and norms; the GPU's own GQA block rotates the two halves only."""
     a, gpu = d.attention, device != "cpu"
     gap = library_gap(d)
     return _gaps((gap is not None, gap or ""),
-                 (gpu and a.kind == "gqa" and "interleaved_rotary" in d.extras, "interleaved rotary in GQA attention"),
-                 (gpu and a.qk_norm == "head_after_rotary", "head_after_rotary q/k norm"),
-                 (gpu and bool(a.nope_layers), "no_rope_layers"),
-                 (gpu and d.multipliers is not None, "multipliers"),
-                 (gpu and a.query_temperature is not None, "temperature_tuning"),
-                 (gpu and a.output_gate, "attention_gate"),
-                 (gpu and d.output_norms, "sandwich_norms"))
+                 (gpu and a.kind == "gqa" and "interleaved_rotary" in d.extras, "interleaved rotary in GQA attention"))
 
 
 # the description's extras the layer library computes: rotary in pairs, and over part of each head

@@ -44,10 +44,13 @@ from smoe.runtime.layers import (
     dense_mlp,
     mapped,
     mla_attention,
+    multipliers,
+    query_temperature,
     rms_norm,
     rope_tables,
     rotary_dim,
     rotate,
+    scaled,
     shared_mlp,
     static_step,
 )
@@ -76,6 +79,7 @@ class GpuLayer:
             self.qkv_bias = put(attn.qkv_bias, dtype) if attn.qkv_bias is not None else None
             self.o_bias = put(attn.o_bias, dtype) if attn.o_bias is not None else None
             self.sinks, self.window = (put(attn.sinks) if attn.sinks is not None else None), attn.window
+            self.rotary, self.gated = attn.rotary, attn.gated
             self.qk_norm = self.q_norm_full = self.k_norm_full = None
             if description.attention.qk_norm == "full":  # over all heads: q and k each normalised whole
                 self.q_norm_full, self.k_norm_full = put(attn.q_norm, dtype), put(attn.k_norm, dtype)
@@ -83,6 +87,8 @@ class GpuLayer:
                 a = description.attention
                 self.qk_norm = torch.cat([put(attn.q_norm, dtype).expand(a.heads, -1),
                                           put(attn.k_norm, dtype).expand(a.kv_heads, -1)])
+        self.attention_out_norm = put(w.attention_out_norm) if w.attention_out_norm is not None else None
+        self.mlp_out_norm = put(w.mlp_out_norm) if w.mlp_out_norm is not None else None
         self.moe = w.router is not None
         self.router = put(w.router) if self.moe else None
         self.router_bias = put(w.router_bias, dtype) if w.router_bias is not None else None
@@ -100,9 +106,8 @@ class GpuDecoder(HoldsSequence):
         cfg = sm.config.get_text_config()
         self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
         self.description = sm.description
-        self.routing, attention = sm.description.routing, sm.description.attention
+        self.routing = sm.description.routing
         self.eps, self.top_k = cfg.rms_norm_eps, self.routing.top_k
-        self.heads, self.kv_heads, self.head_dim = attention.heads, attention.kv_heads, attention.head_dim
         self.kernel_path = kernel_path
         try:
             self.load(sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io)
@@ -182,7 +187,7 @@ class GpuDecoder(HoldsSequence):
         self.reserve(start + t)
         if t == 1:
             return self.step(ids[0])
-        x = self.embed[torch.tensor(ids, device=self.device)].to(ACT)
+        x = self.embedded(torch.tensor(ids, device=self.device))
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
             x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, **self.block_args(i))
@@ -191,13 +196,16 @@ class GpuDecoder(HoldsSequence):
         return self.logits(x)
 
     def mlp(self, i: int, h, top_i, top_w, one=None):
-        """Layer i's MLP output: its routed experts (one token: from the segment's offsets) plus its shared
-        experts, or its dense MLP."""
+        """Layer i's MLP branch as it joins the residual stream: its routed experts (one token: from the segment's
+        offsets) plus its shared experts, or its dense MLP; then the norm on its output and the residual
+        multiplier where the model has them (branch)."""
         w = self.layers[i]
         if not w.moe:
-            return dense_mlp(w.dense, h)
-        out = self.experts_one(i, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
-        return out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
+            out = dense_mlp(w.dense, h)
+        else:
+            out = self.experts_one(i, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
+            out = out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
+        return branch(out, w.mlp_out_norm, multipliers(self.description).residual, self.eps)
 
     def experts_chunked(self, i: int, h, top_i, top_w):
         """The layer's experts for every token, in groups of experts that fit the cache's slots together
@@ -225,17 +233,25 @@ class GpuDecoder(HoldsSequence):
         """Everything layer i's block needs but the residual and the positions."""
         w, held = self.layers[i], self.state.layers[i]
         shared = dict(positions=self.positions, cos=self.cos, sin=self.sin, input_norm=w.input_norm,
-                      post_norm=w.post_norm, router=w.router, router_bias=w.router_bias, eps=self.eps, dtype=self.dtype)
+                      post_norm=w.post_norm, router=w.router, router_bias=w.router_bias, description=self.description,
+                      eps=self.eps, dtype=self.dtype)
         if w.mla:
             weights = {f.name: getattr(w.attention, f.name) for f in fields(w.attention)}
-            return shared | weights | dict(rows=held.rows, latent_dim=held.latent_dim, description=self.description)
+            return shared | weights | dict(rows=held.rows, latent_dim=held.latent_dim)
         return shared | dict(k_cache=held.k[None], v_cache=held.v[None], qkv=w.qkv, qkv_bias=w.qkv_bias,
                              qk_norm=w.qk_norm, q_norm_full=w.q_norm_full, k_norm_full=w.k_norm_full, o=w.o,
-                             o_bias=w.o_bias, sinks=w.sinks, window=w.window,
-                             heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+                             o_bias=w.o_bias, sinks=w.sinks, window=w.window, rotary=w.rotary, gated=w.gated,
+                             attention_out_norm=w.attention_out_norm)
+
+    def embedded(self, ids):
+        """The tokens' embeddings [T, hidden] (fp32), times the embedding multiplier (layers.embed's)."""
+        return scaled(self.embed[ids].to(ACT), multipliers(self.description).embedding)
 
     def logits(self, x):
-        return F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
+        """Logits [T, V] (fp32), divided by the logits multiplier (layers.final_logits')."""
+        logits = F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
+        divisor = multipliers(self.description).logits
+        return logits if divisor == 1 else logits / divisor
 
     # --- one token: segments on static buffers ---------------------------------------------------
 
@@ -261,7 +277,7 @@ class GpuDecoder(HoldsSequence):
         """experts of layer seg-1, then attention and routing of layer seg (or the LM head)."""
         s = self.static
         if seg == 0:
-            s.x.copy_(self.embed[s.token].to(ACT))
+            s.x.copy_(self.embedded(s.token))
             added = None
         else:
             added = self.mlp(seg - 1, s.h, None, None, one=s.offsets)
@@ -360,46 +376,72 @@ def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, inpu
     if added is not None:
         x = x + added
     step = static_step(pos, positions, cos, sin, eps, "interleaved_rotary" in description.extras)
-    x = x + mla_attention(description, MlaWeights(**attention), rms_norm(x, input_norm, eps), Latents(rows, latent_dim),
-                          step)
+    out = mla_attention(description, MlaWeights(**attention), rms_norm(x, input_norm, eps), Latents(rows, latent_dim),
+                        step)  # Mistral 4's query temperature included
+    x = x + scaled(out, multipliers(description).residual)
     h = rms_norm(x, post_norm, eps).to(dtype)
     return x, h, F.linear(h, router, router_bias) if router is not None else None
 
 
 def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qkv_bias, qk_norm,
-                    q_norm_full, k_norm_full, o, post_norm, router, heads: int, kv_heads: int, head_dim: int, eps: float,
-                    dtype, o_bias=None, sinks=None, window: int | None = None, router_bias=None):
+                    q_norm_full, k_norm_full, o, post_norm, router, description, eps: float, dtype, o_bias=None,
+                    sinks=None, window: int | None = None, rotary: bool = True, gated: bool = False,
+                    attention_out_norm=None, router_bias=None):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
-    (fp32; plus `added`, the previous layer's MLP output, when given), attention over the static KV
-    cache, then the experts' input h and the router's logits (None for a dense layer).
-    A pure function of its tensors, so that it can be compiled once and serve every layer."""
+    (fp32; plus `added`, the previous layer's MLP branch, when given), attention over the static KV
+    cache, then the experts' input h and the router's logits (None for a dense layer). The layer library's
+    GQA kinds (smoe.runtime.layers.gqa_attention): q/k norm before or after rotary or over all heads, no rotary
+    on a NoPE layer, windows, sinks, the output gate, the query temperature, and the description's multipliers
+    and norm on the branch's output. A pure function of its tensors, so that it can be compiled once and serve
+    every layer."""
     if added is not None:
         x = x + added
-    t, hd = x.shape[0], head_dim  # the rotary tables cover the head or part of it (partial rotary)
+    a = description.attention
+    t, heads, kv_heads, hd = x.shape[0], a.heads, a.kv_heads, a.head_dim  # rotary may cover part of a head
     h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
-    q, k, v = F.linear(h, qkv, qkv_bias).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k, v, gate = F.linear(h, qkv, qkv_bias).split([heads * hd, kv_heads * hd, kv_heads * hd, heads * hd * gated],
+                                                     dim=-1)
     if q_norm_full is not None:  # one norm over all heads (OLMoE), before they are split
         q = F.rms_norm(q, q.shape[-1:], q_norm_full, eps)
         k = F.rms_norm(k, k.shape[-1:], k_norm_full, eps)
     qk = torch.cat([q.view(t, heads, hd), k.view(t, kv_heads, hd)], dim=1)
-    if qk_norm is not None:  # one norm over q and k heads: their weights side by side
+    after_rotary = a.qk_norm == "head_after_rotary"  # HunYuan's: each rotated head normalised
+    if qk_norm is not None and not after_rotary:  # one norm over q and k heads: their weights side by side
         qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
-    q, k = rotate(qk, cos[pos][:, None], sin[pos][:, None]).split([heads, kv_heads], dim=1)
+    if rotary:
+        qk = rotate(qk, cos[pos][:, None], sin[pos][:, None])
+    if qk_norm is not None and after_rotary:
+        qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
+    q, k = qk.split([heads, kv_heads], dim=1)
     k_cache[0].index_copy_(1, pos, k.transpose(0, 1))
     v_cache[0].index_copy_(1, pos, v.view(t, kv_heads, hd).transpose(0, 1))
+    temperature = query_temperature(description, pos)
+    if temperature is not None:
+        q = q * temperature[:, None, None].to(q.dtype)
+    scale = multipliers(description).attention  # None: 1 / sqrt(head_dim)
     # every cached position up to each token's own: a mask over the whole static cache, so the shapes
     # never change and the step can be captured in a graph
     visible = positions[None, :] <= pos[:, None]
     if window is not None or sinks is not None:  # a sliding layer (the last `window` positions), sink logits (gpt-oss)
         if window is not None:
             visible = visible & (positions[None, :] > pos[:, None] - window)
-        out = attend_within(q.transpose(0, 1)[None], k_cache, v_cache, visible, None, sinks).to(dtype)
+        out = attend_within(q.transpose(0, 1)[None], k_cache, v_cache, visible, scale, sinks).to(dtype)
     else:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, attn_mask=visible[None, None],
-                                             enable_gqa=True)
-    x = x + F.linear(out[0].transpose(0, 1).reshape(t, -1), o, o_bias)
+                                             scale=scale, enable_gqa=True)
+    out = out[0].transpose(0, 1).reshape(t, -1)
+    if gated:  # AFMoE's output gate
+        out = out * torch.sigmoid(gate)
+    x = x + branch(F.linear(out, o, o_bias), attention_out_norm, multipliers(description).residual, eps)
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
     return x, h, F.linear(h, router, router_bias) if router is not None else None
+
+
+def branch(out, norm, residual: float, eps: float):
+    """A residual branch's output (attention, MLP) as it joins the stream, in fp32: normalised where the layer
+    has a norm on it (AFMoE), times the residual multiplier (Granite), as layers.decoder_layer does."""
+    out = out.to(ACT)
+    return scaled(out if norm is None else rms_norm(out, norm, eps), residual)
 
 
 EAGER_BLOCKS = {"gqa": attention_block, "mla": mla_block}
