@@ -24,6 +24,7 @@ import torch
 from smoe.source import families
 from smoe.source.config_numbers import CONFIG_KEYS, lookup
 from smoe.source.layouts import GATED, Layout, Stored, standard
+from smoe.source.loading import take_part
 from smoe.source.matching import LAYER_RE
 
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.(?P<block>.*?)\.?experts$")
@@ -62,7 +63,7 @@ def _discover(model_type: str, config_json: str) -> families.Family | str | None
         return refused
     block, transposed, inner, experts, identity, width = next(iter(modules.values()))
     inner_key = _key_holding(text, inner, ("moe", "expert"))
-    identity_key = _named_key_holding(text, identity, ("zero", "identity")) if identity else None
+    identity_key = _key_holding(text, identity, ("zero", "identity"), named_only=True) if identity else None
     if inner_key is None or _key_holding(text, experts, ("expert",)) is None or (identity and not identity_key):
         return f"no config key states its experts' width ({inner}), count ({experts}) or identity experts ({identity})"
     released = released_layout(model, min(modules), transposed)
@@ -129,18 +130,12 @@ def _block_of(name: str, module, widths: dict[int, str]):
     return None
 
 
-def _key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str | None:
+def _key_holding(config: dict, value: int, hints: tuple[str, ...], named_only: bool = False) -> str | None:
     """The config key whose value is `value`, preferring keys that name the routed experts (a shared
-    expert's width may equal theirs)."""
+    expert's width may equal theirs); with `named_only`, only such a key (a count no other may stand in for)."""
     keys = [k for k, v in config.items() if type(v) is int and v == value and "shared" not in k]
     named = [k for k in keys if any(h in k for h in hints)]
-    return (named or keys or [None])[0]
-
-
-def _named_key_holding(config: dict, value: int, hints: tuple[str, ...]) -> str | None:
-    """The config key whose value is `value` and whose name has one of `hints` (a count no other key may
-    stand in for)."""
-    return next((k for k, v in config.items() if type(v) is int and v == value and any(h in k for h in hints)), None)
+    return (named or ([] if named_only else keys) or [None])[0]
 
 
 # Small sizes for the index tensors: experts, hidden, expert width (all different, so that a
@@ -192,12 +187,15 @@ def _stored_roles(rest: str, tensor: torch.Tensor, wanted: dict) -> dict[str, St
 
 
 def _matches(template: str, matrix: torch.Tensor, e: int, wanted: dict) -> dict[str, Stored]:
+    """role -> the Stored whose reading of `matrix` (smoe.source.loading's, transposed or not) is expert e's."""
     found = {}
     for transpose in (False, True):
         rows = matrix.t() if transpose else matrix
         for parts, interleaved in ((1, False), (2, False), (2, True)):
+            if rows.shape[0] % parts:
+                continue
             for part in range(parts):
-                piece = rows[part::parts] if interleaved else rows.chunk(parts)[part] if parts > 1 else rows
+                piece = take_part(rows, template, part, parts, interleaved)
                 for role in GATED:
                     if piece.shape == wanted[e, role].shape and torch.equal(piece, wanted[e, role]):
                         found[role] = Stored(template, transpose, part, parts, interleaved)

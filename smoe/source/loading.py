@@ -25,7 +25,7 @@ def load_projection(ckpt, src: ProjectionSource, digest=None) -> torch.Tensor:
                         f"got shape {tuple(t.shape)}")
     if src.transpose and ckpt.source_format(src.name) not in _STORED_OUT_IN:
         t = t.t()
-    return _take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
+    return take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
 
 
 def load_bias(ckpt, src: BiasSource, digest=None) -> torch.Tensor:
@@ -41,10 +41,11 @@ def load_bias(ckpt, src: BiasSource, digest=None) -> torch.Tensor:
         if bool(torch.isfinite(wide).all()) and not bool(torch.isfinite(t).all()):
             raise SmoeError(f"tensor {src.name}: fp64 bias values of expert {src.expert_index} beyond the fp32 range "
                             f"a vault keeps biases in")
-    return _take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
+    return take_part(t, src.name, src.part, src.parts, src.interleaved).contiguous()
 
 
-def _take_part(t: torch.Tensor, name: str, part: int, parts: int, interleaved: bool) -> torch.Tensor:
+def take_part(t: torch.Tensor, name: str, part: int, parts: int, interleaved: bool) -> torch.Tensor:
+    """Piece `part` of `parts` of t's rows (a Stored's part/parts/interleaved, as a projection is read)."""
     if parts == 1:
         return t
     if t.shape[0] % parts:
