@@ -33,7 +33,8 @@ GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "ne
 # NoPE full layer)
 GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe",
        "gpt_oss", "exaone_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "mistral4", "afmoe"}
-CPU = GPU | {"ernie4_5_moe"}  # and the CPU's: interleaved rotary in GQA attention
+# and the CPU's: interleaved rotary in GQA attention; hybrids, their mixer layers through the family's own modules
+CPU = GPU | {"ernie4_5_moe", "lfm2_moe", "jamba", "granitemoehybrid"}
 
 
 def description_of(family: str, **overrides):

@@ -97,3 +97,48 @@ def test_no_false_moe_family_is_walked():
     # classes shared with a dense family's module (llama's, gpt2's) are not routed experts
     walked = set(coverage.moe_model_types())
     assert not walked & {"exaone", "internlm3", "iquestcoder", "gpt-sw3", "data2vec-text", "glmga"}
+
+
+# hybrid families: the library's kinds on the fast CPU decoder, mixer layers through the family's own modules
+HYBRIDS = {"lfm2_moe": "conv", "jamba": "linear_attention", "granitemoehybrid": "linear_attention"}  # as layer_types says
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRIDS))
+def test_a_hybrid_family_runs_fast_with_its_mixer_layers_through_its_own_modules(model_type, tmp_path):
+    from smoe.runtime.weights import fast_decoder_gap
+
+    row = coverage.check(model_type, tmp_path)
+    assert row.passed, row.error
+    assert row.decoder == "fast" and row.relative_error <= coverage.TOLERANCE
+    assert row.gpu_decoder == "generic"  # the GPU's fast decoder runs no module layers
+    sm = _opened(tmp_path / "vault")
+    try:
+        named = sm.describe()["transformers_layers"]
+        assert set(named) == {HYBRIDS[model_type]} and named[HYBRIDS[model_type]]
+        assert "linear-attention or state-space layers" in fast_decoder_gap(sm.description, "cuda")
+    finally:
+        sm.close()
+
+
+def test_a_sequence_begun_again_starts_its_mixer_layers_from_a_new_state(tmp_path):
+    import torch
+
+    from smoe.runtime.decoder import SequenceStep, open_decoder
+
+    assert coverage.check("lfm2_moe", tmp_path).passed
+    sm = _opened(tmp_path / "vault")
+    try:
+        decoder = open_decoder(sm, "auto", 16)
+        first = [decoder.forward([SequenceStep("a", [5, 6, 7], 0)])[0], decoder.forward([SequenceStep("a", [8], 3)])[0]]
+        other = decoder.forward([SequenceStep("a", [9, 10, 11, 12], 0)])[0]  # the same name begun again
+        again = [decoder.forward([SequenceStep("a", [5, 6, 7], 0)])[0], decoder.forward([SequenceStep("a", [8], 3)])[0]]
+        assert not torch.equal(other[:3], first[0])
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    finally:
+        sm.close()
+
+
+def _opened(vault):
+    from smoe.runtime.model import OpenedVault
+
+    return OpenedVault(vault, dtype="float32")

@@ -321,6 +321,27 @@ def forward_with_cache(model, input_ids: torch.Tensor, cache=None):
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
+def new_cache(model):
+    """An empty cache of the kind the model's forward makes for a new sequence: transformers' DynamicCache from
+    the config, one layer object per layer type (linear-attention and state-space layers included)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config.get_text_config())
+
+
+def run_layer(layer, hidden: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """hidden [1, T, H] after one of the family's own decoder layers at positions [1, T], continuing `cache`
+    (new_cache's). No mask: one sequence without padding, and the layers run this way (linear attention,
+    state-space mixers) mask nothing else."""
+    params = inspect.signature(layer.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    keyword = "cache" if "cache" in params else "past_key_values"
+    given = {"attention_mask": None, "position_ids": positions, "position_embeddings": None, "use_cache": True,
+             keyword: cache}
+    out = layer(hidden, **{k: v for k, v in given.items() if k in params or takes_any})
+    return out[0] if isinstance(out, tuple) else out
+
+
 def random_model(config: dict, dtype: torch.dtype, device: str):
     """A randomly initialised model of a config dict (the transformers peer of the decode benchmark)."""
     config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})

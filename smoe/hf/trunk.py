@@ -15,8 +15,25 @@ def model_trunk(model) -> dict:
     """The embedding, final norm and LM head weights, the rotary module and the decoder layers of a
     transformers CausalLM."""
     base = model.model
-    return {"embed": base.embed_tokens.weight, "final_norm": base.norm.weight, "lm_head": model.lm_head.weight,
-            "rotary": base.rotary_emb, "layers": list(base.layers)}
+    return {"embed": base.embed_tokens.weight, "final_norm": first(base, FINAL_NORMS).weight,
+            "lm_head": model.lm_head.weight, "rotary": first(base, ROTARY, required=False), "layers": list(base.layers)}
+
+
+# the names a family gives a part of the model or of a decoder layer, in the order they are looked for
+FINAL_NORMS = ("norm", "embedding_norm", "final_layernorm")  # LFM2 names its final norm embedding_norm
+ROTARY = ("rotary_emb", "pos_emb")  # LFM2's pos_emb; Jamba has none (its attention has no rotary)
+INPUT_NORMS = ("input_layernorm", "operator_norm")
+POST_NORMS = ("post_attention_layernorm", "ffn_norm", "pre_ff_layernorm")  # LFM2's ffn_norm, Jamba's pre_ff_layernorm
+MLPS = ("mlp", "block_sparse_moe", "feed_forward")  # Granite's MoE block; LFM2's and Jamba's feed_forward
+OUTPUTS = ("o_proj", "out_proj")
+
+
+def first(owner, names: tuple[str, ...], required: bool = True):
+    """owner's attribute under the first of `names` it has (None when it has none and it is not required)."""
+    found = next((getattr(owner, n) for n in names if getattr(owner, n, None) is not None), None)
+    if found is None and required:
+        raise SmoeError(f"{type(owner).__name__} has none of {', '.join(names)}")
+    return found
 
 
 SHARED_EXPERTS = ("shared_experts", "shared_expert", "shared_mlp")  # where MoE blocks keep their shared experts
@@ -28,7 +45,7 @@ def layer_tensors(layer, mla: bool, qk_norm: bool, output_gate: bool = False, ou
     smoe.runtime.layers.LayerWeights; `attention` holds GqaWeights' or MlaWeights' (kv_b as stored, 2-D).
     output_gate: the attention's gate_proj rows follow q, k and v in the fused matrix; output_norms: AFMoE's
     four norms, post_attention_layernorm on the attention's output and pre_mlp_layernorm on the MLP's input."""
-    mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe  # Granite's MoE block
+    mlp = first(layer, MLPS)
     moe = hasattr(mlp, "experts")
     router, router_bias, correction = router_of(mlp) if moe else (None, None, None)
     # DeepSeek's and GLM's `shared_experts`; Qwen2-MoE's `shared_expert`, scaled by its `shared_expert_gate`;
@@ -39,9 +56,9 @@ def layer_tensors(layer, mla: bool, qk_norm: bool, output_gate: bool = False, ou
     weight = lambda name: getattr(layer, name).weight.detach()
     norms = dict(post_norm=weight("pre_mlp_layernorm"), attention_out_norm=weight("post_attention_layernorm"),
                  mlp_out_norm=weight("post_mlp_layernorm")) if output_norms else dict(
-        post_norm=weight("post_attention_layernorm"))
+        post_norm=first(layer, POST_NORMS).weight.detach())
     return dict(
-        input_norm=layer.input_layernorm.weight.detach(),
+        input_norm=first(layer, INPUT_NORMS).weight.detach(),
         attention=mla_tensors(layer.self_attn) if mla else gqa_tensors(layer.self_attn, qk_norm, output_gate),
         **norms,
         router=router.detach() if moe else None,
@@ -60,9 +77,10 @@ def gqa_tensors(attn, qk_norm: bool, output_gate: bool = False) -> dict:
     biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
     sinks = getattr(attn, "sinks", None)
     q_norm, k_norm = qk_norms(attn) if qk_norm else (None, None)
-    return dict(qkv=attn.smoe_qkv, q_norm=q_norm, k_norm=k_norm, o=attn.o_proj.weight.detach(),
+    o = first(attn, OUTPUTS)
+    return dict(qkv=attn.smoe_qkv, q_norm=q_norm, k_norm=k_norm, o=o.weight.detach(),
                 qkv_bias=torch.cat([b.detach() for b in biases]) if biases[0] is not None else None,
-                o_bias=attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None,
+                o_bias=o.bias.detach() if o.bias is not None else None,
                 sinks=sinks.detach() if isinstance(sinks, torch.Tensor) else None)
 
 
@@ -89,6 +107,8 @@ def mlp_tensors(mlp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if hasattr(mlp, "input_linear"):  # Granite's: gate and up stacked in one matrix (views of it, nothing copied)
         gate, up = mlp.input_linear.weight.detach().chunk(2)
         return gate, up, mlp.output_linear.weight.detach()
+    if hasattr(mlp, "w1"):  # LFM2's: w1 gate, w3 up, w2 down
+        return tuple(p.weight.detach() for p in (mlp.w1, mlp.w3, mlp.w2))
     return tuple(p.weight.detach() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 

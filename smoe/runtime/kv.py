@@ -6,7 +6,9 @@ model description:
 - `KeyValues`: keys and values per KV head (GQA and multi-head attention), [kv_heads, positions, head_dim];
 - `Latents`: MLA's compressed cache, per position the normalised K/V latent (latent_dim) and the rotary key
   all heads share (rope_key_dim), from which the absorbed attention computes without ever
-  expanding K and V per head.
+  expanding K and V per head;
+- `ModuleLayers`: the layers a family's own modules run (linear attention, state-space mixers): their state
+  lives in that family's cache object, one per sequence, made by the decoder at the sequence's start.
 
 Growing a state (`reserve`) reallocates its tensors only, keeping what they hold: the trunk and the
 expert cache are untouched. Other kinds (a sliding window's ring, recurrent and convolution state,
@@ -16,6 +18,7 @@ members: `capacity`, `position_bytes` and `grow`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +60,21 @@ class Latents:
         self.rows = regrown(self.rows, 0, capacity, held)
 
 
+@dataclass
+class ModuleLayers:
+    """The state of the layers a sequence runs through the family's own modules: one cache object of the
+    family's (transformers' Cache) that all those layers share; a fixed size per sequence, so it never grows."""
+
+    cache: object = None
+    length: int = -1  # the positions the cache holds (-1: none made yet)
+
+    capacity = sys.maxsize
+    position_bytes = 0
+
+    def grow(self, capacity: int, held: int) -> None:
+        pass
+
+
 def regrown(t: torch.Tensor, dim: int, capacity: int, held: int) -> torch.Tensor:
     """t with `capacity` positions along dim, its first `held` positions kept."""
     shape = list(t.shape)
@@ -70,7 +88,7 @@ def regrown(t: torch.Tensor, dim: int, capacity: int, held: int) -> torch.Tensor
 class SequenceState:
     """One sequence's per-layer state and how many of its tokens it holds."""
 
-    layers: list[KeyValues | Latents]
+    layers: list[KeyValues | Latents | ModuleLayers]
     limit: int | None = None  # the model's context: growth by doubling stops there (None: no limit)
     length: int = 0
     generation: int = field(default=0, compare=False)  # bumped on every growth: views of the tensors are stale
@@ -132,4 +150,6 @@ def sequence_state(description: ModelDescription, capacity: int, dtype: torch.dt
         shape = (a.kv_heads, capacity, a.head_dim)
         return KeyValues(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
-    return SequenceState([layer_state() for _ in range(description.num_layers)], limit=limit)
+    modules = ModuleLayers()
+    return SequenceState([modules if i in a.mixer_layers else layer_state() for i in range(description.num_layers)],
+                         limit=limit)

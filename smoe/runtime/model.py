@@ -17,7 +17,7 @@ from smoe.format.vault import Vault
 from smoe.hf.model import build_model, load_trunk, model_config
 from smoe.runtime.backends import Options, gpu_preferred, open_backend
 from smoe.runtime.decoder import SequenceStep, open_decoder
-from smoe.runtime.weights import fast_decoder_gap
+from smoe.runtime.weights import fast_decoder_gap, module_layers
 from smoe.source.description import describe_model
 
 DECODERS = ("auto", "fast", "generic")
@@ -125,8 +125,16 @@ class OpenedVault:
         return self.backend.stats()
 
     def describe(self) -> dict:
-        """Which decoder runs on which device, for generate --json, eval --json and /metrics."""
-        return {"decoder": self.decoder, "device": str(self.device)}
+        """Which decoder runs on which device, for generate --json, eval --json and /metrics; where the fast
+        decoder runs layers through the family's own transformers modules, which ("transformers_layers": layer
+        type -> layer indices)."""
+        out = {"decoder": self.decoder, "device": str(self.device)}
+        by_modules = module_layers(self.description) if self.decoder == "fast" else ()
+        if by_modules:
+            types = getattr(self.config.get_text_config(), "layer_types", None) or []
+            kind = lambda i: str(types[i]) if i < len(types) else "mixer"
+            out["transformers_layers"] = {t: [i for i in by_modules if kind(i) == t] for t in map(kind, by_modules)}
+        return out
 
     def close(self) -> None:
         if self.backend is not None:

@@ -26,14 +26,24 @@ def layer_weights(layer, description: ModelDescription, index: int) -> LayerWeig
     return LayerWeights(attention=attention, **tensors)
 
 
+EPSILON_KEYS = ("rms_norm_eps", "norm_eps")  # LFM2's norm_eps
+
+
+def rms_epsilon(text_config) -> float:
+    """The RMSNorms' epsilon under the first of EPSILON_KEYS the text config has."""
+    return next(getattr(text_config, k) for k in EPSILON_KEYS if getattr(text_config, k, None) is not None)
+
+
 def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
     """Why the fast decoder of a device type ("cpu" | "cuda") does not cover description d, or None when it
     does. Both run the layer library's kinds (smoe.runtime.layers, library_gap), gpt-oss's included (windows,
     sinks, biases: the GPU's GQA block; biases and the clamped SwiGLU: its Triton kernels), as do HunYuan's q/k
     norm after rotary, layers without rotary, multipliers, Mistral 4's query temperature and AFMoE's output gate
-    and norms; the GPU's own GQA block rotates the two halves only."""
+    and norms; the GPU's own GQA block rotates the two halves only. The CPU's runs the layers of a kind the library
+    lacks (linear attention, state-space mixers: the description's mixer_layers) through the family's own
+    transformers modules, the GPU's does not."""
     a, gpu = d.attention, device != "cpu"
-    gap = library_gap(d)
+    gap = library_gap(d, mixers_by_modules=not gpu)
     return _gaps((gap is not None, gap or ""),
                  (gpu and a.kind == "gqa" and "interleaved_rotary" in d.extras, "interleaved rotary in GQA attention"))
 
@@ -51,18 +61,25 @@ DESCRIBED_EXTRAS = {
 }
 
 
+def module_layers(d: ModelDescription) -> tuple[int, ...]:
+    """The layers a fast decoder runs through the family's own transformers modules: those of a kind the
+    layer library lacks (linear attention, state-space mixers)."""
+    return d.attention.mixer_layers
+
+
 def computes_extra(d: ModelDescription, extra: str) -> bool:
     return extra in LIBRARY_EXTRAS or (extra in DESCRIBED_EXTRAS and DESCRIBED_EXTRAS[extra](d))
 
 
-def library_gap(d: ModelDescription) -> str | None:
+def library_gap(d: ModelDescription, mixers_by_modules: bool = False) -> str | None:
     """What the layer library lacks for d: it runs GQA attention (q/k/v and o biases, q/k RMSNorm per head before
     or after rotary or over all heads, sliding windows and sink logits optional) and MLA without biases, windows
     or sinks, rotary half-split or interleaved, over the whole head or part of it, or none on the layers the
     description lists; every routing kind smoe.moe.route computes, router bias included; SiLU-gated or clamped
     SwiGLU experts, with or without biases; shared experts, gated or not; gated SiLU dense layers; Granite's
     multipliers (GQA), Mistral 4's query temperature, AFMoE's attention output gate (GQA without biases) and
-    output norms where the description reads them; no other EXTRAS."""
+    output norms where the description reads them; no other EXTRAS. mixers_by_modules: the decoder asking runs
+    the mixer layers through the family's own modules, so they are no gap."""
     a, r, e = d.attention, d.routing, d.experts
     return _gaps(
         (a.kind not in ("gqa", "mla"), f"{a.kind} attention"),
@@ -71,7 +88,7 @@ def library_gap(d: ModelDescription) -> str | None:
         (a.bias and a.kind == "mla", "attention biases"),
         (bool(a.sliding_layers) and a.kind == "mla", "sliding-window attention"),
         (a.sinks and a.kind == "mla", "attention sinks"),
-        (bool(a.mixer_layers), "linear-attention or state-space layers"),
+        (bool(a.mixer_layers) and not mixers_by_modules, "linear-attention or state-space layers"),
         (r.custom is not None, f"its own routing ({r.custom})"),
         (r.weight_input, "routing weights on the experts' input"),
         (e.clamp is None and (not e.gated or e.activation != "silu"), f"{e.activation} experts"),

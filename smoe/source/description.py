@@ -351,9 +351,11 @@ def _phimoe(c, n):
 
 
 def _jamba(c, n):
+    """Attention without rotary on every layer that is not a Mamba mixer."""
     period, offset = c.get("attn_layer_period", default=8), c.get("attn_layer_offset", default=4)
-    return dict(routing=dict(normalise=False), mixer_layers=tuple(i for i in range(n) if i % period != offset),
-                attention_bias=False, extras=("no_rope_layers",))
+    mixers = tuple(i for i in range(n) if i % period != offset)
+    return dict(routing=dict(normalise=False), mixer_layers=mixers, attention_bias=False,
+                nope_layers=tuple(i for i in range(n) if i not in mixers), extras=("no_rope_layers",))
 
 
 def _ernie4_5_moe(c, n):
@@ -428,9 +430,13 @@ def _granitemoe(c, n):
 
 
 def _granitemoehybrid(c, n):
+    """Granite's multipliers; Mamba mixers where layer_types says so; attention without rotary unless
+    position_embedding_type is "rope"."""
     facts = _granitemoe(c, n)
     facts["shared_experts"] = 1
     if c.get("position_embedding_type") != "rope":
+        mixers = _typed_layers(c, MIXER_TYPES)
+        facts["nope_layers"] = tuple(i for i in range(n) if i not in mixers)
         facts["extras"] += ("no_rope_layers",)
     return facts
 

@@ -7,8 +7,11 @@ spend ~1,000 small ops per token on a 6-layer model. This path reads the same tr
 transformers model (q/k/v fused into one matrix whose slices become the model's own weights, so
 nothing is copied and both paths compute the same function), keeps the sequence's KV in a
 smoe.runtime.kv.SequenceState that grows in place, precomputes the rotary tables with the model's own
-rotary module, and calls the expert store once per layer. The generic decoder (the transformers
-modules) stays the reference and runs every other family.
+rotary module, and calls the expert store once per layer. A layer of a kind the library lacks (linear
+attention, a state-space or convolution mixer: the description's mixer_layers) runs through the family's own
+transformers module, whose MoE block reads the same store, on a cache of the family's kind kept in the
+sequence state (smoe.runtime.kv.ModuleLayers); generate --json names those layers. The generic decoder (the
+transformers modules) stays the reference and runs every other family.
 
 One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): per layer one call for
 attention (GQA with its biases, window, sinks, output gate and norm, or MLA absorbed over the latent rows; a
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from smoe.hf.model import new_cache, run_layer
 from smoe.hf.trunk import model_trunk
 from smoe.moe.activation import activate
 from smoe.moe.dispatch import routed_sum
@@ -52,7 +56,7 @@ from smoe.runtime.layers import (
     rope_tables,
     rotary_dim,
 )
-from smoe.runtime.weights import layer_weights, library_gap
+from smoe.runtime.weights import layer_weights, library_gap, module_layers, rms_epsilon
 from smoe.switches import CPU_COMPILED, PREFETCH
 
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
@@ -69,7 +73,7 @@ class FastCpuDecoder(HoldsSequence):
         cfg = sm.config.get_text_config()
         self.sm, self.store = sm, sm.store
         self.dtype = sm.dtype
-        self.eps = cfg.rms_norm_eps
+        self.eps = rms_epsilon(cfg)
         self.description = d = sm.description
         attention = d.attention
         self.heads, self.kv_heads, self.head_dim = attention.heads, attention.kv_heads, attention.head_dim
@@ -80,12 +84,16 @@ class FastCpuDecoder(HoldsSequence):
         self.embed = trunk["embed"]
         self.final_norm = compute_form(trunk["final_norm"])
         self.lm_head = compute_form(trunk["lm_head"])
-        self.layers = [layer_weights(layer, d, i).map(compute_form) for i, layer in enumerate(trunk["layers"])]
+        # a layer of a kind the library lacks runs through the family's own module (None here)
+        self.modules, by_modules = trunk["layers"], module_layers(d)
+        self.layers = [None if i in by_modules else layer_weights(layer, d, i).map(compute_form)
+                       for i, layer in enumerate(self.modules)]
+        self.last_module = max(by_modules, default=None)
         self.rotary = trunk["rotary"]
         self.rope_dim = rotary_dim(d)
         self.interleaved = "interleaved_rotary" in d.extras
         self.state = self.own = sequence_state(d, max_positions, ACT, limit=sm.max_positions)
-        self.cos, self.sin = rope_tables(self.rotary, max_positions, self.rope_dim)
+        self.cos, self.sin = self.tables(max_positions)
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
         self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
@@ -98,7 +106,13 @@ class FastCpuDecoder(HoldsSequence):
         """Room for `positions` tokens: the state grows in place, the rotary tables with it."""
         self.state.reserve(positions)
         if self.cos.shape[0] < self.state.capacity:
-            self.cos, self.sin = rope_tables(self.rotary, self.state.capacity, self.rope_dim)
+            self.cos, self.sin = self.tables(self.state.capacity)
+
+    def tables(self, positions: int):
+        """The rotary tables for `positions` (of width 0 for a model without rotary: Jamba's attention has none)."""
+        if self.rotary is None:
+            return (torch.zeros(positions, 0, dtype=ACT),) * 2
+        return rope_tables(self.rotary, positions, self.rope_dim)
 
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> torch.Tensor:
@@ -110,15 +124,30 @@ class FastCpuDecoder(HoldsSequence):
         x = embed(self.description, self.embed, ids)  # [T, H]
         step = eager_step(start, t, self.cos, self.sin, self.eps, self.interleaved)
         for i, w in enumerate(self.layers):
+            if w is None:
+                x = self.module_layer(i, x, start)
+                continue
             x = decoder_layer(self.description, w, x, self.state.layers[i], step,
                               lambda h, top_i, top_w, i=i: self.experts(i, h, top_i, top_w))
         self.state.length = start + t
         return final_logits(self.description, x, self.final_norm, self.lm_head, self.eps)
 
+    def module_layer(self, i: int, x, start: int):
+        """x [T, H] after layer i as the family's own module computes it (its MoE block reads the same expert
+        store), continuing the sequence's cache of the family's kind (a new one when the sequence starts)."""
+        held = self.state.layers[i]
+        if held.length != start:  # the sequence starts (again): the family's cache of an earlier one is dropped
+            held.cache, held.length = new_cache(self.sm.model), start
+        positions = torch.arange(start, start + x.shape[0])[None]
+        out = run_layer(self.modules[i], x.to(self.dtype)[None], positions, held.cache)[0].to(ACT)
+        if i == self.last_module:
+            held.length = start + x.shape[0]
+        return out
+
     def prefetch_next(self, i: int, h) -> None:
         """Guess layer i+1's experts from layer i's expert input through layer i+1's router (the
         residual stream changes little between layers) and start reading them."""
-        if i + 1 < len(self.layers) and self.layers[i + 1].router is not None:
+        if i + 1 < len(self.layers) and getattr(self.layers[i + 1], "router", None) is not None:
             following = self.layers[i + 1]
             guess, _ = route(self.routing, matmul(h, following.router), following.correction)
             self.store.prefetch(i + 1, torch.unique(guess).tolist())
@@ -198,7 +227,8 @@ class CompiledStep:
         # Matrices other than fp32 / bf16 (fp16 models) are held as fp32 copies; the eager path stays
         # the default there rather than doubling their memory. SMOE_CPU_COMPILED=0 turns the step off
         # (the eager path, for comparison).
-        self.enabled = library_gap(d) is None and dec.dtype in (torch.float32, torch.bfloat16) and CPU_COMPILED.on()
+        self.enabled = (library_gap(d, mixers_by_modules=True) is None and dec.dtype in (torch.float32, torch.bfloat16)
+                        and CPU_COMPILED.on())
         if not self.enabled:
             return
         self.mla = d.attention.kind == "mla"
@@ -210,9 +240,11 @@ class CompiledStep:
         self.fused_top_k = not self.mla and (r.scoring, r.correction_bias, r.n_group, r.scale, r.normalise_eps) == (
             "softmax", False, 1, 1.0, 0.0)
         hidden = dec.embed.shape[1]
-        self.layers = [compiled_layer(w, hidden) for w in dec.layers]
+        # None: a layer the family's own module runs (FastCpuDecoder.module_layer)
+        self.layers = [compiled_layer(w, hidden) if w is not None else None for w in dec.layers]
+        self.own_layers = [layer for layer in self.layers if layer is not None]
         self.embed, self.final_norm, self.lm_head = as_numpy(dec.embed), as_numpy(dec.final_norm), as_numpy(dec.lm_head)
-        matrices = [m for layer in self.layers for m in (*layer.attention, *(layer.dense or ()), *(layer.shared or ()))
+        matrices = [m for layer in self.own_layers for m in (*layer.attention, *(layer.dense or ()), *(layer.shared or ()))
                     if isinstance(m, np.ndarray) and m.ndim >= 2]
         self.wide = np.zeros(max([hidden, *(m.shape[-1] for m in matrices)]), dtype=np.uint32)
         self.x = np.zeros(hidden, dtype=np.float32)
@@ -232,21 +264,23 @@ class CompiledStep:
         if self.bound == (id(state), state.generation):
             return
         for layer, held in zip(self.layers, state.layers):
+            if layer is None:
+                continue
             layer.state = (held.rows.numpy(),) if self.mla else (held.k.numpy(), held.v.numpy())
         self.cos, self.sin = dec.cos.contiguous().numpy(), dec.sin.contiguous().numpy()
         self.no_cos, self.no_sin = self.cos[:, :0], self.sin[:, :0]  # a layer without rotary rotates nothing
-        mlps = [2 * m[0].shape[0] + self.x.shape[0] for layer in self.layers for m in (layer.dense, layer.shared) if m]
+        mlps = [2 * m[0].shape[0] + self.x.shape[0] for layer in self.own_layers for m in (layer.dense, layer.shared) if m]
         self.work = np.zeros(max([self.attention_work(state.capacity), *mlps]), dtype=np.float32)
         self.bound = (id(state), state.generation)
 
     def attention_work(self, positions: int) -> int:
         a, hidden = self.dec.description.attention, self.x.shape[0]
         if self.mla:
-            q_a, _, _, _, _, k_up, v_up, _ = self.layers[0].attention
+            q_a, _, _, _, _, k_up, v_up, _ = self.own_layers[0].attention
             return kn.mla_work_size(a.heads, k_up.shape[1], a.rope_key_dim, v_up.shape[1], q_a.shape[0], a.latent_dim,
                                     positions, hidden)
-        rows = max(layer.attention[0].shape[0] for layer in self.layers)
-        routers = max(layer.router.shape[0] for layer in self.layers)
+        rows = max(layer.attention[0].shape[0] for layer in self.own_layers)
+        routers = max(layer.router.shape[0] for layer in self.own_layers)
         return kn.attention_work_size(rows, a.head_dim, positions, routers, hidden)
 
     def step(self, token: int) -> torch.Tensor:
@@ -258,6 +292,9 @@ class CompiledStep:
             self.x *= np.float32(m.embedding)
         temperature = self.temperature(pos)
         for i, layer in enumerate(self.layers):
+            if layer is None:
+                self.x[:] = dec.module_layer(i, torch.from_numpy(self.x)[None], pos)[0].numpy()
+                continue
             self.attention(layer, pos, temperature)
             if layer.mlp_out_norm is None:
                 self.mlp(i, layer, self.x, m.residual)

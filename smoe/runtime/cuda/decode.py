@@ -54,7 +54,7 @@ from smoe.runtime.layers import (
     shared_mlp,
     static_step,
 )
-from smoe.runtime.weights import layer_weights
+from smoe.runtime.weights import layer_weights, rms_epsilon
 from smoe.switches import GPU_INDUCTOR
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
@@ -107,7 +107,7 @@ class GpuDecoder(HoldsSequence):
         self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
         self.description = sm.description
         self.routing = sm.description.routing
-        self.eps, self.top_k = cfg.rms_norm_eps, self.routing.top_k
+        self.eps, self.top_k = rms_epsilon(cfg), self.routing.top_k
         self.kernel_path = kernel_path
         try:
             self.load(sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io)
