@@ -30,6 +30,18 @@ FULLEST = {
                      routed_scaling_factor=2.5),
     "dots1": dict(n_routed_experts=8, routed_scaling_factor=2.5, norm_topk_prob=True, num_key_value_heads=4),
     "olmoe": dict(num_key_value_heads=4),
+    # Granite's four multipliers away from 1 (attention's away from 1/sqrt(head_dim)) and attention biases;
+    # HunYuan's NTK-alpha RoPE as released; two ERNIE shared experts; EXAONE-MoE and AFMoE with a full, rotary-free
+    # fourth layer beside sliding ones (their tiny configs' layer lists are built for 3 layers: given here)
+    **{f: dict(embedding_multiplier=12.0, attention_multiplier=0.0625, residual_multiplier=0.22, logits_scaling=8.0,
+               attention_bias=True) for f in ("granitemoe", "granitemoeshared")},
+    "hunyuan_v1_moe": dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 100.0,
+                                            "factor": 1.0}),
+    "ernie4_5_moe": dict(moe_num_shared_experts=2),
+    "exaone_moe": dict(num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                       mlp_layer_types=["dense"] + ["sparse"] * 3, num_experts=8, n_group=4, topk_group=2),
+    "afmoe": dict(num_hidden_layers=4, global_attn_every_n_layers=4, mup_enabled=True, route_scale=2.0,
+                  layer_types=["sliding_attention"] * 3 + ["full_attention"]),
 }
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
@@ -172,14 +184,20 @@ def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int
 
 # mlx-lm's YaRN rounds its correction range (Hugging Face's truncate = true); gpt-oss as released does not round
 # it and the MLX export refuses that, so the MLX tests take gpt-oss's config with the range rounded
-MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}}
+# EXAONE's window narrower than the prompt, so that its sliding layers slide; Llama 4's norms at the eps mlx-lm's
+# llama4 takes for its q/k norm
+MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}, "exaone_moe": {"sliding_window": 16},
+               "llama4": {"rms_norm_eps": 1e-6}}
+# config values that change the model's tensors, set before it is built: Phi-3.5-MoE's released attention and
+# lm_head biases (mlx-lm's phimoe always builds them; transformers' default is none); LFM2-MoE's tied embeddings
+MLX_ARCHITECTURE = {"phimoe": dict(attention_bias=True, lm_head_bias=True), "lfm2_moe": dict(tie_word_embeddings=True)}
 
 
 def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:
     """exportable_vault's model of `family`, its config changed by MLX_CHANGES (one level deep) before sculpting."""
     import json
 
-    model = save_exportable_model(family, tmp / f"{family}-mlx-model-{bits}")
+    model = save_mlx_model(family, tmp / f"{family}-mlx-model-{bits}")
     path = model / "config.json"
     config = json.loads(path.read_text())
     for key, value in MLX_CHANGES.get(family, {}).items():
@@ -188,3 +206,21 @@ def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:
     vault = tmp / f"{family}-mlx-q{bits}"
     sculpt(model, vault, bits=bits, progress=False)
     return vault
+
+
+def save_mlx_model(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """save_exportable_model's model of `family` with MLX_ARCHITECTURE's values over its config."""
+    if family not in MLX_ARCHITECTURE:
+        return save_exportable_model(family, out_dir, seed=seed)
+    config = exportable_config(family)
+    for key, value in MLX_ARCHITECTURE[family].items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.save_pretrained(out_dir)
+    save_byte_level_tokenizer(out_dir)
+    return out_dir

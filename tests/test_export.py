@@ -262,7 +262,8 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
 
 # --- MLX: the families of smoe.export.mlx_families ----------------------------------------------
 
-MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2"]
+MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
+                "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +275,7 @@ def mlx_vaults(tmp_path_factory):
 @pytest.mark.parametrize("family", MLX_FAMILIES)
 def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_where_mlx_lm_reads_them(
         mlx_vaults, tmp_path, family):
+    from smoe.export.mlx import renamed
     from smoe.export.mlx_families import FAMILIES
 
     vault = mlx_vaults[family]
@@ -281,15 +283,16 @@ def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_whe
     config = json.loads((out / "config.json").read_text())
     exported = load_file(out / "model.safetensors")
     trunk = load_file(vault / TRUNK_FILE)
-    assert all(torch.equal(exported[name], tensor) for name, tensor in trunk.items())
     with Vault(vault) as v:
+        row = FAMILIES[v.meta["model_type"]]  # Llama 4's vault is its text model, llama4_text
         layers, experts = v.meta["moe_layers"], v.meta["num_experts"]
         biases = {(layer, role): torch.stack([v.read_expert(layer, e)[1][role] for e in range(experts)]).float()
                   for layer in layers for role in MLX_ROLES} if family == "gpt_oss" else {}
+    assert all(torch.equal(exported[renamed(name, row)], tensor) for name, tensor in trunk.items())
     expert_names = set()
     for layer in layers:
         for role, proj in MLX_ROLES.items():
-            module = f"model.layers.{layer}.{FAMILIES[family].experts}.{proj}"
+            module = renamed(f"model.layers.{layer}.{row.experts}.{proj}", row)
             parts = ("weight", "scales", "biases", *(("bias",) if biases else ()))
             weight, scales, offsets, *bias = (exported[f"{module}.{k}"].numpy() for k in parts)
             expert_names |= {f"{module}.{k}" for k in parts}
@@ -298,7 +301,7 @@ def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_whe
             assert_within_fp16_rounding_of_d(mlx_decode(weight, scales, offsets, 4), want, s)
             if biases:  # gpt-oss: the experts' own biases, exact
                 assert np.array_equal(bias[0], biases[(layer, role)].numpy())
-    assert set(exported) == set(trunk) | expert_names
+    assert set(exported) == {renamed(name, row) for name in trunk} | expert_names
 
 
 def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
@@ -312,7 +315,19 @@ def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
     assert read("minimax_m2")["rotary_dim"] == 16  # transformers' MiniMax-M2 rotates whole heads unless told
     assert read("deepseek_v2")["rope_scaling"]["factor"] == 4.0
     assert read("deepseek_v3")["topk_method"] == "noaux_tc" and read("olmoe")["norm_topk_prob"] is False
-    assert all(read(f)["model_type"] == f for f in MLX_FAMILIES)
+    exaone = read("exaone_moe")  # its window set to 16: three sliding layers, then a full one without rotary
+    assert exaone["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"] and exaone["sliding_window"] == 16
+    assert (exaone["is_moe_layer"], exaone["num_shared_experts"]) == ([False, True, True, True], 1)
+    afmoe = read("afmoe")  # transformers' values, not mlx-lm's defaults (routed scale 2.826, two dense layers)
+    assert (afmoe["mup_enabled"], afmoe["num_dense_layers"], afmoe["route_norm"], afmoe["route_scale"]) == (
+        True, 1, True, 2.0)
+    assert read("lfm2_moe")["num_dense_layers"] == 1 and read("lfm2_moe")["tie_word_embeddings"] is True
+    assert read("phimoe")["lm_head_bias"] is True and read("granitemoe")["embedding_multiplier"] == 12.0
+    llama4 = read("llama4")  # mlx-lm's multimodal llama4 reads the text model's args, quantization beside them
+    assert llama4["model_type"] == "llama4" and llama4["text_config"]["interleave_moe_layer_step"] == 2
+    assert llama4["quantization"]["bits"] == 4 and "quantization" not in llama4["text_config"]
+    assert all(read(f).get("text_config", read(f))["model_type"] == f.replace("llama4", "llama4_text")
+               for f in MLX_FAMILIES)
 
 
 MLX_REFUSALS = [
@@ -327,6 +342,24 @@ MLX_REFUSALS = [
     ("glm4_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), "'linear'"),
     ("minimax_m2", dict(attention_bias=True), "attention biases = True"),
     ("mixtral", dict(sliding_window=16), "sliding-window"),
+    ("granitemoe", dict(head_dim=32), "head_dim = hidden_size / heads"),
+    ("phimoe", dict(), "attention biases = False"),  # transformers' default; Phi-3.5-MoE has them
+    ("phimoe", dict(attention_bias=True, num_experts_per_tok=1), "sparsemixer chooses 2 experts"),
+    ("phimoe", dict(attention_bias=True), "lm_head_bias = false"),
+    ("phimoe", dict(attention_bias=True, lm_head_bias=True, tie_word_embeddings=True), "tied embeddings"),
+    ("exaone_moe", dict(layer_types=["full_attention"] * 4), "no sliding layer"),
+    ("exaone_moe", dict(num_experts_per_tok=1), "single chosen expert"),
+    ("llama4", dict(), "q/k norm with eps 1e-05"),  # transformers' rms_norm_eps; mlx-lm's q/k norm takes 1e-6
+    ("llama4", dict(rms_norm_eps=1e-6, num_experts_per_tok=2), "one expert per token"),
+    ("llama4", dict(rms_norm_eps=1e-6, no_rope_layers=[1, 1, 1, 1]), "no_rope_layers"),
+    ("llama4", dict(rms_norm_eps=1e-6, attention_chunk_size=None), "attends in chunks"),
+    ("llama4", dict(rms_norm_eps=1e-6, moe_layers=[3]), "interleave_moe_layer_step"),
+    ("llama4", dict(rms_norm_eps=1e-6, num_hidden_layers=2, moe_layers=[1]), "mask from layer 4"),
+    ("afmoe", dict(layer_types=["sliding_attention"] * 4), "both sliding and full"),
+    ("afmoe", dict(num_experts_per_tok=1), "single chosen expert"),
+    ("lfm2_moe", dict(), "untied lm_head"),
+    ("lfm2_moe", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e6}), "'linear'"),
 ]
 
 
@@ -339,7 +372,7 @@ def test_mlx_refuses_what_each_mlx_lm_model_file_computes_differently(family, ch
     config = exportable_config(family).to_dict() | changes
     desc = describe_model(config)
     with pytest.raises(SmoeError, match=named):
-        mlx_families.check(family, config, desc, list(desc.moe_layers), {}, 32)
+        mlx_families.check(desc.model_type, config, desc, list(desc.moe_layers), {}, 32)
 
 
 def test_mlx_ernie_is_refused_at_export_naming_the_correction_bias_mlx_lm_drops(tmp_path):
@@ -444,7 +477,9 @@ def test_a_deepseek2_gguf_is_written_but_not_read_back(deepseek_vault, tmp_path)
 # --- GGUF: the families written only (smoe.export.gguf_families) --------------------------------
 
 WRITTEN_ONLY = {"glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-                "minimax_m2": "minimax-m2", "dots1": "dots1"}
+                "minimax_m2": "minimax-m2", "dots1": "dots1", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
+                "hunyuan_v1_moe": "hunyuan-moe", "ernie4_5_moe": "ernie4_5-moe", "exaone_moe": "exaone-moe",
+                "afmoe": "afmoe"}
 
 
 @pytest.fixture(scope="module")
@@ -526,6 +561,13 @@ FAMILY_REFUSALS = [
     ("qwen2_moe", dict(norm_topk_prob=True), "normalise = False"),
     ("glm4_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), "'linear'"),
     ("dots1", dict(sliding_window=16, layer_types=["sliding_attention"] * 3), "sliding-window"),
+    ("granitemoe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "'linear'"),
+    ("hunyuan_v1_moe", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "fixed alpha"),
+    ("hunyuan_v1_moe", dict(attention_bias=True), "attention biases"),
+    ("ernie4_5_moe", dict(use_bias=True), "attention biases"),  # its graph drops the output projection's bias
+    ("exaone_moe", dict(sliding_window=None), "needs sliding-window layers"),
+    ("afmoe", dict(mup_enabled=False), r"sqrt\(hidden_size\)"),
+    ("afmoe", dict(layer_types=["sliding_attention", "full_attention"] * 2), "every 4th layer"),
 ]
 
 
@@ -541,6 +583,84 @@ def test_gguf_refuses_what_each_llama_cpp_graph_computes_differently(family, cha
         gguf_families.check(family, config, describe_model(config), list(range(first, layers)), {}, 32)
 
 
+def test_gguf_refuses_shared_experts_of_two_widths_where_the_graph_reads_one(tmp_path):
+    from smoe.errors import SmoeError
+    from smoe.export import gguf_families
+    from smoe.source.description import describe_model
+
+    config = exportable_config("granitemoeshared").to_dict()
+    shapes = {f"model.layers.{i}.shared_mlp.output_linear.weight": (64, w) for i, w in enumerate((48, 32))}
+    with pytest.raises(SmoeError, match=r"shared experts of widths \[32, 48\]"):
+        gguf_families.check("granitemoeshared", config, describe_model(config), [0, 1], shapes, 32)
+
+
+def metadata(out: Path, arch: str):
+    reader = gguf.GGUFReader(out)
+    return lambda key: field(reader, f"{arch}.{key}")
+
+
+def trunk_tensor(tensors: dict, name: str) -> torch.Tensor:
+    return torch.from_numpy(tensors[name].data.copy())
+
+
+def test_gguf_granite_holds_its_multipliers_split_shared_mlp_and_pair_ordered_q_k(family_vaults, tmp_path):
+    from smoe.source.gguf import permute_rope
+
+    vault = family_vaults["granitemoeshared"]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    get, c = metadata(out, "granitemoe"), json.loads((vault / "config.json").read_text())
+    assert get("embedding_scale") == pytest.approx(c["embedding_multiplier"])
+    assert get("attention.scale") == pytest.approx(c["attention_multiplier"])
+    assert get("residual_scale") == pytest.approx(c["residual_multiplier"])
+    assert get("logit_scale") == pytest.approx(c["logits_scaling"])
+    assert (get("feed_forward_length"), get("expert_shared_feed_forward_length")) == (32, c["shared_intermediate_size"])
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    gate, up = trunk["model.layers.1.shared_mlp.input_linear.weight"].float().chunk(2)
+    assert torch.equal(trunk_tensor(tensors, "blk.1.ffn_gate_shexp.weight"), gate)
+    assert torch.equal(trunk_tensor(tensors, "blk.1.ffn_up_shexp.weight"), up)
+    q = trunk["model.layers.1.self_attn.q_proj.weight"].float()
+    assert torch.equal(trunk_tensor(tensors, "blk.1.attn_q.weight"), permute_rope(q, c["num_attention_heads"]))
+    assert "blk.1.attn_output.bias" in tensors
+
+
+def test_gguf_hunyuan_writes_its_ntk_alpha_rope_as_the_fixed_base_it_is(family_vaults, tmp_path):
+    vault = family_vaults["hunyuan_v1_moe"]
+    get, c = metadata(export(vault, "gguf", tmp_path / "m.gguf"), "hunyuan-moe"), json.loads((vault / "config.json").read_text())
+    rope, dim = c["rope_parameters"], c["head_dim"]
+    assert get("rope.freq_base") == pytest.approx(rope["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)), rel=1e-6)
+    assert get("expert_shared_feed_forward_length") == c["intermediate_size"]
+
+
+def test_gguf_ernie_holds_its_correction_bias_as_a_vector_and_its_moe_layout(family_vaults, tmp_path):
+    vault = family_vaults["ernie4_5_moe"]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    get, c = metadata(out, "ernie4_5-moe"), json.loads((vault / "config.json").read_text())
+    assert (get("leading_dense_block_count"), get("interleave_moe_layer_step")) == (c["moe_layer_start_index"], 1)
+    assert get("expert_shared_feed_forward_length") == 32 * c["moe_num_shared_experts"]
+    bias = load_file(vault / TRUNK_FILE)["model.layers.1.mlp.moe_statics.e_score_correction_bias"]
+    assert torch.equal(trunk_tensor(gguf_tensors(out), "blk.1.exp_probs_b.bias"), bias.float().reshape(-1))
+
+
+@pytest.mark.parametrize("family,arch,bias", [("exaone_moe", "exaone-moe", "mlp.e_score_correction_bias"),
+                                              ("afmoe", "afmoe", "mlp.expert_bias")])
+def test_gguf_exaone_and_afmoe_mark_the_sliding_layers_they_rotate_and_route_as_smoe_describes(
+        family_vaults, tmp_path, family, arch, bias):
+    from smoe.source.description import describe_model
+
+    vault = family_vaults[family]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    get = metadata(out, arch)
+    with Vault(vault) as v:
+        c = v.config
+    r = describe_model(c).routing
+    assert get("attention.sliding_window_pattern") == [t == "sliding_attention" for t in c["layer_types"]] == [True] * 3 + [False]
+    assert get("attention.sliding_window") == c["sliding_window"] and get("leading_dense_block_count") == 1
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+    assert get("expert_weights_scale") == pytest.approx(r.scale) and r.scale != 1.0
+    want = load_file(vault / TRUNK_FILE)[f"model.layers.1.{bias}"].float()
+    assert torch.equal(trunk_tensor(gguf_tensors(out), "blk.1.exp_probs_b.bias"), want)
+
+
 def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tmp_path):
     tiny_vault(tmp_path, "olmoe")  # 2 key/value heads for 4: llama.cpp's olmoe sizes k as n_head heads
     r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
@@ -553,9 +673,9 @@ def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tm
 
 @pytest.mark.parametrize("to", ["gguf", "mlx"])
 def test_unsupported_family_is_refused_by_name(tmp_path, to):
-    tiny_vault(tmp_path, "granitemoe")  # llama.cpp's granitemoe scales by multipliers smoe does not map yet
+    tiny_vault(tmp_path, "jamba")  # mamba layers: neither llama.cpp's graphs nor mlx-lm's take them from a vault
     r = smoe_cli("export", tmp_path / "vault", "--to", to, "-o", tmp_path / "out")
-    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "granitemoe" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "jamba" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "vault"]  # nothing half-written
 

@@ -358,7 +358,9 @@ def test_bench_decode_without_a_gpu_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize("option,named", [(("--sources", "ram"), "--sources 'ram'"),
-                                          (("--llama-bench", "/nonexistent/llama-bench"), "not an executable file")])
+                                          (("--llama-bench", "/nonexistent/llama-bench"), "not an executable file"),
+                                          (("--prefill", "512,x"), "--prefill '512,x'"),
+                                          (("--prefill", "0"), "positive number of tokens")])
 def test_bench_decode_options_are_checked_before_any_work(tmp_path, option, named):
     r = smoe_cli("bench", "decode", "--workdir", tmp_path / "w", "--no-baseline", *option)
     assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1

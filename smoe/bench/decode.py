@@ -232,6 +232,45 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         torch.cuda.empty_cache()
 
 
+def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: int = 3) -> dict:
+    """A prompt of `length` random token ids through the GPU decoder with the cache at `budget_fraction` of the
+    experts (misses from the pinned host tier, filled first), the router's own routing; one untimed run (compiles,
+    cache fill), then `repeats` timed ones from position 0: their median."""
+    from smoe.bench.replay import fill_host_tier
+    from smoe.runtime.cuda.cache import blob_slot_bytes
+    from smoe.runtime.cuda.decode import GpuDecoder
+
+    vault, device = sm.vault, torch.device("cuda")
+    everything = blob_slot_bytes(vault) * len(vault.entries)
+    host = everything if budget_fraction < 1 else 0
+    dec = GpuDecoder(sm, device, int(everything * budget_fraction), length + 8, host_cache_bytes=host, threads=threads)
+    vocab = sm.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    try:
+        if host:
+            fill_host_tier(dec.cache)
+        rates = prompt_rates(dec, ids, repeats)
+        return {"budget_fraction": budget_fraction, "length": length, "tok_s": sorted(rates)[len(rates) // 2],
+                "runs_tok_s": rates}
+    finally:
+        dec.close()
+        del dec
+        torch.cuda.empty_cache()
+
+
+def prompt_rates(dec, ids: list[int], repeats: int) -> list[float]:
+    """tok/s of `repeats` prompts `ids` from position 0 on a GPU decoder, after one untimed one."""
+    seconds = []
+    for _ in range(repeats + 1):
+        dec.reset()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dec.forward(ids)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return [len(ids) / t for t in seconds[1:]]
+
+
 def tensor_bytes(v) -> int:
     """Bytes of the tensors in v: a tensor, a tuple of them, or a weight bundle (a dataclass)."""
     if isinstance(v, torch.Tensor):
@@ -291,9 +330,10 @@ def cpu_moe_layers(moe_layers: list[int], fraction: float) -> int:
     return moe_layers[on_cpu - 1] + 1 if on_cpu else 0
 
 
-def llama_bench_run(binary: str, gguf: Path, tokens: int, n_cpu_moe: int) -> dict:
-    """llama-bench's token generation (no prompt), every layer on the GPU (-ngl 99), 3 repetitions."""
-    cmd = [binary, "-m", str(gguf), "-ngl", "99", "-p", "0", "-n", str(tokens), "-r", "3", "-o", "json",
+def llama_bench_run(binary: str, gguf: Path, tokens: int, n_cpu_moe: int, prompt: int = 0) -> dict:
+    """llama-bench's token generation of `tokens` (no prompt), or with tokens 0 its prompt processing of `prompt`
+    tokens, every layer on the GPU (-ngl 99) but the experts of --n-cpu-moe's layers, 3 repetitions."""
+    cmd = [binary, "-m", str(gguf), "-ngl", "99", "-p", str(prompt), "-n", str(tokens), "-r", "3", "-o", "json",
            "--n-cpu-moe", str(n_cpu_moe)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -309,7 +349,8 @@ def llama_bench_run(binary: str, gguf: Path, tokens: int, n_cpu_moe: int) -> dic
 
 def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, threads: int = 16,
                  baseline: bool = True, layers: int | None = None, model: str = "qwen3-30b-a3b",
-                 sources: tuple[str, ...] = ("host", "disk"), llama_bench: str | None = None) -> dict:
+                 sources: tuple[str, ...] = ("host", "disk"), llama_bench: str | None = None,
+                 prefill: tuple[int, ...] = ()) -> dict:
     from smoe.runtime.model import OpenedVault
     from smoe.source.description import describe_model
 
@@ -333,18 +374,21 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
                 limit_s = moved / (src_gbps * 1e9) + r["gpu_read_bytes_per_token"] / (limits["hbm_gbps"] * 1e9)
                 rows.append(r | {"limit_tok_s": 1 / limit_s, "of_limit": r["tok_s"] * limit_s})
                 print(format_row(rows[-1]), file=sys.stderr, flush=True)
+        prompts = [prefill_run(sm, f, n, threads) for f in budgets for n in prefill]
     finally:
         sm.close()
     with Vault(vault_dir) as v:
         vault_gb = sum(e.size for e in v.entries.values()) / 1e9
     result = {"benchmark": "decode", "model": model, "vault": str(vault_dir), "vault_expert_gb": vault_gb, "limits": limits,
-              "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "rows": rows}
+              "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "rows": rows, "prefill": prompts}
     if baseline:
         result["transformers_bf16"] = transformers_run(cfg, min(tokens, 32))
     if llama_bench:
         gguf = gguf_of(vault_dir)
         result["llama_cpp"] = [llama_bench_run(llama_bench, gguf, tokens, cpu_moe_layers(list(d.moe_layers), f))
                                | {"budget_fraction": f} for f in budgets]
+        result["llama_cpp_prefill"] = [llama_bench_run(llama_bench, gguf, 0, cpu_moe_layers(list(d.moe_layers), f), n)
+                                       | {"budget_fraction": f, "length": n} for f in budgets for n in prefill]
     return result
 
 
@@ -366,6 +410,12 @@ def format_result(result: dict) -> str:
         lines.append(f"  llama.cpp CUDA, --n-cpu-moe {run['n_cpu_moe']:2d} (budget {100 * run['budget_fraction']:5.1f}%): "
                      f"{run['tok_s']:7.1f} ± {run['stdev_tok_s']:.1f} tok/s"
                      + (f"  (smoe host / llama.cpp = {ours[0] / run['tok_s']:.2f})" if ours else ""))
+    for r in result.get("prefill", []):
+        peer = [p for p in result.get("llama_cpp_prefill", [])
+                if (p["budget_fraction"], p["length"]) == (r["budget_fraction"], r["length"])]
+        lines.append(f"  prefill {r['length']:5d} tokens, budget {100 * r['budget_fraction']:5.1f}%: {r['tok_s']:8.1f} tok/s"
+                     + (f"  llama.cpp {peer[0]['tok_s']:8.1f} ± {peer[0]['stdev_tok_s']:.1f} tok/s (--n-cpu-moe "
+                        f"{peer[0]['n_cpu_moe']}; smoe / llama.cpp = {r['tok_s'] / peer[0]['tok_s']:.2f})" if peer else ""))
     if "transformers_bf16" in result:
         base = result["transformers_bf16"]["tok_s"]
         best = max(r["tok_s"] for r in result["rows"])

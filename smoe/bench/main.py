@@ -66,11 +66,23 @@ def parse_budgets(text: str) -> list[float]:
     return budgets
 
 
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """--prefill's prompt lengths ("" for none)."""
+    try:
+        lengths = tuple(int(n) for n in text.split(",")) if text else ()
+    except ValueError:
+        raise SmoeError(f"--prefill {text!r}: expected token counts separated by commas, e.g. 512,2048") from None
+    if not all(n > 0 for n in lengths):
+        raise SmoeError(f"--prefill {text!r}: each prompt length is a positive number of tokens")
+    return lengths
+
+
 def bench_decode_main(args) -> int:
     """The GPU runtime on a Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped vault (smoe/bench/decode.py)."""
     from smoe.bench import decode as bench_decode
 
     budgets = parse_budgets(args.budgets)
+    parse_lengths(args.prefill)
     sources = tuple(args.sources.split(","))
     if not sources or not set(sources) <= {"host", "disk"}:
         raise SmoeError(f"--sources {args.sources!r}: host, disk or both, separated by a comma")
@@ -78,7 +90,8 @@ def bench_decode_main(args) -> int:
         raise SmoeError(f"--llama-bench {args.llama_bench}: not an executable file (llama.cpp's llama-bench)")
     result = bench_decode.bench_decode(args.workdir, budgets, args.tokens, args.warmup, args.threads,
                                        baseline=not args.no_baseline, layers=args.layers, model=args.model,
-                                       sources=sources, llama_bench=args.llama_bench)
+                                       sources=sources, llama_bench=args.llama_bench,
+                                       prefill=parse_lengths(args.prefill))
     result["machine"] = machine_description("cuda")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_decode.format_result(result))
     return 0

@@ -521,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "host,disk (default)")
     bd.add_argument("--llama-bench", metavar="PATH", default=None, help="llama.cpp's llama-bench (a CUDA build): also run "
                     "the model exported to GGUF, resident and with --n-cpu-moe for each partial budget")
+    bd.add_argument("--prefill", default="", metavar="N,N", help="also time prompts of these lengths per budget "
+                    "(and llama-bench -p N beside them), e.g. 512,2048,8192")
     bd.add_argument("--json", action="store_true", help="print the result as JSON")
     b.set_defaults(func=cmd_bench)
 

@@ -112,7 +112,12 @@ def check_config(source: ExportSource, config: dict) -> None:
 
 def rope_theta(config: dict) -> float:
     rope = config.get("rope_parameters") or {}
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
+        # HunYuan's NTK-alpha: a fixed base (its rotary's own formula); every other family refuses "dynamic"
+        dim = head_dim(config)
+        theta *= rope["alpha"] ** (dim / (dim - 2))
+    return theta
 
 
 def head_dim(config: dict) -> int:
@@ -139,7 +144,8 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         writer.add_value_length(head_dim(config))
         writer.add_rope_dimension_count(rotary_dim(config))
     if source.model_type in gguf_families.FAMILIES:
-        gguf_families.write(writer, source.model_type, config, describe_model(config), source.meta["moe_layers"])
+        shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
+        gguf_families.write(writer, source.model_type, config, describe_model(config), source.meta["moe_layers"], shapes)
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])

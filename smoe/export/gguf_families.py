@@ -16,6 +16,15 @@ gpt_oss is llama.cpp's `gpt-oss`: attention sinks (`attn_sinks.weight`), biases 
 router and the experts, sliding-window layers as a per-layer pattern, YaRN, and the clamped SwiGLU with
 llama.cpp's fixed alpha 1.702 and limit 7. llama.cpp's own converter writes the released MXFP4 experts
 as they are; the graph takes any expert type, and these are Q4_1 like every family's.
+
+granitemoe (and granitemoeshared) is llama.cpp's `granitemoe`: Granite's four multipliers as the embedding,
+attention, residual and logit scales, rotary over adjacent pairs (q/k rows reordered, as for Mixtral), the
+shared MLP's fused input_linear split into gate and up. hunyuan_v1_moe is `hunyuan-moe`: q/k norms after
+rotary, an ungated shared MLP; its NTK-alpha RoPE ("dynamic" with alpha) is a fixed base, written as one.
+ernie4_5_moe is `ernie4_5-moe`: softmax scores chosen with the correction bias, rotary over adjacent pairs
+as Hugging Face's own. exaone_moe is `exaone-moe` and afmoe is `afmoe`: sliding layers with rotary, full
+ones without; AFMoE adds the output gate, the norms after both branches and muP's embedding scale, all of
+which its graph computes unconditionally.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
+import numpy as np
 
 from smoe.export import gguf_mla
 from smoe.export.source import require
@@ -31,7 +41,12 @@ from smoe.source.description import ModelDescription
 from smoe.source.gguf import Architecture
 
 SINKS = "self_attn.sinks"  # llama.cpp's converter names them attn_sinks.weight
-CORRECTION_BIAS = "e_score_correction_bias"  # under mlp.gate (GLM-4.5, dots.llm1) or block_sparse_moe (MiniMax-M2)
+# under mlp.gate (GLM-4.5, dots.llm1), block_sparse_moe (MiniMax-M2), mlp (EXAONE-MoE), mlp.moe_statics (ERNIE, [1, E])
+CORRECTION_BIAS = "e_score_correction_bias"
+EXPERT_BIAS = "mlp.expert_bias"  # AFMoE's correction bias
+GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: gate rows, then up rows
+SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
+AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 OAI_CLAMP = (1.702, 7.0)  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 
 
@@ -49,7 +64,9 @@ class GgufFamily:
     shared_gate: bool = False  # the shared expert scaled by a sigmoid gate (ffn_gate_inp_shexp)
     moe_keys: bool = False  # gating, scale, normalisation, groups, shared experts read from metadata (write_moe)
     rope_types: tuple[str, ...] = ("default",)
+    shared_width: bool = False  # the shared experts' width read from metadata (else n_shared × the routed width)
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
+    write: Callable[[gguf.GGUFWriter, ModelDescription, list[int]], None] | None = None  # the family's own metadata
 
 
 def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
@@ -59,8 +76,52 @@ def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
     require(bool(desc.attention.sliding_layers), f"{name}: llama.cpp's gpt-oss needs sliding-window layers")
 
 
-def _arch(arch: str, experts_key: str) -> Architecture:
-    return Architecture(arch, permute_qk=False, expert_width_key=True, experts_key=experts_key, readable=False)
+def _write_granite(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """llama.cpp reads a zero scale as none; the config checks hold every multiplier to [1e-6, 1e6]."""
+    m = desc.multipliers
+    writer.add_embedding_scale(m.embedding)
+    writer.add_attention_scale(m.attention)
+    writer.add_residual_scale(m.residual)
+    writer.add_logit_scale(m.logits)
+
+
+def _hunyuan(name: str, config: dict, desc: ModelDescription) -> None:
+    rope = gguf_mla.rope_parameters(config)
+    require(rope.get("rope_type", rope.get("type")) != "dynamic" or rope.get("alpha"),
+            f"{name}: dynamic RoPE without a fixed alpha changes with the length; llama.cpp's hunyuan-moe takes a fixed base")
+
+
+def _write_ernie(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int]) -> None:
+    writer.add_interleave_moe_layer_step(1)  # every layer after the leading dense ones is MoE (check)
+    writer.add_leading_dense_block_count(moe_layers[0])
+
+
+def _rope_on_sliding_only(name: str, arch: str, desc: ModelDescription) -> None:
+    """EXAONE-MoE's and AFMoE's graphs rotate on sliding layers only, and need the window to tell them."""
+    a = desc.attention
+    require(a.sliding_window is not None, f"{name}: llama.cpp's {arch} needs sliding-window layers (rotary only on them)")
+    full = tuple(i for i in range(desc.num_layers) if i not in set(a.sliding_layers))
+    require(a.nope_layers == full, f"{name}: llama.cpp's {arch} rotates exactly the sliding layers; this model's "
+            f"layers without rotary are {a.nope_layers}, its full ones {full}")
+
+
+def _exaone(name: str, config: dict, desc: ModelDescription) -> None:
+    _rope_on_sliding_only(name, "exaone-moe", desc)
+
+
+def _afmoe(name: str, config: dict, desc: ModelDescription) -> None:
+    _rope_on_sliding_only(name, "afmoe", desc)
+    every = tuple(i for i in range(desc.num_layers) if (i + 1) % AFMOE_NOPE_STEP == 0)
+    require(desc.attention.nope_layers == every, f"{name}: llama.cpp's afmoe leaves rotary out of every "
+            f"{AFMOE_NOPE_STEP}th layer; this model's layers without it are {desc.attention.nope_layers}")
+    require(desc.multipliers is not None and desc.multipliers.embedding == desc.hidden_size ** 0.5,
+            f"{name}: llama.cpp's afmoe scales the embeddings by sqrt(hidden_size); this model has mup_enabled = false")
+    require(desc.output_norms, f"{name}: llama.cpp's afmoe normalises both branches' outputs")
+
+
+def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
+    return Architecture(arch, permute_qk=permute_qk, expert_width_key=expert_width_key, experts_key=experts_key,
+                        readable=False)
 
 
 SOFTMAX_UNNORMALISED = dict(scoring="softmax", normalise=False, correction_bias=False, scale=1.0, n_group=1)
@@ -79,6 +140,23 @@ FAMILIES = {
                              n_group=1), extras=("partial_rotary",), qk_norms=("full",), moe_keys=True),
     "dots1": GgufFamily(_arch("DOTS1", "n_routed_experts"), SIGMOID_BIASED | dict(n_group=1), qk_norms=("head",),
                         all_kv_heads=True, dense_first=True, moe_keys=True),
+    # Granite's experts take feed_forward_length, as Mixtral's; rotary over adjacent pairs: q/k rows reordered
+    **{t: GgufFamily(_arch("GRANITE_MOE", "num_local_experts", permute_qk=True, expert_width_key=False),
+                     SOFTMAX_UNNORMALISED | dict(normalise=True), extras=("multipliers",), attention_bias=True,
+                     shared_width=True, write=_write_granite)
+       for t in ("granitemoe", "granitemoeshared")},
+    "hunyuan_v1_moe": GgufFamily(_arch("HUNYUAN_MOE", "num_experts"), SOFTMAX_UNNORMALISED | dict(normalise=True),
+                                 qk_norms=("head_after_rotary",), rope_types=("default", "dynamic"), shared_width=True,
+                                 check=_hunyuan),
+    "ernie4_5_moe": GgufFamily(_arch("ERNIE4_5_MOE", "moe_num_experts"),
+                               SOFTMAX_UNNORMALISED | dict(normalise=True, correction_bias=True),
+                               extras=("interleaved_rotary",), dense_first=True, shared_width=True, write=_write_ernie),
+    "exaone_moe": GgufFamily(_arch("EXAONE_MOE", "num_experts"), SIGMOID_BIASED, extras=("no_rope_layers",),
+                             qk_norms=("head",), dense_first=True, sliding_window=True, moe_keys=True, shared_width=True,
+                             check=_exaone),
+    "afmoe": GgufFamily(_arch("AFMOE", "num_experts"), SIGMOID_BIASED,
+                        extras=("sandwich_norms", "attention_gate", "no_rope_layers", "multipliers"), qk_norms=("head",),
+                        dense_first=True, sliding_window=True, moe_keys=True, check=_afmoe),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
@@ -113,15 +191,31 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
     rope = gguf_mla.rope_parameters(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     require(kind in family.rope_types, f"{name}: RoPE scaling {kind!r} is not exported to GGUF")
-    gguf_mla.check_shared_experts(name, arch, shapes, expert_width, desc.shared_experts)
+    if family.shared_width:
+        widths = shared_widths(shapes)
+        require(len(widths) <= 1, f"{name}: shared experts of widths {sorted(widths)}; llama.cpp's {arch} takes one")
+    else:
+        gguf_mla.check_shared_experts(name, arch, shapes, expert_width, desc.shared_experts)
     if family.check:
         family.check(name, config, desc)
 
 
-def write(writer: gguf.GGUFWriter, name: str, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+def shared_widths(shapes: dict[str, tuple[int, ...]]) -> set[int]:
+    """The widths of the shared experts in the trunk (their down projections' inputs)."""
+    return {shape[-1] for key, shape in shapes.items()
+            if any(s in key for s in SHARED_MLPS) and key.endswith(("down_proj.weight", "output_linear.weight"))}
+
+
+def write(writer: gguf.GGUFWriter, name: str, config: dict, desc: ModelDescription, moe_layers: list[int],
+          shapes: dict[str, tuple[int, ...]]) -> None:
     """The metadata the family's graph reads beyond the common keys."""
-    if FAMILIES[name].moe_keys:
+    family = FAMILIES[name]
+    if family.moe_keys:
         gguf_mla.write_moe(writer, desc, moe_layers, config["num_hidden_layers"])
+    if family.shared_width and (widths := shared_widths(shapes)):
+        writer.add_expert_shared_feed_forward_length(widths.pop())
+    if family.write:
+        family.write(writer, desc, moe_layers)
     if desc.shared_gate and (width := config.get("shared_expert_intermediate_size")):  # qwen2moe
         writer.add_expert_shared_feed_forward_length(width)
     if desc.attention.sliding_layers:
@@ -134,8 +228,15 @@ def write(writer: gguf.GGUFWriter, name: str, config: dict, desc: ModelDescripti
 def pieces(key: str, shape: tuple[int, ...]) -> list[gguf_mla.Piece] | None:
     """The GGUF tensor a trunk tensor becomes where these architectures name it their own way (else None)."""
     layer = key.split(".")[2] if key.startswith("model.layers.") else None
-    for suffix, tensor, kind in ((CORRECTION_BIAS, gguf.MODEL_TENSOR.FFN_EXP_PROBS_B, "bias"),
-                                 (SINKS, gguf.MODEL_TENSOR.ATTN_SINKS, "weight")):
+    name = lambda tensor: gguf.TENSOR_NAMES[tensor].format(bid=int(layer))
+    for suffix in (CORRECTION_BIAS, EXPERT_BIAS):  # ERNIE's is [1, E]: llama.cpp reads [E]
         if key.endswith(suffix):
-            return [(f"{gguf.TENSOR_NAMES[tensor].format(bid=int(layer))}.{kind}", shape, lambda t: t)]
+            flat = (int(np.prod(shape)),)
+            return [(f"{name(gguf.MODEL_TENSOR.FFN_EXP_PROBS_B)}.bias", flat, lambda t: t.reshape(-1))]
+    if key.endswith(SINKS):
+        return [(f"{name(gguf.MODEL_TENSOR.ATTN_SINKS)}.weight", shape, lambda t: t)]
+    if key.endswith(GRANITE_SHARED_IN):
+        half = (shape[0] // 2, *shape[1:])
+        return [(f"{name(gguf.MODEL_TENSOR.FFN_GATE_SHEXP)}.weight", half, lambda t: t[: half[0]].contiguous()),
+                (f"{name(gguf.MODEL_TENSOR.FFN_UP_SHEXP)}.weight", half, lambda t: t[half[0]:].contiguous())]
     return None

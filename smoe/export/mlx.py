@@ -63,14 +63,19 @@ def trunk_plan(source: ExportSource, row: MlxFamily) -> list[Planned]:
             continue
         t_dtype = source.trunk_dtype(key)
         require(t_dtype in SAFETENSORS_DTYPES, f"trunk tensor {key}: {t_dtype} is not exported to MLX")
-        name = key
-        for pattern, repl in row.renames:
-            name = re.sub(pattern, repl, name)
+        name = renamed(key, row)
         shape = source.trunk_shape(key)
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=t_dtype).element_size()
         load = lambda key=key: source.trunk_tensor(key).contiguous().view(torch.uint8).numpy()
         plan.append(Planned(name, SAFETENSORS_DTYPES[t_dtype], shape, nbytes, load))
     return plan
+
+
+def renamed(key: str, row: MlxFamily) -> str:
+    """A Hugging Face tensor or module name as the family's mlx-lm model file names it."""
+    for pattern, repl in row.renames:
+        key = re.sub(pattern, repl, key)
+    return key
 
 
 def group_width(inp: int) -> int | None:
@@ -82,7 +87,7 @@ def experts_plan(source: ExportSource, row: MlxFamily, quantization: dict) -> li
     plan = []
     for layer in source.meta["moe_layers"]:
         for role in source.roles:
-            module = f"model.layers.{layer}.{row.experts}.{PROJECTIONS[role]}"
+            module = renamed(f"model.layers.{layer}.{row.experts}.{PROJECTIONS[role]}", row)
             plan += role_plan(source, layer, role, module, quantization)
             if row.expert_biases:
                 plan.append(bias_plan(source, layer, role, module))

@@ -7,8 +7,9 @@ is refused by name before anything is written. Every layer layout is written fro
 layers (first_k_dense_replace, mlp_only_layers), so mlx-lm builds the layers the vault holds.
 
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
-router chooses with). The other MoE model files of mlx-lm are families smoe's vaults do not describe
-the same way (multipliers, hybrid mixers, chunked attention) or hold no vault yet.
+router chooses with). Not yet written (no row, so refused as unsupported): hunyuan_v1_moe, dbrx and the
+hybrid families (qwen3_next, jamba, nemotron_h, granitemoehybrid, minimax), whose mixers mlx-lm computes
+in its own layers; bailing_moe has no transformers family.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class MlxFamily:
     clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU
     rope_types: tuple[str, ...] = ("default",)
     config: Callable[[dict, ModelDescription, list[int]], dict] | None = None  # ModelArgs keys it adds
+    nested_in: str | None = None  # the model_type of mlx-lm's file that reads these args as its text_config
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
 
 
@@ -82,9 +84,33 @@ def _olmoe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
                 attention_bias=desc.attention.bias, mlp_bias=False)
 
 
+def _layer_types(desc: ModelDescription) -> list[str]:
+    return ["sliding_attention" if i in desc.attention.sliding_layers else "full_attention"
+            for i in range(desc.num_layers)]
+
+
 def _gpt_oss(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
-    return dict(layer_types=["sliding_attention" if i in desc.attention.sliding_layers else "full_attention"
-                             for i in range(desc.num_layers)])
+    return dict(layer_types=_layer_types(desc))
+
+
+def _exaone_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # the model file takes each layer's kind from these two lists, rotary only on sliding layers where any slides
+    return dict(layer_types=_layer_types(desc), is_moe_layer=[i in moe_layers for i in range(desc.num_layers)],
+                num_shared_experts=desc.shared_experts, norm_topk_prob=desc.routing.normalise,
+                routed_scaling_factor=desc.routing.scale, n_group=desc.routing.n_group,
+                topk_group=desc.routing.topk_group, topk_method="noaux_tc")
+
+
+def _afmoe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # its ModelArgs defaults (muP on, routed scale 2.826, two dense layers) are not transformers': all written
+    r = desc.routing
+    return dict(layer_types=_layer_types(desc), num_dense_layers=moe_layers[0], num_shared_experts=desc.shared_experts,
+                route_norm=r.normalise, route_scale=r.scale, score_func="sigmoid", n_group=1, topk_group=1,
+                mup_enabled=desc.multipliers is not None)
+
+
+def _lfm2_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(num_dense_layers=moe_layers[0])
 
 
 def _minimax_m2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
@@ -126,6 +152,64 @@ def _check_deepseek(name: str, config: dict, desc: ModelDescription) -> None:
         require(rope.get("truncate", True), f"{name}: YaRN with truncate = false is not what mlx-lm computes")
 
 
+def _check_untied(name: str, config: dict, desc: ModelDescription) -> None:
+    require(not config.get("tie_word_embeddings", False),
+            f"{name}: tied embeddings are not what mlx-lm's {name} builds (it always reads lm_head)")
+
+
+def _check_phimoe(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_head_width(name, config, desc)
+    _check_untied(name, config, desc)
+    # transformers' sparsemixer chooses two experts whatever the config says; mlx-lm's chooses top_k
+    require(desc.routing.top_k == 2, f"{name}: transformers' sparsemixer chooses 2 experts; mlx-lm's {name} "
+            f"chooses num_experts_per_tok = {desc.routing.top_k}")
+    require(config.get("lm_head_bias", False), f"{name}: lm_head_bias = false is not what mlx-lm's {name} builds "
+            "(an lm_head with a bias)")
+
+
+def _check_exaone_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_sigmoid_top1(name, config, desc)
+    a = desc.attention  # transformers drops rotary on the full layers only where a window is set
+    require(not a.nope_layers or a.sliding_layers, f"{name}: a sliding_window with no sliding layer (rotary nowhere) "
+            f"is not what mlx-lm's {name} computes (rotary everywhere)")
+
+
+def _check_afmoe(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_sigmoid_top1(name, config, desc)
+    a = desc.attention  # both rotate the sliding layers only; mlx-lm's masks need a layer of each kind
+    require(a.sliding_layers and len(a.sliding_layers) < desc.num_layers,
+            f"{name}: mlx-lm's afmoe needs both sliding and full attention layers")
+
+
+def _check_lfm2_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_head_width(name, config, desc)
+    require(config.get("tie_word_embeddings", True), f"{name}: an untied lm_head is not what mlx-lm's {name} builds "
+            "(it always reads the embeddings)")
+
+
+LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
+
+
+def _check_llama4(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_untied(name, config, desc)
+    n, step = desc.num_layers, config.get("interleave_moe_layer_step", 1)
+    require(desc.routing.top_k == 1, f"{name}: mlx-lm's llama4 takes one expert per token; this model "
+            f"{desc.routing.top_k}")
+    require(list(desc.moe_layers) == list(range(step - 1, n, step)), f"{name}: mlx-lm's llama4 takes every "
+            f"interleave_moe_layer_step = {step}th layer MoE; this model's MoE layers are {list(desc.moe_layers)}")
+    require(n >= LLAMA4_EVERY, f"{name}: mlx-lm's llama4 takes its full-attention mask from layer 4; this model has "
+            f"{n} layers")
+    roped = [int((i + 1) % LLAMA4_EVERY != 0) for i in range(n)]
+    require(config.get("no_rope_layers") == roped, f"{name}: no_rope_layers {config.get('no_rope_layers')} is not "
+            f"what mlx-lm's llama4 computes (NoPE on every {LLAMA4_EVERY}th layer)")
+    chunked = ["chunked_attention" if r else "full_attention" for r in roped]
+    require(config.get("attention_chunk_size") and config.get("layer_types", chunked) == chunked,
+            f"{name}: mlx-lm's llama4 attends in chunks on the rotary layers, at full length on the others only")
+    eps = config.get("rms_norm_eps")  # mlx-lm's q/k norm takes eps 1e-6, transformers' rms_norm_eps
+    require(desc.attention.qk_norm is None or eps == 1e-6, f"{name}: a q/k norm with eps {eps} is not what mlx-lm's "
+            "llama4 computes (1e-6)")
+
+
 SOFTMAX = dict(scoring="softmax", correction_bias=False, n_group=1, scale=1.0)
 SIGMOID_BIASED = dict(scoring="sigmoid", correction_bias=True, group_score="top2")
 FAMILIES = {
@@ -153,6 +237,27 @@ FAMILIES = {
                              config=_deepseek_v2, check=_check_deepseek),
     "dots1": MlxFamily("mlp.experts", SIGMOID_BIASED, layers="dense_first", qk_norms=("head",), shared="n_shared",
                        config=_dense_first, check=_check_sigmoid_top1),
+    "granitemoe": MlxFamily("block_sparse_moe.switch_mlp", SOFTMAX | dict(normalise=True), extras=("multipliers",),
+                            attention_bias=(False, True), check=_check_head_width),
+    "phimoe": MlxFamily("block_sparse_moe.switch_mlp", SOFTMAX | dict(normalise=True, custom="sparsemixer"),
+                        extras=("layer_norm",), attention_bias=(True,), check=_check_phimoe),
+    "exaone_moe": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="any", extras=("no_rope_layers",),
+                            qk_norms=("head",), shared="n_shared", sliding_window=True, config=_exaone_moe,
+                            check=_check_exaone_moe),
+    # the text model of Llama 4, written as mlx-lm's multimodal llama4 reads it (its llama4_text has no experts)
+    "llama4_text": MlxFamily("feed_forward.experts", dict(scoring="sigmoid", normalise=False, weight_input=True,
+                                                          correction_bias=False, n_group=1, scale=1.0),
+                             layers="any", renames=((r"^model\.", "language_model.model."),
+                                                    (r"^lm_head\.", "language_model.lm_head.")),
+                             extras=("interleaved_rotary", "no_rope_layers", "temperature_tuning", "chunked_attention"),
+                             qk_norms=(None, "l2_after_rotary"), attention_bias=(False, True), shared="n_shared",
+                             nested_in="llama4", check=_check_llama4),
+    "afmoe": MlxFamily("mlp.experts", dict(scoring="sigmoid", correction_bias=True, normalise=True, n_group=1),
+                       layers="dense_first", extras=("sandwich_norms", "attention_gate", "no_rope_layers", "multipliers"),
+                       qk_norms=("head",), shared="n_shared", sliding_window=True, config=_afmoe, check=_check_afmoe),
+    # its short-convolution layers are trunk tensors under transformers' names, which mlx-lm's sanitize reads
+    "lfm2_moe": MlxFamily("feed_forward.switch_mlp", dict(scoring="sigmoid", n_group=1), layers="dense_first",
+                          qk_norms=("head",), config=_lfm2_moe, check=_check_lfm2_moe),
     "minimax_m2": MlxFamily("block_sparse_moe.switch_mlp", SIGMOID_BIASED | dict(normalise=True, n_group=1, scale=1.0),
                             extras=("partial_rotary",), qk_norms=(None, "full"), config=_minimax_m2),
 }
@@ -240,7 +345,8 @@ def model_args(name: str, config: dict, desc: ModelDescription, moe_layers: list
     if name != "mixtral":  # mixtral's ModelArgs has no head_dim
         config.setdefault("head_dim", desc.attention.head_dim)
     row = FAMILIES[name]
-    return config | (row.config(config, desc, moe_layers) if row.config else {})
+    args = config | (row.config(config, desc, moe_layers) if row.config else {})
+    return {"model_type": row.nested_in, "text_config": args} if row.nested_in else args
 
 
 def _rope(config: dict) -> dict:

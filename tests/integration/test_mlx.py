@@ -50,8 +50,10 @@ def test_mlx_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
 
 
 # the families of smoe.export.mlx_families beyond the shared models', on tiny models at their fullest
-# (tests/export_models.py; gpt-oss with its YaRN range rounded, as mlx-lm computes it)
-TINY_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2"]
+# (tests/export_models.py; gpt-oss with its YaRN range rounded, as mlx-lm computes it, and the other MLX_CHANGES and
+# MLX_ARCHITECTURE there: PhiMoE's biases, Llama 4's norm eps, EXAONE's window narrower than the prompt)
+TINY_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
+                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe"]
 
 
 @pytest.mark.parametrize("bits", [4, 2])

@@ -42,6 +42,7 @@ from smoe.runtime.layers import (
     MlaWeights,
     attend_within,
     dense_mlp,
+    eager_step,
     mapped,
     mla_attention,
     multipliers,
@@ -190,7 +191,7 @@ class GpuDecoder(HoldsSequence):
         x = self.embedded(torch.tensor(ids, device=self.device))
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
-            x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, **self.block_args(i))
+            x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, end=start + t, **self.block_args(i))
             x = x + self.mlp(i, h, *self.route(i, logits))
         self.state.length = start + t
         return self.logits(x)
@@ -368,14 +369,17 @@ class GpuDecoder(HoldsSequence):
 
 
 def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router,
-              description, eps: float, dtype, router_bias=None, **attention):
+              description, eps: float, dtype, router_bias=None, end: int | None = None, **attention):
     """attention_block's contract for an MLA layer, through the layer library's absorbed attention over the
     compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it. Its
     weights come as plain tensors (`attention`: MlaWeights' fields) and the bundles are made inside, so one
-    compiled function serves every layer."""
+    compiled function serves every layer. `end` (a prompt's eager call): attend over the first `end` positions
+    only, causally, instead of the whole static cache under a mask."""
     if added is not None:
         x = x + added
-    step = static_step(pos, positions, cos, sin, eps, "interleaved_rotary" in description.extras)
+    interleaved = "interleaved_rotary" in description.extras
+    step = (static_step(pos, positions, cos, sin, eps, interleaved) if end is None
+            else eager_step(end - x.shape[0], x.shape[0], cos, sin, eps, interleaved))
     out = mla_attention(description, MlaWeights(**attention), rms_norm(x, input_norm, eps), Latents(rows, latent_dim),
                         step)  # Mistral 4's query temperature included
     x = x + scaled(out, multipliers(description).residual)
@@ -386,14 +390,15 @@ def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, inpu
 def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, input_norm, qkv, qkv_bias, qk_norm,
                     q_norm_full, k_norm_full, o, post_norm, router, description, eps: float, dtype, o_bias=None,
                     sinks=None, window: int | None = None, rotary: bool = True, gated: bool = False,
-                    attention_out_norm=None, router_bias=None):
+                    attention_out_norm=None, router_bias=None, end: int | None = None):
     """One layer up to its experts, for tokens at positions `pos` (a device tensor): the residual x
     (fp32; plus `added`, the previous layer's MLP branch, when given), attention over the static KV
     cache, then the experts' input h and the router's logits (None for a dense layer). The layer library's
     GQA kinds (smoe.runtime.layers.gqa_attention): q/k norm before or after rotary or over all heads, no rotary
     on a NoPE layer, windows, sinks, the output gate, the query temperature, and the description's multipliers
     and norm on the branch's output. A pure function of its tensors, so that it can be compiled once and serve
-    every layer."""
+    every layer. `end` (a prompt's eager call, whose shapes may vary): attend over the first `end` positions only,
+    causally (flash attention for a whole prompt), instead of the whole static cache under a mask."""
     if added is not None:
         x = x + added
     a = description.attention
@@ -419,6 +424,8 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     if temperature is not None:
         q = q * temperature[:, None, None].to(q.dtype)
     scale = multipliers(description).attention  # None: 1 / sqrt(head_dim)
+    if end is not None:  # a prompt: the positions held so far, the new ones causally
+        k_cache, v_cache, positions = k_cache[:, :, :end], v_cache[:, :, :end], positions[:end]
     # every cached position up to each token's own: a mask over the whole static cache, so the shapes
     # never change and the step can be captured in a graph
     visible = positions[None, :] <= pos[:, None]
@@ -426,6 +433,9 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
         if window is not None:
             visible = visible & (positions[None, :] > pos[:, None] - window)
         out = attend_within(q.transpose(0, 1)[None], k_cache, v_cache, visible, scale, sinks).to(dtype)
+    elif end is not None and end == t:  # a whole prompt: no mask, so SDPA may take its flash kernel
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, is_causal=True, scale=scale,
+                                             enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache, v_cache, attn_mask=visible[None, None],
                                              scale=scale, enable_gqa=True)
