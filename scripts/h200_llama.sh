@@ -6,6 +6,8 @@
 # llama-cpp-python's vendored tree with the other backends removed) and write the vaults and GGUFs;
 # PART=bench: wait for the build, then both benchmarks. Each part starts from nothing if it must.
 # TESTS="pytest arguments": the prepare part also runs these tests while the build finishes.
+# MODELS="qwen3-30b-a3b" (default: both), BUDGETS (default 1,0.25,0.1), PREFILL="512,2048" (prompt lengths timed
+# beside llama-bench -p; default none), PROFILE=1: the bench part first runs scripts/gpu_profile_prefill.py.
 # Usage (on a CUDA machine, repository root): PART=prepare bash scripts/h200_llama.sh; PART=bench bash scripts/h200_llama.sh
 # The llama.cpp sources (the ones llama-cpp-python 0.3.36 builds, as in constraints.txt), made on any machine:
 #   pip download --no-deps --no-binary :all: llama_cpp_python==0.3.36 -d /tmp/src && tar xzf /tmp/src/*.tar.gz -C /tmp/src
@@ -19,6 +21,7 @@ build=/tmp/llama-build
 bench=$build/bin/llama-bench
 work=/tmp/bench
 qwen_layers=${QWEN_LAYERS:-8}
+models=${MODELS:-deepseek-v2-lite qwen3-30b-a3b}
 
 start_build() {
   [ -x "$bench" ] && return
@@ -29,12 +32,14 @@ start_build() {
 }
 
 prepare() {
-  python3 - "$work" "$qwen_layers" <<'PY'
+  python3 - "$work" "$qwen_layers" "$models" <<'PY'
 import sys, time
 from pathlib import Path
 from smoe.bench.decode import MODELS, gguf_of, write_model_vault
 work, qwen_layers = Path(sys.argv[1]), int(sys.argv[2])
 for model, layers in (("deepseek-v2-lite", None), ("qwen3-30b-a3b", qwen_layers)):
+    if model not in sys.argv[3].split():
+        continue
     cfg = dict(MODELS[model]) | ({"num_hidden_layers": layers} if layers else {})
     start = time.time()
     vault = write_model_vault(work / f"{model}-shaped-q4-{cfg['num_hidden_layers']}L", cfg, progress=False)
@@ -56,10 +61,14 @@ else
   prepare
   while [ ! -x "$bench" ] && pgrep -f "cmake --build $build" >/dev/null; do sleep 5; done
   [ -x "$bench" ] || { tail -20 /tmp/llama-build.log; exit 1; }
+  if [ -n "${PROFILE:-}" ]; then
+    timeout 200 python3 scripts/gpu_profile_prefill.py qwen3-30b-a3b "$qwen_layers" "${PREFILL:-512,2048}" "$work"
+  fi
   for run in "deepseek-v2-lite 27" "qwen3-30b-a3b $qwen_layers"; do
     set -- $run
-    timeout 280 python3 -m smoe.cli bench decode --model "$1" --layers "$2" --workdir "$work" --budgets 1,0.25,0.1 \
-      --sources host --tokens 64 --warmup 32 --no-baseline --llama-bench "$bench" --json > "$OUT/$1.json" \
+    case " $models " in *" $1 "*) ;; *) continue ;; esac
+    timeout 380 python3 -m smoe.cli bench decode --model "$1" --layers "$2" --workdir "$work" --budgets "${BUDGETS:-1,0.25,0.1}" \
+      --prefill "${PREFILL:-}" --sources host --tokens 64 --warmup 32 --no-baseline --llama-bench "$bench" --json > "$OUT/$1.json" \
       && python3 -c "import json, sys; from smoe.bench.decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/$1.json"
   done
 fi
