@@ -1,7 +1,10 @@
-"""Where a resident GPU decode step spends its time: the synthetic vault of `smoe bench decode --model M` (every
-expert resident, whole-token CUDA graph), 16 steps under torch.profiler, kernels grouped by name.
+"""Where a GPU decode step spends its time: the synthetic vault of `smoe bench decode --model M` with the GPU
+cache at BUDGET percent of the experts (100: every expert resident, whole-token CUDA graph; less: the misses
+copied from a pinned host tier holding every expert, one graph per layer), 16 steps under torch.profiler, ops
+grouped by name, sorted by GPU time (resident) or by host time (streaming), with the replay's host seconds
+per phase.
 
-Usage (a CUDA machine, repository root): python3 scripts/gpu_profile_decode.py [MODEL] [LAYERS] [WORKDIR]
+Usage (a CUDA machine, repository root): python3 scripts/gpu_profile_decode.py [MODEL] [LAYERS] [WORKDIR] [BUDGET]
 """
 
 import sys
@@ -11,22 +14,25 @@ from pathlib import Path
 import torch
 
 from smoe.bench.decode import MODELS, write_model_vault
-from smoe.bench.replay import ReplayDecoder
+from smoe.bench.replay import ReplayDecoder, fill_host_tier
 from smoe.bench.runtime import skewed_routing
 from smoe.runtime.cuda.cache import blob_slot_bytes
 from smoe.runtime.model import OpenedVault
 from smoe.source.description import describe_model
 
 
-def main(model: str = "deepseek-v2-lite", layers: int = 27, workdir: str = "/tmp/bench") -> None:
+def main(model: str = "deepseek-v2-lite", layers: int = 27, workdir: str = "/tmp/bench", budget: int = 100) -> None:
     cfg = dict(MODELS[model]) | {"num_hidden_layers": layers}
     vault = write_model_vault(Path(workdir) / f"{model}-shaped-q4-{layers}L", cfg, progress=False)
     d = describe_model(cfg)
     sm = OpenedVault(vault, dtype="bfloat16", kernel_path="dequant")
     steps = 64
     routing = torch.from_numpy(skewed_routing(layers, steps, experts=d.routing.num_experts, top_k=d.routing.top_k))
-    dec = ReplayDecoder(sm, torch.device("cuda"), blob_slot_bytes(sm.vault) * len(sm.vault.entries), steps + 8,
-                        route_replay=routing)
+    everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
+    dec = ReplayDecoder(sm, torch.device("cuda"), everything * budget // 100, steps + 8, route_replay=routing,
+                        host_cache_bytes=everything if budget < 100 else 0)
+    if budget < 100:
+        fill_host_tier(dec.cache)
     token = 0
     for t in range(32):  # compile, capture, warm
         dec.replay_step = t
@@ -37,14 +43,17 @@ def main(model: str = "deepseek-v2-lite", layers: int = 27, workdir: str = "/tmp
         dec.replay_step = t
         token = int(dec.forward([token]).argmax())
     torch.cuda.synchronize()
-    print(f"{model} {layers} layers: {16 / (time.perf_counter() - start):.1f} tok/s resident, "
+    print(f"{model} {layers} layers, GPU cache {budget}%: {16 / (time.perf_counter() - start):.1f} tok/s, "
           f"whole-token graph {dec.whole_token is not None}")
+    timing0 = dict(dec.timing)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for t in range(48, 64):
             dec.replay_step = t
             token = int(dec.forward([token]).argmax())
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    print({k: f"{1000 * (v - timing0[k]) / 16:.3f} ms/token" for k, v in dec.timing.items()})
+    order = "cuda_time_total" if budget >= 100 else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
 
 
 if __name__ == "__main__":

@@ -223,9 +223,12 @@ class GpuDecoder(HoldsSequence):
         return out
 
     def run_experts(self, i: int, h, top_i, top_w):
-        ids = top_i.tolist()
-        offsets = self.cache.offsets(i, sum(ids, []))
-        offs = torch.tensor(offsets, dtype=torch.int64, device=self.device).view(len(ids), -1)
+        """The (token, slot) pairs' experts: the cache asked once per distinct expert, each pair's blob offset
+        looked up on the device (a prompt of T tokens has T * k pairs and a few hundred distinct experts)."""
+        wanted = torch.unique(top_i)
+        offsets = torch.tensor(self.cache.offsets(i, wanted.tolist()), dtype=torch.int64, device=self.device)
+        table = torch.zeros(int(wanted[-1]) + 1, dtype=torch.int64, device=self.device)
+        offs = table.index_copy_(0, wanted, offsets)[top_i]
         return kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h, offs, top_w, path=self.kernel_path)
 
     # --- the pieces of a layer -------------------------------------------------------------------
