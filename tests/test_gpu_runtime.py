@@ -89,23 +89,6 @@ def test_host_tier_serves_experts_evicted_from_the_gpu(tiny_vault):
         cache.close()
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one by scripts/h200_runtime.sh)")
-@pytest.mark.parametrize("gather", [True, False])
-def test_experts_copied_up_on_the_gpu_by_one_gather_or_one_copy_each_hold_the_vault_blobs(tiny_vault, gather):
-    vault_dir, _ = tiny_vault
-    with Vault(vault_dir) as v:
-        slot = blob_slot_bytes(v)
-        cache = GpuExpertCache(v, 3 * slot, "cuda", top_k=2, host_bytes=len(v.entries) * slot)
-        cache.gather = gather
-        layer = v.meta["moe_layers"][0]
-        for wave in ([0, 1, 2], [3, 4, 5], [1, 5, 0]):  # misses from the disk, then from the host tier
-            offsets = cache.offsets(layer, wave)
-            torch.cuda.synchronize()
-            assert all(blob_in_slot(cache, off, layer, e) for off, e in zip(offsets, wave))
-        assert cache.stats.host_hits >= 2
-        cache.close()
-
-
 def test_gpu_budget_below_one_tokens_experts_is_an_error_saying_the_minimum(tiny_vault):
     vault_dir, _ = tiny_vault
     with Vault(vault_dir) as v:

@@ -317,23 +317,3 @@ def test_routing_kernel_on_cuda_matches_smoe_moe_route():
         want_ids, want_weights = route(r, c["logits"], c["bias"])
         assert torch.equal(ids.cpu(), want_ids), c["routing"]
         torch.testing.assert_close(weights.cpu(), want_weights, rtol=1e-5, atol=1e-6)
-
-
-GATHER = """
-import sys, torch
-from smoe.runtime.cuda import gather
-host = torch.arange(5 * 320, dtype=torch.int32).view(torch.uint8).view(5, -1).clone()  # 5 host slots of 1,280 bytes
-pool = torch.zeros(4 * 1152, dtype=torch.uint8)  # 4 GPU slots of 1,152 bytes (the host slots are padded wider)
-gather.gather_slots(host, pool, [(3, 0), (0, 2), (4, 3)], 1152)
-torch.save((host, pool), sys.argv[1])
-"""
-
-
-def test_one_gather_launch_copies_each_host_slot_into_its_gpu_slot_and_nothing_else(tmp_path):
-    subprocess.run([sys.executable, "-c", GATHER, str(tmp_path / "out.pt")], check=True, timeout=300,
-                   env=dict(os.environ, TRITON_INTERPRET="1"))
-    host, pool = torch.load(tmp_path / "out.pt")
-    slots = pool.view(4, 1152)
-    for h, g in [(3, 0), (0, 2), (4, 3)]:
-        assert torch.equal(slots[g], host[h, :1152])
-    assert not slots[1].any()  # a slot no pair names is untouched

@@ -30,7 +30,6 @@ import torch
 from smoe.errors import SmoeError
 from smoe.format.vault import Vault, align
 from smoe.runtime.blobs import BlobReader, CacheStats
-from smoe.runtime.cuda import gather
 
 SLOT_ALIGNMENT = 64  # the kernels read codes as 32-bit words: a blob must start on 64 bytes (kernels_triton)
 STAGING_SLOTS = 32  # host slots when there is no host tier: enough to keep a layer's reads in flight
@@ -105,10 +104,6 @@ class GpuExpertCache:
         self.host_events: list = [None] * n_host  # the last copy out of each host slot
         self.copied_from: list[int] = []  # host slots copied since the last mark_copies
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # a wave's copies as one kernel reading the mapped pinned slots (smoe.runtime.cuda.gather), else one
-        # copy per expert
-        self.gather = self.cuda and gather.available()
-        self.pending: list[tuple[int, int]] = []  # (host slot, GPU slot) of the wave, for the gather
         self.stats = CacheStats()
         self.reader = BlobReader(vault, threads, direct_io, name="smoe-gpu-read")
 
@@ -179,21 +174,15 @@ class GpuExpertCache:
             self.stats.bytes_read += entry.size
             self.copy_up(hslot, gslot)
         self.stats.wait_seconds += time.perf_counter() - start
-        if self.pending:
-            gather.gather_slots(self.host, self.pool, self.pending, self.slot_bytes)
-            self.pending = []
         self.mark_copies()
         if failure is not None:
             raise failure
         return placed
 
     def copy_up(self, hslot: int, gslot: int) -> None:
-        """Host slot -> GPU slot, whole slots (a blob and its padding), on the side stream (see fill): now, or
-        with the wave's other copies in one gather."""
-        if self.gather:
-            self.pending.append((hslot, gslot))
-        else:
-            self.gpu_views[gslot].copy_(self.host_views[hslot], non_blocking=self.stream is not None)
+        """Host slot -> GPU slot, whole slots (a blob and its padding), on the side stream (see fill). One copy
+        per expert: one gather kernel per wave reading the mapped pinned slots measured slower (BENCHMARKS.md)."""
+        self.gpu_views[gslot].copy_(self.host_views[hslot], non_blocking=self.stream is not None)
         if self.stream is not None:
             self.copied_from.append(hslot)
         self.stats.bytes_copied += self.slot_bytes
