@@ -47,6 +47,10 @@ EXPERT_BIAS = "mlp.expert_bias"  # AFMoE's correction bias
 GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: gate rows, then up rows
 SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
+# llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
+# attention on the others (its swa pattern), chunks of 8192, the NoPE queries' temperature (floor, scale) and
+# no q/k norm for the 128-expert model (use_kq_norm)
+LLAMA4_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, LLAMA4_NO_NORM_EXPERTS = 4, 8192, (8192, 0.1), 128
 OAI_CLAMP = (1.702, 7.0)  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 
 
@@ -65,6 +69,8 @@ class GgufFamily:
     moe_keys: bool = False  # gating, scale, normalisation, groups, shared experts read from metadata (write_moe)
     rope_types: tuple[str, ...] = ("default",)
     shared_width: bool = False  # the shared experts' width read from metadata (else n_shared × the routed width)
+    interleaved: bool = False  # every interleave_moe_layer_step-th layer MoE, the others dense (Llama 4)
+    dense_width_key: str = "intermediate_size"  # the config key of the dense layers' width (feed_forward_length)
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
     write: Callable[[gguf.GGUFWriter, ModelDescription, list[int]], None] | None = None  # the family's own metadata
 
@@ -119,6 +125,31 @@ def _afmoe(name: str, config: dict, desc: ModelDescription) -> None:
     require(desc.output_norms, f"{name}: llama.cpp's afmoe normalises both branches' outputs")
 
 
+def _llama4(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's llama4 fixes what transformers reads from the config: NoPE every 4th layer, chunks of 8192
+    on the others, the NoPE layers' query temperature, and the q/k norm on all but the 128-expert model."""
+    n = desc.num_layers
+    roped = [int((i + 1) % LLAMA4_EVERY != 0) for i in range(n)]
+    require(config.get("no_rope_layers") == roped, f"{name}: no_rope_layers {config.get('no_rope_layers')} is not "
+            f"what llama.cpp's llama4 computes (NoPE on every {LLAMA4_EVERY}th layer)")
+    chunked = ["chunked_attention" if r else "full_attention" for r in roped]
+    require(config.get("attention_chunk_size") == LLAMA4_CHUNK and config.get("layer_types", chunked) == chunked,
+            f"{name}: llama.cpp's llama4 attends in chunks of {LLAMA4_CHUNK} on the rotary layers; this model's chunk is "
+            f"{config.get('attention_chunk_size')}, its layer types {config.get('layer_types')}")
+    temperature = (config.get("attn_temperature_tuning"), config.get("floor_scale"), config.get("attn_scale"))
+    require(temperature == (True, *LLAMA4_TEMPERATURE), f"{name}: llama.cpp's llama4 scales NoPE queries with floor "
+            f"{LLAMA4_TEMPERATURE[0]} and scale {LLAMA4_TEMPERATURE[1]}; this model's tuning, floor and scale are "
+            f"{temperature}")
+    norm = desc.attention.qk_norm is not None
+    require(norm == (desc.routing.num_experts != LLAMA4_NO_NORM_EXPERTS), f"{name}: llama.cpp's llama4 takes a q/k "
+            f"norm exactly when there are not {LLAMA4_NO_NORM_EXPERTS} experts; this model has {desc.routing.num_experts} "
+            f"experts and use_qk_norm = {norm}")
+
+
+def _write_llama4(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int]) -> None:
+    writer.add_interleave_moe_layer_step(moe_layers[0] + 1)  # the layout the check holds to the step
+
+
 def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
     return Architecture(arch, permute_qk=permute_qk, expert_width_key=expert_width_key, experts_key=experts_key,
                         readable=False)
@@ -157,6 +188,14 @@ FAMILIES = {
     "afmoe": GgufFamily(_arch("AFMOE", "num_experts"), SIGMOID_BIASED,
                         extras=("sandwich_norms", "attention_gate", "no_rope_layers", "multipliers"), qk_norms=("head",),
                         dense_first=True, sliding_window=True, moe_keys=True, check=_afmoe),
+    # Llama 4's text model (the vault of a Llama 4 checkpoint is its llama4_text); rotary over adjacent pairs as
+    # Hugging Face's own, so q/k keep their rows; the router's sigmoid weight scales each expert's input
+    "llama4_text": GgufFamily(_arch("LLAMA4", "num_local_experts"),
+                              dict(scoring="sigmoid", normalise=False, weight_input=True, correction_bias=False,
+                                   n_group=1, scale=1.0),
+                              extras=("interleaved_rotary", "no_rope_layers", "temperature_tuning", "chunked_attention"),
+                              qk_norms=(None, "l2_after_rotary"), interleaved=True,
+                              dense_width_key="intermediate_size_mlp", check=_llama4, write=_write_llama4),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
@@ -168,10 +207,8 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
     """What the family's llama.cpp graph assumes that this config (and the trunk's `shapes`) could contradict."""
     family = FAMILIES[name]
     layers, arch = config["num_hidden_layers"], family.arch.arch.lower()
-    first = moe_layers[0] if moe_layers and family.dense_first else 0
-    takes = "dense layers only before the MoE ones" if family.dense_first else "every layer MoE"
-    require(moe_layers == list(range(first, layers)),
-            f"{name}: llama.cpp's {arch} takes {takes}; this model's MoE layers are {moe_layers}")
+    want, takes = moe_layout(family, config, moe_layers)
+    require(moe_layers == want, f"{name}: llama.cpp's {arch} takes {takes}; this model's MoE layers are {moe_layers}")
     unsupported = [e for e in desc.extras if e not in family.extras]
     require(not unsupported, f"{name}: llama.cpp's {arch} does not compute {', '.join(unsupported)}")
     require(desc.attention.qk_norm in family.qk_norms,
@@ -198,6 +235,23 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
         gguf_mla.check_shared_experts(name, arch, shapes, expert_width, desc.shared_experts)
     if family.check:
         family.check(name, config, desc)
+
+
+def moe_layout(family: GgufFamily, config: dict, moe_layers: list[int]) -> tuple[list[int], str]:
+    """The MoE layers the family's graph builds for this config, and how to say so."""
+    layers = config["num_hidden_layers"]
+    if family.interleaved:
+        step = config.get("interleave_moe_layer_step", 1)
+        return list(range(step - 1, layers, step)), f"every interleave_moe_layer_step = {step}th layer MoE"
+    if family.dense_first:
+        return list(range(moe_layers[0] if moe_layers else 0, layers)), "dense layers only before the MoE ones"
+    return list(range(layers)), "every layer MoE"
+
+
+def dense_width(name: str, config: dict, expert_width: int) -> int:
+    """feed_forward_length where the graph reads the experts' width apart: the dense layers' width."""
+    family = FAMILIES.get(name)
+    return config.get(family.dense_width_key if family else "intermediate_size", expert_width)
 
 
 def shared_widths(shapes: dict[str, tuple[int, ...]]) -> set[int]:

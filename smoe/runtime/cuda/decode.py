@@ -211,25 +211,26 @@ class GpuDecoder(HoldsSequence):
     def experts_chunked(self, i: int, h, top_i, top_w):
         """The layer's experts for every token, in groups of experts that fit the cache's slots together
         (smoe.moe.dispatch.expert_groups): each expert is read once, and each group runs its
-        (token, slot) pairs as rows of one expert each."""
+        (token, slot) pairs as rows of one expert each. One host sync: the distinct experts."""
         groups = expert_groups(torch.unique(top_i).tolist(), self.cache.n_slots)
         if len(groups) == 1:
-            return self.run_experts(i, h, top_i, top_w)
+            return self.run_experts(i, h, top_i, top_w, groups[0])
         out = torch.zeros(h.shape, dtype=ACT, device=h.device)  # a token's k experts summed in fp32, as one call does
         for group in groups:
             tokens, slots = torch.where(torch.isin(top_i, torch.tensor(group, device=top_i.device)))
-            pairs = self.run_experts(i, h[tokens], top_i[tokens, slots, None], top_w[tokens, slots, None])
+            pairs = self.run_experts(i, h[tokens], top_i[tokens, slots, None], top_w[tokens, slots, None], group)
             out.index_add_(0, tokens, pairs.to(ACT))
         return out
 
-    def run_experts(self, i: int, h, top_i, top_w):
-        """The (token, slot) pairs' experts: the cache asked once per distinct expert, each pair's blob offset
-        looked up on the device (a prompt of T tokens has T * k pairs and a few hundred distinct experts)."""
-        wanted = torch.unique(top_i)
-        offsets = torch.tensor(self.cache.offsets(i, wanted.tolist()), dtype=torch.int64, device=self.device)
-        table = torch.zeros(int(wanted[-1]) + 1, dtype=torch.int64, device=self.device)
-        offs = table.index_copy_(0, wanted, offsets)[top_i]
-        return kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h, offs, top_w, path=self.kernel_path)
+    def run_experts(self, i: int, h, top_i, top_w, experts: list[int]):
+        """The (token, slot) pairs' experts (`experts`: the distinct ones, ascending): the cache asked once per
+        expert, each pair's blob offset looked up on the device through a table uploaded without a host wait
+        (a prompt of T tokens has T * k pairs and a few hundred distinct experts)."""
+        table = torch.zeros(experts[-1] + 1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        table[experts] = torch.tensor(self.cache.offsets(i, experts), dtype=torch.int64)
+        offs = table.to(self.device, non_blocking=True)[top_i]
+        return kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h, offs, top_w, path=self.kernel_path,
+                                              distinct=len(experts))
 
     # --- the pieces of a layer -------------------------------------------------------------------
 

@@ -486,12 +486,15 @@ def pool_views(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def experts_forward(pool: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor,
-                    weights: torch.Tensor, path: str = "auto", config: DecodeConfig | None = None) -> torch.Tensor:
+                    weights: torch.Tensor, path: str = "auto", config: DecodeConfig | None = None,
+                    distinct: int | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert(x[t]) with expert = down(silu(gate x) * up x), for x [T, hidden].
 
     offsets [T, k]: byte offset in `pool` of the blob of each token's k-th expert (multiples of 64).
     path: "auto" (Triton kernels on CUDA tensors, else the reference), "triton" (forced: on CPU
     tensors it needs TRITON_INTERPRET=1), "reference" (decode + matmul).
+    distinct: how many distinct blobs the offsets name, where the caller knows (the GPU cache's own offsets,
+    aligned by design): the grouped path then waits on the device for neither that count nor the alignment check.
     """
     if path == "auto":
         path = "triton" if x.is_cuda and triton is not None else "reference"
@@ -508,12 +511,12 @@ def experts_forward(pool: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, o
     x2 = x.reshape(-1, layout.hidden).contiguous()
     offsets = offsets.reshape(x2.shape[0], -1).to(torch.int64).contiguous()
     weights = weights.reshape(x2.shape[0], -1).contiguous()
-    if bool((offsets % SLOT_ALIGNMENT).any()):
+    if distinct is None and bool((offsets % SLOT_ALIGNMENT).any()):
         raise SmoeError(f"expert blob offsets must be multiples of {SLOT_ALIGNMENT} bytes")
     if x2.shape[0] == 1:
         y = decode_forward(pool, layout, x2, offsets[0], weights[0], config or decode_config(layout))
     else:
-        y = grouped_forward(pool, layout, x2, offsets, weights)
+        y = grouped_forward(pool, layout, x2, offsets, weights, distinct)
     return y.view(x.shape)
 
 
@@ -628,12 +631,13 @@ def sort_pairs(offsets: torch.Tensor, bt: int, capacity: int):
 
 
 def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor,
-                    weights: torch.Tensor) -> torch.Tensor:
-    """Several tokens: x [T, hidden], offsets / weights [T, k]."""
+                    weights: torch.Tensor, distinct: int | None = None) -> torch.Tensor:
+    """Several tokens: x [T, hidden], offsets / weights [T, k]; `distinct` as experts_forward's."""
     words, halves = pool_views(pool)
     n_tok, k = offsets.shape
     n_pairs = n_tok * k
-    runs = int(torch.unique(offsets).numel())  # one host sync: sizes the padded pair list
+    # sizes the padded pair list: a host sync unless the caller knows it
+    runs = distinct if distinct is not None else int(torch.unique(offsets).numel())
     bt = tokens_per_block(n_pairs, runs)
     capacity = bucket(n_pairs + runs * (bt - 1), PAIR_BUCKET_MIN)
     pair_id, block_units = sort_pairs(offsets, bt, capacity)
