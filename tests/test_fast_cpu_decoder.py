@@ -73,3 +73,32 @@ def test_compiled_step_runs_experts_of_other_forms_through_the_eager_expert_path
     vault = tiny_vault(tmp_path, "qwen3_moe", 4)
     sm = OpenedVault(vault, dtype="float32", cache_bytes=small_budget(vault), kernel_path="dequant")
     check_steps(sm, steps=4)
+
+
+
+WARMED = """
+import json, sys
+from smoe.runtime.cpu import kernels_numba as kn
+from smoe.runtime.model import OpenedVault
+kernels = (kn.attention_and_route, kn.experts, kn.final_logits)
+sm = OpenedVault(sys.argv[1], dtype="float32", kernel_path="codes")
+before = [len(f.signatures) for f in kernels]
+dec = sm.running_decoder(64)
+print(json.dumps({"before": before, "after": [len(f.signatures) for f in kernels], "own": dec.state is dec.own,
+                  "pos": dec.pos}))
+"""
+
+
+def test_making_the_fast_decoder_compiles_its_step_outside_any_timed_decode(tmp_path):
+    """The step's kernels get their machine code when the decoder is made (generate makes it before its clock
+    starts), on a scratch state: the decoder's own sequence is untouched."""
+    import json
+    import subprocess
+    import sys
+
+    vault = tiny_vault(tmp_path, "qwen3_moe", 4)
+    run = subprocess.run([sys.executable, "-c", WARMED, str(vault)], capture_output=True, text=True, check=True,
+                         timeout=600)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["before"] == [0, 0, 0] and all(n >= 1 for n in got["after"])
+    assert got["own"] and got["pos"] == 0

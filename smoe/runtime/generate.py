@@ -89,6 +89,7 @@ def generate(sm, prompt_ids: list[int], max_tokens: int = 128, *, params: Sampli
     limit = sm.max_positions
     if limit and len(prompt_ids) + max_tokens > limit:
         raise SmoeError(f"prompt of {len(prompt_ids)} tokens + {max_tokens} new tokens exceeds the model's context of {limit}")
+    sm.running_decoder(len(prompt_ids) + max_tokens)  # made (and its kernels compiled) before anything is timed
     stats0 = sm.cache_stats()
     seq = Sequence(params or chosen(sampling_defaults(sm.vault.dir)), list(prompt_ids), constraint=constraint)
     stop = eos_ids(sm.model)

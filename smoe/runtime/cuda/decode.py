@@ -417,8 +417,8 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     after_rotary = a.qk_norm == "head_after_rotary"  # HunYuan's: each rotated head normalised
     if qk_norm is not None and not after_rotary:  # one norm over q and k heads: their weights side by side
         qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
-    if rotary:
-        qk = rotate(qk, cos[pos][:, None], sin[pos][:, None])
+    if rotary:  # in pairs (ERNIE) written out half-split: q and k alike, so their dot products are the pairs'
+        qk = rotate(qk, cos[pos][:, None], sin[pos][:, None], "interleaved_rotary" in description.extras)
     if qk_norm is not None and after_rotary:
         qk = F.rms_norm(qk, (hd,), eps=eps) * qk_norm
     q, k = qk.split([heads, kv_heads], dim=1)
