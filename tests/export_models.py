@@ -3,6 +3,7 @@ that Q4_1 / MLX groups fit, and a byte-level BPE tokenizer (what llama.cpp's "gp
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +43,17 @@ FULLEST = {
                        mlp_layer_types=["dense"] + ["sparse"] * 3, num_experts=8, n_group=4, topk_group=2),
     "afmoe": dict(num_hidden_layers=4, global_attn_every_n_layers=4, mup_enabled=True, route_scale=2.0,
                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    # Llama 4's text model (GGUF; MLX writes the multimodal "llama4") at llama.cpp's fixed chunk of 8192
+    "llama4_text": dict(attention_chunk_size=8192),
 }
+# config values that change the model's tensors for the GGUF tests (exportable_vault): LFM2-MoE's tied embeddings,
+# as released (llama.cpp's lfm2moe reads no lm_head; the MLX tests keep its untied default for their refusal)
+GGUF_ARCHITECTURE = {"lfm2_moe": dict(tie_word_embeddings=True)}
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
 
-def exportable_config(family: str, expert_width: int = 32):
-    config = tiny_config(family)
+def exportable_config(family: str, expert_width: int = 32, architecture: dict | None = None):
+    config = tiny_config(family, **(architecture or {}))
     config.vocab_size = VOCAB
     # the experts' width: moe_intermediate_size where the family has one, else intermediate_size
     setattr(config, "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size",
@@ -58,10 +64,11 @@ def exportable_config(family: str, expert_width: int = 32):
     return config
 
 
-def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, seed: int = 0, pre: str = "gpt-2") -> Path:
+def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, seed: int = 0, pre: str = "gpt-2",
+                          architecture: dict | None = None) -> Path:
     """A random model of `family` whose experts are `expert_width` wide (32: fits Q4_1 and MLX groups)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(exportable_config(family, expert_width), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(exportable_config(family, expert_width, architecture), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -95,7 +102,8 @@ def save_byte_level_tokenizer(out_dir: Path, pre: str = "gpt-2") -> None:
 
 
 def exportable_vault(tmp: Path, family: str, bits: int = 4, expert_width: int = 32, pre: str = "gpt-2") -> Path:
-    model = save_exportable_model(family, tmp / f"{family}-model-{expert_width}-{pre}", expert_width, pre=pre)
+    model = save_exportable_model(family, tmp / f"{family}-model-{expert_width}-{pre}", expert_width, pre=pre,
+                                  architecture=GGUF_ARCHITECTURE.get(family))
     vault = tmp / f"{family}-q{bits}-{expert_width}-{pre}"
     sculpt(model, vault, bits=bits, progress=False)
     return vault
@@ -189,8 +197,10 @@ def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int
 MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}, "exaone_moe": {"sliding_window": 16},
                "llama4": {"rms_norm_eps": 1e-6}}
 # config values that change the model's tensors, set before it is built: Phi-3.5-MoE's released attention and
-# lm_head biases (mlx-lm's phimoe always builds them; transformers' default is none); LFM2-MoE's tied embeddings
-MLX_ARCHITECTURE = {"phimoe": dict(attention_bias=True, lm_head_bias=True), "lfm2_moe": dict(tie_word_embeddings=True)}
+# lm_head biases (mlx-lm's phimoe always builds them; transformers' default is none); LFM2-MoE's tied embeddings;
+# DBRX's experts as wide as MLX groups (its width is ffn_config's, which exportable_config does not set)
+MLX_ARCHITECTURE = {"phimoe": dict(attention_bias=True, lm_head_bias=True), "lfm2_moe": dict(tie_word_embeddings=True),
+                    "dbrx": {"ffn_config.ffn_hidden_size": 32}}
 
 
 def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:
@@ -214,7 +224,8 @@ def save_mlx_model(family: str, out_dir: Path, seed: int = 0) -> Path:
         return save_exportable_model(family, out_dir, seed=seed)
     config = exportable_config(family)
     for key, value in MLX_ARCHITECTURE[family].items():
-        setattr(config, key, value)
+        *path, last = key.split(".")  # a dotted key sets a sub-config's value
+        setattr(functools.reduce(getattr, path, config), last, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)

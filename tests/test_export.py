@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from export_models import exportable_config, exportable_vault, mlx_exportable_vault
+from export_models import GGUF_ARCHITECTURE, exportable_config, exportable_vault, mlx_exportable_vault
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -263,7 +263,7 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
 # --- MLX: the families of smoe.export.mlx_families ----------------------------------------------
 
 MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
-                "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe"]
+                "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
@@ -275,8 +275,8 @@ def mlx_vaults(tmp_path_factory):
 @pytest.mark.parametrize("family", MLX_FAMILIES)
 def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_where_mlx_lm_reads_them(
         mlx_vaults, tmp_path, family):
-    from smoe.export.mlx import renamed
-    from smoe.export.mlx_families import FAMILIES
+    from smoe.export.mlx import expert_module, renamed
+    from smoe.export.mlx_families import FAMILIES, edit
 
     vault = mlx_vaults[family]
     out = export(vault, "mlx", tmp_path / "mlx")
@@ -288,20 +288,38 @@ def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_whe
         layers, experts = v.meta["moe_layers"], v.meta["num_experts"]
         biases = {(layer, role): torch.stack([v.read_expert(layer, e)[1][role] for e in range(experts)]).float()
                   for layer in layers for role in MLX_ROLES} if family == "gpt_oss" else {}
-    assert all(torch.equal(exported[renamed(name, row)], tensor) for name, tensor in trunk.items())
+    # the trunk as it is, but where the row writes a tensor as mlx-lm keeps it (Qwen3-Next's norms and convolutions)
+    as_written = lambda name, t: (edit(row, name) or (lambda t: t, None))[0](t)
+    assert all(torch.equal(exported[renamed(name, row)], as_written(name, tensor)) for name, tensor in trunk.items())
+    assert row.edits or all(edit(row, name) is None for name in trunk)
     expert_names = set()
     for layer in layers:
-        for role, proj in MLX_ROLES.items():
-            module = renamed(f"model.layers.{layer}.{row.experts}.{proj}", row)
-            parts = ("weight", "scales", "biases", *(("bias",) if biases else ()))
-            weight, scales, offsets, *bias = (exported[f"{module}.{k}"].numpy() for k in parts)
-            expert_names |= {f"{module}.{k}" for k in parts}
+        for role in MLX_ROLES:
             want, s, _ = vault_experts(vault, layer, role)
-            assert config["quantization"][module]["bits"] == 4
-            assert_within_fp16_rounding_of_d(mlx_decode(weight, scales, offsets, 4), want, s)
-            if biases:  # gpt-oss: the experts' own biases, exact
-                assert np.array_equal(bias[0], biases[(layer, role)].numpy())
+            for expert in range(experts) if row.per_expert else (None,):
+                module = expert_module(row, layer, role, expert)
+                parts = ("weight", "scales", "biases", *(("bias",) if biases else ()))
+                weight, scales, offsets, *bias = (exported[f"{module}.{k}"].numpy() for k in parts)
+                expert_names |= {f"{module}.{k}" for k in parts}
+                assert config["quantization"][module]["bits"] == 4
+                mine = slice(None) if expert is None else expert  # DBRX: one expert's module each
+                assert_within_fp16_rounding_of_d(mlx_decode(weight, scales, offsets, 4), want[mine], s[mine])
+                if biases:  # gpt-oss: the experts' own biases, exact
+                    assert np.array_equal(bias[0], biases[(layer, role)].numpy())
     assert set(exported) == {renamed(name, row) for name in trunk} | expert_names
+
+
+def test_mlx_qwen3_next_norms_and_convolutions_are_written_as_mlx_lm_sanitizes_a_checkpoint(mlx_vaults, tmp_path):
+    """mlx-lm converts them only while fusing a checkpoint's experts; the export's experts come fused."""
+    vault = mlx_vaults["qwen3_next"]
+    exported = load_file(export(vault, "mlx", tmp_path / "mlx") / "model.safetensors")
+    trunk = load_file(vault / TRUNK_FILE)
+    for name in ("model.norm.weight", "model.layers.1.self_attn.q_norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(exported[name], trunk[name] + 1)
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    assert torch.equal(exported[conv], trunk[conv].movedim(2, 1))
+    gated = "model.layers.0.linear_attn.norm.weight"  # the gated norm multiplies by its weight as it is
+    assert torch.equal(exported[gated], trunk[gated])
 
 
 def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
@@ -323,6 +341,10 @@ def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
         True, 1, True, 2.0)
     assert read("lfm2_moe")["num_dense_layers"] == 1 and read("lfm2_moe")["tie_word_embeddings"] is True
     assert read("phimoe")["lm_head_bias"] is True and read("granitemoe")["embedding_multiplier"] == 12.0
+    assert (read("dbrx")["attn_config"]["clip_qkv"], read("dbrx")["n_layers"]) == (8.0, 2)  # its names, as they are
+    qwen3_next = read("qwen3_next")  # linear attention, then full: a full layer every second one
+    assert (qwen3_next["full_attention_interval"], qwen3_next["partial_rotary_factor"]) == (2, 0.25)
+    assert (qwen3_next["norm_topk_prob"], qwen3_next["mlp_only_layers"]) == (True, [])
     llama4 = read("llama4")  # mlx-lm's multimodal llama4 reads the text model's args, quantization beside them
     assert llama4["model_type"] == "llama4" and llama4["text_config"]["interleave_moe_layer_step"] == 2
     assert llama4["quantization"]["bits"] == 4 and "quantization" not in llama4["text_config"]
@@ -357,9 +379,16 @@ MLX_REFUSALS = [
     ("llama4", dict(rms_norm_eps=1e-6, num_hidden_layers=2, moe_layers=[1]), "mask from layer 4"),
     ("afmoe", dict(layer_types=["sliding_attention"] * 4), "both sliding and full"),
     ("afmoe", dict(num_experts_per_tok=1), "single chosen expert"),
-    ("lfm2_moe", dict(), "untied lm_head"),
+    ("lfm2_moe", dict(tie_word_embeddings=False), "untied lm_head"),
     ("lfm2_moe", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                                  "rope_theta": 1e6}), "'linear'"),
+    ("dbrx", dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": None}), "always clips"),
+    ("dbrx", dict(attn_config={"kv_n_heads": 2, "rope_theta": 5e5, "clip_qkv": 8.0}), "not transformers' rotary base"),
+    ("dbrx", dict(ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 24,
+                              "moe_normalize_expert_weights": 2.0}), "p-norm 2.0"),
+    ("qwen3_next", dict(layer_types=["full_attention", "linear_attention"]), "every k-th layer"),
+    ("qwen3_next", dict(layer_types=["linear_attention", "linear_attention"]), "every k-th layer"),
+    ("qwen3_next", dict(norm_topk_prob=True, shared_expert_intermediate_size=0), "0 shared experts"),
 ]
 
 
@@ -369,10 +398,20 @@ def test_mlx_refuses_what_each_mlx_lm_model_file_computes_differently(family, ch
     from smoe.export import mlx_families
     from smoe.source.description import describe_model
 
-    config = exportable_config(family).to_dict() | changes
+    config = exportable_config(family, architecture=GGUF_ARCHITECTURE.get(family)).to_dict() | changes
     desc = describe_model(config)
     with pytest.raises(SmoeError, match=named):
         mlx_families.check(desc.model_type, config, desc, list(desc.moe_layers), {}, 32)
+
+
+@pytest.mark.parametrize("family,named", [("hunyuan_v1_moe", "does not normalise the chosen experts' weights"),
+                                          ("jamba", "normalises the chosen experts' weights, transformers'")])
+def test_mlx_refuses_families_whose_mlx_lm_router_weighs_experts_otherwise(family, named):
+    from smoe.errors import SmoeError
+    from smoe.export import mlx_families
+
+    with pytest.raises(SmoeError, match=f"{family}: .*{named}"):
+        mlx_families.family(family)
 
 
 def test_mlx_ernie_is_refused_at_export_naming_the_correction_bias_mlx_lm_drops(tmp_path):
@@ -479,7 +518,7 @@ def test_a_deepseek2_gguf_is_written_but_not_read_back(deepseek_vault, tmp_path)
 WRITTEN_ONLY = {"glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
                 "minimax_m2": "minimax-m2", "dots1": "dots1", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
                 "hunyuan_v1_moe": "hunyuan-moe", "ernie4_5_moe": "ernie4_5-moe", "exaone_moe": "exaone-moe",
-                "afmoe": "afmoe"}
+                "afmoe": "afmoe", "llama4_text": "llama4", "lfm2_moe": "lfm2moe"}
 
 
 @pytest.fixture(scope="module")
@@ -568,6 +607,17 @@ FAMILY_REFUSALS = [
     ("exaone_moe", dict(sliding_window=None), "needs sliding-window layers"),
     ("afmoe", dict(mup_enabled=False), r"sqrt\(hidden_size\)"),
     ("afmoe", dict(layer_types=["sliding_attention", "full_attention"] * 2), "every 4th layer"),
+    ("llama4_text", dict(attention_chunk_size=32), "chunks of 8192"),
+    ("llama4_text", dict(no_rope_layers=[1, 1, 1, 1]), "NoPE on every 4th layer"),
+    ("llama4_text", dict(attn_temperature_tuning=False), "scales NoPE queries"),
+    ("llama4_text", dict(use_qk_norm=False), "q/k norm exactly when"),  # 4 experts: llama.cpp norms q and k
+    ("llama4_text", dict(moe_layers=[3]), "interleave_moe_layer_step = 2th"),
+    ("llama4_text", dict(attention_bias=True), "attention biases"),
+    ("llama4_text", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "'llama3'"),
+    ("lfm2_moe", dict(conv_bias=True), "short-convolution biases"),
+    ("lfm2_moe", dict(tie_word_embeddings=False), "untied lm_head"),
+    ("lfm2_moe", dict(routed_scaling_factor=2.0), "scale = 1.0"),  # llama.cpp's lfm2moe reads no scale
+    ("lfm2_moe", dict(use_expert_bias=False), "correction_bias = True"),
 ]
 
 
@@ -577,10 +627,10 @@ def test_gguf_refuses_what_each_llama_cpp_graph_computes_differently(family, cha
     from smoe.export import gguf_families
     from smoe.source.description import describe_model
 
-    config = exportable_config(family).to_dict() | changes
-    layers, first = config["num_hidden_layers"], config.get("first_k_dense_replace", 0)
+    config = exportable_config(family, architecture=GGUF_ARCHITECTURE.get(family)).to_dict() | changes
+    desc = describe_model(config)
     with pytest.raises(SmoeError, match=named):
-        gguf_families.check(family, config, describe_model(config), list(range(first, layers)), {}, 32)
+        gguf_families.check(family, config, desc, list(desc.moe_layers), {}, 32)
 
 
 def test_gguf_refuses_shared_experts_of_two_widths_where_the_graph_reads_one(tmp_path):
@@ -659,6 +709,38 @@ def test_gguf_exaone_and_afmoe_mark_the_sliding_layers_they_rotate_and_route_as_
     assert get("expert_weights_scale") == pytest.approx(r.scale) and r.scale != 1.0
     want = load_file(vault / TRUNK_FILE)[f"model.layers.1.{bias}"].float()
     assert torch.equal(trunk_tensor(gguf_tensors(out), "blk.1.exp_probs_b.bias"), want)
+
+
+def test_gguf_llama4_interleaves_dense_and_moe_layers_and_keeps_q_k_rows_in_pair_order(family_vaults, tmp_path):
+    vault = family_vaults["llama4_text"]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    get, c = metadata(out, "llama4"), json.loads((vault / "config.json").read_text())
+    assert get("interleave_moe_layer_step") == c["interleave_moe_layer_step"] == 2
+    assert (get("feed_forward_length"), get("expert_feed_forward_length")) == (c["intermediate_size_mlp"], 32)
+    assert "llama4.attention.sliding_window" not in gguf.GGUFReader(out).fields  # else llama.cpp turns chunks off
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_gate_inp.weight"} <= set(tensors)
+    assert not any(n.startswith("blk.0.") and "exps" in n for n in tensors)
+    q = trunk["model.layers.1.self_attn.q_proj.weight"].float()  # Hugging Face's rotary already pairs adjacent rows
+    assert torch.equal(trunk_tensor(tensors, "blk.1.attn_q.weight"), q)
+
+
+def test_gguf_lfm2_moe_marks_its_convolution_layers_with_no_key_value_heads(family_vaults, tmp_path):
+    vault = family_vaults["lfm2_moe"]
+    out = export(vault, "gguf", tmp_path / "m.gguf", trunk_type="bf16")
+    get, c = metadata(out, "lfm2moe"), json.loads((vault / "config.json").read_text())
+    kv = c["num_key_value_heads"]
+    assert list(get("attention.head_count_kv")) == [kv if t == "full_attention" else 0 for t in c["layer_types"]]
+    assert get("shortconv.l_cache") == c["conv_L_cache"] and get("leading_dense_block_count") == 1
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    conv = tensors["blk.0.shortconv.conv.weight"]  # [hidden, 1, L] squeezed, F32 whatever the trunk type
+    assert conv.tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(trunk_tensor(tensors, "blk.0.shortconv.conv.weight"),
+                       trunk["model.layers.0.conv.conv.weight"].float().squeeze(1))
+    assert torch.equal(trunk_tensor(tensors, "blk.1.exp_probs_b.bias"),
+                       trunk["model.layers.1.feed_forward.expert_bias"].float())
+    assert "output.weight" not in tensors and "token_embd_norm.weight" in tensors  # tied; LFM2's final norm
 
 
 def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tmp_path):

@@ -139,7 +139,7 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         gguf_mla.write_attention(writer, config)
         gguf_mla.write_moe(writer, describe_model(config), source.meta["moe_layers"], config["num_hidden_layers"])
     else:
-        writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+        writer.add_head_count_kv(gguf_families.kv_heads(source.model_type, config, describe_model(config)))
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
         writer.add_rope_dimension_count(rotary_dim(config))
@@ -147,13 +147,13 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
         gguf_families.write(writer, source.model_type, config, describe_model(config), source.meta["moe_layers"], shapes)
     writer.add_rope_freq_base(rope_theta(config))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", config.get("norm_eps")))  # LFM2: norm_eps
     writer.add_vocab_size(config["vocab_size"])
     writer.add_expert_count(source.num_experts)
     writer.add_expert_used_count(source.meta["top_k"])
     expert_width = source.expert_shape(source.roles[0])[0]
     if arch.expert_width_key:
-        writer.add_feed_forward_length(config.get("intermediate_size", expert_width))
+        writer.add_feed_forward_length(gguf_families.dense_width(source.model_type, config, expert_width))
         writer.add_expert_feed_forward_length(expert_width)
     else:
         writer.add_feed_forward_length(expert_width)
@@ -256,7 +256,8 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
             continue  # recomputed by every runtime
         for name, shape, transform in trunk_pieces(key, source.trunk_shape(key), names, config, arch):
             is_router = any(name == router.format(bid=b) + ".weight" for b in range(config["num_hidden_layers"]))
-            if len(shape) <= 1 or name.endswith("_norm.weight") or is_router:
+            f32 = len(shape) <= 1 or name.endswith("_norm.weight") or is_router or key.endswith(gguf_families.F32_TRUNK)
+            if f32:
                 qtype = ggml_type("f32")  # llama.cpp reads norms, biases and routers as F32
             elif trunk_type == "q8_0" and shape[-1] % 32:
                 qtype = ggml_type("f16")  # as llama.cpp's converter does for rows Q8_0 cannot hold
@@ -275,6 +276,9 @@ def trunk_pieces(key: str, shape: tuple[int, ...], names, config: dict, arch: Ar
         return split
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")
+    if key.endswith(gguf_families.CONV_KERNELS) and len(shape) == 3:
+        squeezed = (shape[0], shape[2])
+        return [(name, squeezed, lambda t: t.reshape(squeezed))]
     if arch.permute_qk and key.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config["num_attention_heads"] if key.endswith("q_proj.weight") else config["num_key_value_heads"]
         return [(name, shape, lambda t: permute_rope(t, heads))]

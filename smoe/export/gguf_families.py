@@ -25,6 +25,16 @@ ernie4_5_moe is `ernie4_5-moe`: softmax scores chosen with the correction bias, 
 as Hugging Face's own. exaone_moe is `exaone-moe` and afmoe is `afmoe`: sliding layers with rotary, full
 ones without; AFMoE adds the output gate, the norms after both branches and muP's embedding scale, all of
 which its graph computes unconditionally.
+
+llama4_text (Llama 4's text model, what a vault of a Llama 4 checkpoint holds) is `llama4`: dense and MoE
+layers interleaved, a shared expert, the router's sigmoid weight on each expert's input, rotary over adjacent
+pairs as Hugging Face's own. Its graph fixes what transformers reads from the config (NoPE every 4th layer,
+chunks of 8192 on the others, the NoPE queries' temperature, the q/k norm but on 128 experts): a config
+that says otherwise is refused. lfm2_moe is `lfm2moe`: short-convolution layers beside attention ones,
+told apart by their 0 key/value heads, the kernels squeezed to [channels, width] as the converter does.
+
+Left refused (no row): qwen3_next (`qwen3next`: gated delta-net layers, whose fused projections the converter
+reorders) and the Mamba hybrids granitemoehybrid (`granitehybrid`) and jamba (`jamba`), not yet written.
 """
 
 from __future__ import annotations
@@ -43,8 +53,12 @@ from smoe.source.gguf import Architecture
 SINKS = "self_attn.sinks"  # llama.cpp's converter names them attn_sinks.weight
 # under mlp.gate (GLM-4.5, dots.llm1), block_sparse_moe (MiniMax-M2), mlp (EXAONE-MoE), mlp.moe_statics (ERNIE, [1, E])
 CORRECTION_BIAS = "e_score_correction_bias"
-EXPERT_BIAS = "mlp.expert_bias"  # AFMoE's correction bias
+EXPERT_BIAS = ".expert_bias"  # the correction bias of AFMoE (under mlp) and LFM2-MoE (under feed_forward)
 GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: gate rows, then up rows
+# depthwise convolution kernels, [channels, 1, width] in transformers: llama.cpp's converter squeezes them to
+# [channels, width] and keeps them F32 (ggml's ssm_conv reads F32)
+CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight")
+F32_TRUNK = CONV_KERNELS  # matrices llama.cpp reads as F32 whatever the trunk type
 SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 # llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
@@ -71,8 +85,9 @@ class GgufFamily:
     shared_width: bool = False  # the shared experts' width read from metadata (else n_shared × the routed width)
     interleaved: bool = False  # every interleave_moe_layer_step-th layer MoE, the others dense (Llama 4)
     dense_width_key: str = "intermediate_size"  # the config key of the dense layers' width (feed_forward_length)
+    recurrent_kv: bool = False  # head_count_kv per layer, 0 on the layers whose mixer is not attention
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
-    write: Callable[[gguf.GGUFWriter, ModelDescription, list[int]], None] | None = None  # the family's own metadata
+    write: Callable[[gguf.GGUFWriter, dict, ModelDescription, list[int]], None] | None = None  # its own metadata
 
 
 def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
@@ -82,7 +97,7 @@ def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
     require(bool(desc.attention.sliding_layers), f"{name}: llama.cpp's gpt-oss needs sliding-window layers")
 
 
-def _write_granite(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int]) -> None:
+def _write_granite(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
     """llama.cpp reads a zero scale as none; the config checks hold every multiplier to [1e-6, 1e6]."""
     m = desc.multipliers
     writer.add_embedding_scale(m.embedding)
@@ -97,7 +112,7 @@ def _hunyuan(name: str, config: dict, desc: ModelDescription) -> None:
             f"{name}: dynamic RoPE without a fixed alpha changes with the length; llama.cpp's hunyuan-moe takes a fixed base")
 
 
-def _write_ernie(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int]) -> None:
+def _write_ernie(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
     writer.add_interleave_moe_layer_step(1)  # every layer after the leading dense ones is MoE (check)
     writer.add_leading_dense_block_count(moe_layers[0])
 
@@ -130,13 +145,16 @@ def _llama4(name: str, config: dict, desc: ModelDescription) -> None:
     on the others, the NoPE layers' query temperature, and the q/k norm on all but the 128-expert model."""
     n = desc.num_layers
     roped = [int((i + 1) % LLAMA4_EVERY != 0) for i in range(n)]
-    require(config.get("no_rope_layers") == roped, f"{name}: no_rope_layers {config.get('no_rope_layers')} is not "
-            f"what llama.cpp's llama4 computes (NoPE on every {LLAMA4_EVERY}th layer)")
+    interval = config.get("no_rope_layer_interval", LLAMA4_EVERY)  # transformers' rule where the list is absent
+    listed = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    require(listed == roped, f"{name}: no_rope_layers {listed} is not what llama.cpp's llama4 computes (NoPE on every "
+            f"{LLAMA4_EVERY}th layer)")
     chunked = ["chunked_attention" if r else "full_attention" for r in roped]
     require(config.get("attention_chunk_size") == LLAMA4_CHUNK and config.get("layer_types", chunked) == chunked,
             f"{name}: llama.cpp's llama4 attends in chunks of {LLAMA4_CHUNK} on the rotary layers; this model's chunk is "
             f"{config.get('attention_chunk_size')}, its layer types {config.get('layer_types')}")
-    temperature = (config.get("attn_temperature_tuning"), config.get("floor_scale"), config.get("attn_scale"))
+    temperature = (config.get("attn_temperature_tuning", True), config.get("floor_scale", LLAMA4_TEMPERATURE[0]),
+                   config.get("attn_scale", LLAMA4_TEMPERATURE[1]))  # transformers' defaults where absent
     require(temperature == (True, *LLAMA4_TEMPERATURE), f"{name}: llama.cpp's llama4 scales NoPE queries with floor "
             f"{LLAMA4_TEMPERATURE[0]} and scale {LLAMA4_TEMPERATURE[1]}; this model's tuning, floor and scale are "
             f"{temperature}")
@@ -146,8 +164,21 @@ def _llama4(name: str, config: dict, desc: ModelDescription) -> None:
             f"experts and use_qk_norm = {norm}")
 
 
-def _write_llama4(writer: gguf.GGUFWriter, desc: ModelDescription, moe_layers: list[int]) -> None:
+def _write_llama4(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
     writer.add_interleave_moe_layer_step(moe_layers[0] + 1)  # the layout the check holds to the step
+
+
+def _lfm2_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    require(not config.get("conv_bias", False), f"{name}: llama.cpp's lfm2moe has no short-convolution biases")
+    # its tensor list has no output.weight: the graph takes the embeddings as the lm_head
+    require(config.get("tie_word_embeddings", True), f"{name}: an untied lm_head is not what llama.cpp's lfm2moe reads")
+    convs = tuple(i for i, t in enumerate(config.get("layer_types") or []) if t == "conv")
+    require(desc.attention.mixer_layers == convs, f"{name}: llama.cpp's lfm2moe takes attention or short-convolution "
+            f"layers; this model's other layers are {desc.attention.mixer_layers}")
+
+
+def _write_lfm2_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    writer.add_shortconv_l_cache(config["conv_L_cache"])
 
 
 def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
@@ -196,6 +227,10 @@ FAMILIES = {
                               extras=("interleaved_rotary", "no_rope_layers", "temperature_tuning", "chunked_attention"),
                               qk_norms=(None, "l2_after_rotary"), interleaved=True,
                               dense_width_key="intermediate_size_mlp", check=_llama4, write=_write_llama4),
+    # short-convolution layers beside attention ones: llama.cpp tells them apart by their 0 key/value heads
+    "lfm2_moe": GgufFamily(_arch("LFM2MOE", "num_experts"), SIGMOID_BIASED | dict(normalise=True, scale=1.0, n_group=1),
+                           qk_norms=("head",), dense_first=True, moe_keys=True, recurrent_kv=True, check=_lfm2_moe,
+                           write=_write_lfm2_moe),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
@@ -206,7 +241,7 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
           expert_width: int) -> None:
     """What the family's llama.cpp graph assumes that this config (and the trunk's `shapes`) could contradict."""
     family = FAMILIES[name]
-    layers, arch = config["num_hidden_layers"], family.arch.arch.lower()
+    arch = family.arch.arch.lower()
     want, takes = moe_layout(family, config, moe_layers)
     require(moe_layers == want, f"{name}: llama.cpp's {arch} takes {takes}; this model's MoE layers are {moe_layers}")
     unsupported = [e for e in desc.extras if e not in family.extras]
@@ -254,6 +289,14 @@ def dense_width(name: str, config: dict, expert_width: int) -> int:
     return config.get(family.dense_width_key if family else "intermediate_size", expert_width)
 
 
+def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]:
+    """head_count_kv: one number, or per layer where the graph reads a layer without attention as 0 heads."""
+    family = FAMILIES.get(name)
+    if family is None or not family.recurrent_kv:
+        return desc.attention.kv_heads
+    return [0 if i in desc.attention.mixer_layers else desc.attention.kv_heads for i in range(desc.num_layers)]
+
+
 def shared_widths(shapes: dict[str, tuple[int, ...]]) -> set[int]:
     """The widths of the shared experts in the trunk (their down projections' inputs)."""
     return {shape[-1] for key, shape in shapes.items()
@@ -269,7 +312,7 @@ def write(writer: gguf.GGUFWriter, name: str, config: dict, desc: ModelDescripti
     if family.shared_width and (widths := shared_widths(shapes)):
         writer.add_expert_shared_feed_forward_length(widths.pop())
     if family.write:
-        family.write(writer, desc, moe_layers)
+        family.write(writer, config, desc, moe_layers)
     if desc.shared_gate and (width := config.get("shared_expert_intermediate_size")):  # qwen2moe
         writer.add_expert_shared_feed_forward_length(width)
     if desc.attention.sliding_layers:

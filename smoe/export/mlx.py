@@ -8,7 +8,8 @@ and biases [E, out, in/group] in fp16), listed one by one with an explicit `mode
 across rows) the group is 32 and each SMOE scale is written twice, which stays exact. The trunk
 keeps the vault's precision and Hugging Face names, which mlx-lm's models read as they are. Which families,
 where each model file keeps its experts and what it computes: smoe.export.mlx_families. Experts with
-biases (gpt-oss) keep them as `bias` [E, out] beside the quantised weight, as mlx-lm's switch layers read them.
+biases (gpt-oss) keep them as `bias` [E, out] beside the quantised weight, as mlx-lm's switch layers read them;
+where the model file keeps one Linear per expert (DBRX) each expert is written alone, [out, …].
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from smoe.source.description import describe_model
 
 SHARD_BYTES = 5 * 2**30
 SAFETENSORS_DTYPES = {t: SAFETENSORS_NAMES[t] for t in FLOATS.values()}
-PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+ROLES = ("gate", "up", "down")  # the order of a row's projections
 
 
 def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> None:
@@ -66,8 +67,9 @@ def trunk_plan(source: ExportSource, row: MlxFamily) -> list[Planned]:
         name = renamed(key, row)
         shape = source.trunk_shape(key)
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=t_dtype).element_size()
-        load = lambda key=key: source.trunk_tensor(key).contiguous().view(torch.uint8).numpy()
-        plan.append(Planned(name, SAFETENSORS_DTYPES[t_dtype], shape, nbytes, load))
+        change, reshaped = mlx_families.edit(row, key) or (lambda t: t, lambda s: s)
+        load = lambda key=key, change=change: change(source.trunk_tensor(key)).contiguous().view(torch.uint8).numpy()
+        plan.append(Planned(name, SAFETENSORS_DTYPES[t_dtype], tuple(reshaped(shape)), nbytes, load))
     return plan
 
 
@@ -86,32 +88,43 @@ def group_width(inp: int) -> int | None:
 def experts_plan(source: ExportSource, row: MlxFamily, quantization: dict) -> list[Planned]:
     plan = []
     for layer in source.meta["moe_layers"]:
-        for role in source.roles:
-            module = renamed(f"model.layers.{layer}.{row.experts}.{PROJECTIONS[role]}", row)
-            plan += role_plan(source, layer, role, module, quantization)
-            if row.expert_biases:
-                plan.append(bias_plan(source, layer, role, module))
+        for expert in range(source.num_experts) if row.per_expert else (None,):
+            for role in source.roles:
+                module = expert_module(row, layer, role, expert)
+                plan += role_plan(source, layer, role, module, quantization, expert)
+                if row.expert_biases:
+                    plan.append(bias_plan(source, layer, role, module))
     return plan
 
 
-def role_plan(source: ExportSource, layer: int, role: str, module: str, quantization: dict) -> list[Planned]:
-    """One projection of every expert of `layer`: weight, scales and biases of MLX's affine form."""
-    experts, (out, inp) = source.num_experts, source.expert_shape(role)
-    width = group_width(inp)
-    get = lambda: source.experts(layer, role)
+def expert_module(row: MlxFamily, layer: int, role: str, expert: int | None = None) -> str:
+    """Where mlx-lm's model keeps `role` of `layer`'s experts: the fused switch layer, or expert `expert`'s own."""
+    experts = row.experts if expert is None else f"{row.experts}.{expert}"
+    return renamed(f"model.layers.{layer}.{experts}.{dict(zip(ROLES, row.projections))[role]}", row)
+
+
+def role_plan(source: ExportSource, layer: int, role: str, module: str, quantization: dict,
+              expert: int | None = None) -> list[Planned]:
+    """One projection of every expert of `layer` (of expert `expert` alone where given): weight, scales and
+    biases of MLX's affine form."""
+    (out, inp), width = source.expert_shape(role), group_width(source.expert_shape(role)[1])
+    lead = (source.num_experts,) if expert is None else ()
+    get = lambda: source.experts(layer, role) if expert is None else source.experts(layer, role)[expert:expert + 1]
+    stack = np.stack if expert is None else (lambda arrays: arrays[0])
+    count = int(np.prod(lead))
     if width is None:  # rows too narrow for any MLX group: written decoded (toy sizes only)
-        load = lambda: np.stack([e.decoded() for e in get()])
-        return [Planned(f"{module}.weight", "F32", (experts, out, inp), experts * out * inp * 4, load)]
+        load = lambda: stack([e.decoded() for e in get()])
+        return [Planned(f"{module}.weight", "F32", (*lead, out, inp), count * out * inp * 4, load)]
     bits = source.role_bits(layer, role)  # a mixed-depth layer's Q2 codes fit 4-bit slots too
     quantization[module] = {"group_size": width, "bits": bits, "mode": "affine"}
-    words, groups = (experts, out, inp * bits // 32), (experts, out, inp // width)
+    words, groups = (*lead, out, inp * bits // 32), (*lead, out, inp // width)
     return [
         Planned(f"{module}.weight", "U32", words, 4 * int(np.prod(words)),
-                lambda: np.stack([pack_uint32(e, bits) for e in get()])),
+                lambda: stack([pack_uint32(e, bits) for e in get()])),
         Planned(f"{module}.scales", "F16", groups, 2 * int(np.prod(groups)),
-                lambda: np.stack([scale_bias(e, width)[0] for e in get()])),
+                lambda: stack([scale_bias(e, width)[0] for e in get()])),
         Planned(f"{module}.biases", "F16", groups, 2 * int(np.prod(groups)),
-                lambda: np.stack([scale_bias(e, width)[1] for e in get()])),
+                lambda: stack([scale_bias(e, width)[1] for e in get()])),
     ]
 
 

@@ -6,23 +6,39 @@ reads that the Hugging Face config spells otherwise or lacks. What the model fil
 is refused by name before anything is written. Every layer layout is written from the vault's MoE
 layers (first_k_dense_replace, mlp_only_layers), so mlx-lm builds the layers the vault holds.
 
+Hybrid families' mixer layers (gated delta-net, Mamba) are trunk tensors under transformers' names; where
+mlx-lm's sanitize converts them only for a checkpoint it fuses itself (its early return once experts are
+fused), the row's `edits` write them converted. DBRX's model file keeps each expert as its own Linear
+(`per_expert`).
+
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
-router chooses with). Not yet written (no row, so refused as unsupported): hunyuan_v1_moe, dbrx and the
-hybrid families (qwen3_next, jamba, nemotron_h, granitemoehybrid, minimax), whose mixers mlx-lm computes
-in its own layers; bailing_moe has no transformers family.
+router chooses with), hunyuan_v1_moe (mlx-lm's hunyuan never normalises the chosen experts' weights, transformers'
+does), jamba (mlx-lm's always does, transformers' never).
+Not yet written (no row, so refused as unsupported): minimax (MiniMax-Text-01's lightning attention:
+mlx-lm's minimax file is MiniMax-M2's); bailing_moe has no transformers family.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from smoe.export.source import require
 from smoe.source.description import ModelDescription
 
 OAI_CLAMP = (1.702, 7.0)  # mlx-lm's SwigluOAI defaults, which its gpt_oss never changes
 REFUSED = {"ernie4_5_moe": "mlx-lm's ernie4_5_moe drops the router's correction bias (its sanitize removes "
-                           "e_score_correction_bias)"}
+                           "e_score_correction_bias)",
+           # transformers' HunYuan-MoE divides the top-k softmax weights by their sum; mlx-lm's hunyuan uses them
+           # as they are, which even top-1 (weight 1 against p) makes differ
+           "hunyuan_v1_moe": "mlx-lm's hunyuan does not normalise the chosen experts' weights, transformers' "
+                             "hunyuan_v1_moe does",
+           # the other way round: transformers' Jamba keeps the top-k softmax weights, mlx-lm's takes a softmax
+           # over the k chosen logits (and places MoE layers by (i + offset) % period)
+           "jamba": "mlx-lm's jamba normalises the chosen experts' weights, transformers' jamba does not"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +60,9 @@ class MlxFamily:
     config: Callable[[dict, ModelDescription, list[int]], dict] | None = None  # ModelArgs keys it adds
     nested_in: str | None = None  # the model_type of mlx-lm's file that reads these args as its text_config
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down under `experts`
+    per_expert: bool = False  # one module per expert (`experts.{e}.…`) instead of fused switch layers
+    edits: tuple[tuple[str, str], ...] = ()  # (trunk key pattern, EDITS name): tensors written as mlx-lm keeps them
 
 
 # --- the ModelArgs keys each model file reads -----------------------------------------------------
@@ -111,6 +130,17 @@ def _afmoe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
 
 def _lfm2_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
     return dict(num_dense_layers=moe_layers[0])
+
+
+def _qwen3_next(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return _qwen3_moe(config, desc, moe_layers) | dict(
+        partial_rotary_factor=_partial_rotary(config), full_attention_interval=_full_attention_interval(desc))
+
+
+def _full_attention_interval(desc: ModelDescription) -> int:
+    """mlx-lm's qwen3_next attends in full on every k-th layer: k is the first such layer's number."""
+    mixers = set(desc.attention.mixer_layers)
+    return next((i + 1 for i in range(desc.num_layers) if i not in mixers), desc.num_layers + 1)
 
 
 def _minimax_m2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
@@ -187,6 +217,24 @@ def _check_lfm2_moe(name: str, config: dict, desc: ModelDescription) -> None:
             "(it always reads the embeddings)")
 
 
+def _check_dbrx(name: str, config: dict, desc: ModelDescription) -> None:
+    attn = config.get("attn_config", {})
+    require(attn.get("clip_qkv") is not None,
+            f"{name}: clip_qkv unset is not what mlx-lm's dbrx computes (it always clips q, k and v)")
+    # mlx-lm's rotary base is attn_config's; transformers 5 takes rope_parameters' (10000 where a config has none)
+    base = _rope(config).get("rope_theta", 10000.0)
+    require(attn.get("rope_theta") == base, f"{name}: attn_config's rope_theta {attn.get('rope_theta')} (what mlx-lm's "
+            f"dbrx rotates with) is not transformers' rotary base, rope_parameters' {base}")
+
+
+def _check_qwen3_next(name: str, config: dict, desc: ModelDescription) -> None:
+    every = _full_attention_interval(desc)
+    linear = [i for i in range(desc.num_layers) if (i + 1) % every]
+    require(list(desc.attention.mixer_layers) == linear and every <= desc.num_layers,
+            f"{name}: mlx-lm's qwen3_next attends in full on every k-th layer only; this model's linear-attention "
+            f"layers are {list(desc.attention.mixer_layers)}")
+
+
 LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
 
 
@@ -261,8 +309,40 @@ FAMILIES = {
     "minimax_m2": MlxFamily("block_sparse_moe.switch_mlp", SIGMOID_BIASED | dict(normalise=True, n_group=1, scale=1.0),
                             extras=("partial_rotary",), qk_norms=(None, "full"), config=_minimax_m2),
 }
+# mlx-lm's sanitize converts these only for checkpoints whose experts it fuses itself (its early return otherwise)
+QWEN3_NEXT_EDITS = ((r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$|^model\.norm\.weight$",
+                     "norm_offset"), (r"conv1d\.weight$", "conv_channels_last"))
+FAMILIES |= {
+    "dbrx": MlxFamily("ffn.experts", SOFTMAX | dict(normalise=True), renames=((r"^model\.layers\.", "transformer.blocks."),),
+                      extras=("layer_norm", "clip_qkv"), projections=("w1", "v1", "w2"), per_expert=True,
+                      check=_check_dbrx),
+    # its gated delta-net layers are trunk tensors under transformers' names
+    "qwen3_next": MlxFamily("mlp.switch_mlp", SOFTMAX, layers="any", extras=("norm_offset", "attention_gate",
+                                                                             "partial_rotary"),
+                            qk_norms=("head",), attention_bias=(False, True), shared="gated", config=_qwen3_next,
+                            check=_check_qwen3_next, edits=QWEN3_NEXT_EDITS),
+}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
 PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)
+
+
+def _norm_offset(t: torch.Tensor) -> torch.Tensor:
+    """transformers' (1 + w) norms as the plain weight mlx-lm's RMSNorm multiplies by, summed in fp32."""
+    return (t.float() + 1.0).to(t.dtype)
+
+
+def _conv_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """A depthwise conv1d weight [C, 1, K] as MLX's Conv1d keeps it, [C, K, 1]."""
+    return t.squeeze(1).unsqueeze(-1)  # not movedim: its size-1 last axis keeps a stride that bytes cannot view
+
+
+EDITS = {"norm_offset": (_norm_offset, lambda shape: shape),
+         "conv_channels_last": (_conv_channels_last, lambda shape: (shape[0], shape[2], shape[1]))}
+
+
+def edit(row: MlxFamily, key: str) -> tuple[Callable, Callable] | None:
+    """The EDITS entry the row applies to trunk tensor `key`, if any."""
+    return next((EDITS[name] for pattern, name in row.edits if re.search(pattern, key)), None)
 
 
 def family(name: str) -> MlxFamily:

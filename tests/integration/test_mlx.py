@@ -53,7 +53,7 @@ def test_mlx_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
 # (tests/export_models.py; gpt-oss with its YaRN range rounded, as mlx-lm computes it, and the other MLX_CHANGES and
 # MLX_ARCHITECTURE there: PhiMoE's biases, Llama 4's norm eps, EXAONE's window narrower than the prompt)
 TINY_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
-                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe"]
+                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next"]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -84,6 +84,17 @@ def test_mlx_lm_gpt_oss_rotary_is_transformers_yarn(tmp_path):
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
     np.testing.assert_allclose(1 / np.array(rope._freqs), inv_freq.numpy(), rtol=1e-6)
     assert rope.mscale == pytest.approx(attention_factor)
+
+
+def test_mlx_lm_dbrx_rotates_with_transformers_rotary_base(tmp_path):
+    """DBRX's logits cannot tell rotary bases apart either (a base of 1 passes the family test): mlx-lm's base,
+    read from attn_config, is transformers' (rope_parameters')."""
+    from transformers import AutoConfig
+
+    vault = mlx_exportable_vault(tmp_path, "dbrx", 4)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    config = AutoConfig.from_pretrained(tmp_path / "dbrx-mlx-model-4")
+    assert model.layers[0].norm_attn_norm.attn.rope.base == config.rope_parameters["rope_theta"]
 
 
 def test_mlx_lm_generates_smoe_greedy_tokens(tmp_path_factory, tmp_path):
