@@ -167,3 +167,32 @@ def test_progress_bars_still_draw_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Terminal())
     assert not bar(range(3), file=sys.stderr).disable
     assert bar(range(3), enabled=False, file=sys.stderr).disable
+
+
+def test_quantize_with_a_plan_reuses_the_calibration_statistics_the_plan_measured_with(tiny, tmp_path):
+    """`smoe plan` keeps its calibration statistics beside the plan; `quantize --plan` reads them back when they
+    fit the model, text and token count (the same vault as calibrating again), and calibrates again when the
+    file is unreadable."""
+    import shutil
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text((TOKENIZER_TEXT + "\n") * 40)
+    r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "--calib-tokens", "256",
+                 "-o", tmp_path / "plan.json", "-q")
+    assert r.returncode == 0, r.stderr
+    kept = tmp_path / "plan.calibration.pt"
+    assert kept.is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(tmp_path / "plan.json", elsewhere / "plan.json")  # the same plan without its statistics
+    vaults = {}
+    for name, plan in (("reused", tmp_path / "plan.json"), ("fresh", elsewhere / "plan.json")):
+        r = smoe_cli("quantize", tiny / "model", "--plan", plan, "-o", tmp_path / name, "-q")
+        assert r.returncode == 0, r.stderr
+        assert (f"reusing the calibration statistics in {kept}" in r.stderr) == (name == "reused")
+        vaults[name] = (tmp_path / name / "experts.bin").read_bytes()
+    assert vaults["reused"] == vaults["fresh"]
+    kept.write_bytes(b"not statistics")
+    r = smoe_cli("quantize", tiny / "model", "--plan", tmp_path / "plan.json", "-o", tmp_path / "again", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "reusing" not in r.stderr and (tmp_path / "again" / "experts.bin").read_bytes() == vaults["fresh"]

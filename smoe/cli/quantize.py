@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 from smoe.errors import SmoeError
-from smoe.quality.plan import format_plan, load_plan, plan_model, role_bits, write_heatmap
+from smoe.quality.plan import (
+    calibration_stats,
+    format_plan,
+    load_plan,
+    plan_model,
+    role_bits,
+    stats_path,
+    write_heatmap,
+)
 
 
 def plan_calibration(args, doc: dict, encoder: str) -> None:
@@ -71,7 +79,8 @@ def cmd_plan(args) -> int:
 def quantize_inputs(args, progress: bool):
     """For `smoe quantize`: (depth per (layer, role) or None, encoder, calibration stats or None, planned)
     from --plan / --budget / --encoder; with --budget the plan is made here, beside the vault."""
-    from smoe.convert.encoders import default_encoder
+    from smoe.convert.calibrate import DEFAULT_TOKENS
+    from smoe.convert.encoders import NEEDS_CALIBRATION, default_encoder
     from smoe.source.checkpoint import open_checkpoint
     from smoe.source.matching import map_experts
 
@@ -95,7 +104,11 @@ def quantize_inputs(args, progress: bool):
         encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))
         plan_calibration(args, doc, encoder)
         ckpt = open_checkpoint(args.model)
-        return role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, None, None
+        stats = None
+        if encoder in NEEDS_CALIBRATION and stats_path(Path(args.plan)).is_file():  # the plan's own, when they fit
+            stats = calibration_stats(args.model, args.calib, args.calib_tokens or DEFAULT_TOKENS,
+                                      stats_path(Path(args.plan)), progress)
+        return role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, stats, None
     return None, encoder, None, None
 
 

@@ -83,12 +83,25 @@ class CalibrationStats:
         eye = torch.eye(sums.shape[-1], dtype=sums.dtype)
         return eye * (energy if energy > 0 else 1.0)
 
-    def save(self, path: Path) -> None:
-        torch.save(self.__dict__, path)
+    def save(self, path: Path, source: str = "") -> None:
+        """Written under a temporary name, then renamed: a run stopped midway leaves no half file. `source`:
+        what the statistics were collected from (a fingerprint of model, text and tokens), checked by load."""
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(self.__dict__ | {"source": source}, tmp)
+        tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path) -> CalibrationStats:
-        return cls(**torch.load(path, weights_only=True))
+    def load(cls, path: Path, source: str | None = None) -> CalibrationStats | None:
+        """The statistics saved at path, or None when they were collected from another source than `source`
+        or the file cannot be read as statistics (it is then collected again: it is a cache)."""
+        try:
+            saved = torch.load(path, weights_only=True)
+            if source is not None and saved.pop("source", None) != source:
+                return None
+            saved.pop("source", None)
+            return cls(**saved)
+        except Exception:  # noqa: BLE001 - truncated, crafted or of another version: not these statistics
+            return None
 
 
 def file_hash(path: str | Path) -> str:

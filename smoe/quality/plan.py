@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from pathlib import Path
 
 from smoe.errors import SmoeError
@@ -251,10 +252,34 @@ def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float |
 
 
 def plan_outputs(plan: Path, sensitivity: Path) -> list[Path]:
-    """Every file `plan_model` writes: the plan, its heatmap, the sensitivity table, and their temporaries."""
+    """Every file `plan_model` writes: the plan, its heatmap, the sensitivity table, the calibration statistics,
+    and their temporaries."""
     heatmap = plan.with_suffix(".png")
-    return [plan, heatmap, sensitivity, *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity)),
+    stats = stats_path(plan)
+    return [plan, heatmap, sensitivity, stats, *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity, stats)),
             heatmap.with_name(heatmap.stem + ".tmp.png")]
+
+
+def stats_path(plan: Path) -> Path:
+    """Where a plan keeps the calibration statistics it measured with, for `quantize --plan` to reuse."""
+    return plan.with_name(plan.stem + ".calibration.pt")
+
+
+def calibration_stats(model_dir, calib, tokens: int, path: Path, progress: bool = True, collected: bool = False):
+    """The expert inputs' second moments on the calibration text: those kept at `path` when they were collected
+    from this model, text and token count, else collected now (and kept there when `collected`)."""
+    from smoe.convert import calibrate
+    from smoe.quality.sensitivity import fingerprint
+
+    source = fingerprint(model_dir, "calibration", calibrate.file_hash(calib), tokens)
+    stats = calibrate.CalibrationStats.load(path, source) if path.is_file() else None
+    if stats is not None:
+        print(f"smoe: notice: reusing the calibration statistics in {path}", file=sys.stderr)
+        return stats
+    stats = calibrate.collect(model_dir, calib, tokens, progress=progress)
+    if collected:
+        stats.save(path, source)
+    return stats
 
 
 def write_plan(doc: dict, path: str | Path) -> Path:
@@ -308,7 +333,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     stats = meter = None
     if wanted - set(table["kl"]) or need_meter:  # a complete table needs no model run
         if encoder in encoders.NEEDS_CALIBRATION:
-            stats = calibrate.collect(model_dir, calib, tokens, progress=progress)
+            stats = calibration_stats(model_dir, calib, tokens, stats_path(out), progress, collected=True)
         meter = KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
         table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter)
     table = table_for_model(table, moe, bias_sizes(ckpt, moe))
@@ -320,7 +345,8 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
 
 
 def calibration_record(calib, tokens: int) -> dict:
-    """What `quantize --plan` needs to calibrate a calibrated encoder as the plan did: the text and its size."""
+    """What `quantize --plan` needs to calibrate a calibrated encoder as the plan did: the text and its size
+    (the statistics themselves are kept beside the plan, stats_path)."""
     from smoe.convert.calibrate import file_hash
 
     return {"file": str(Path(calib).resolve()), "hash": file_hash(calib), "tokens": tokens}
