@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,cuda]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,cuda,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,7 +33,7 @@ test-integrations: $(INTEGRATIONS) browser
 # llama.cpp from its source release once (pip keeps the built wheel).
 $(INTEGRATIONS): $(STAMP)
 	@echo "installing llama-cpp-python, mlx, mlx-lm and lm-evaluation-harness: llama-cpp-python compiles llama.cpp from source the first time (about 20 minutes for this install on 2 cores, with no output from pip meanwhile)"
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,cuda,integrations]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,cuda,ray,integrations]'
 	touch $(INTEGRATIONS)
 
 # Debian's headless Chromium and its WebDriver, for the web chat test.

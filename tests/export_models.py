@@ -47,8 +47,12 @@ FULLEST = {
     "llama4_text": dict(attention_chunk_size=8192),
 }
 # config values that change the model's tensors for the GGUF tests (exportable_vault): LFM2-MoE's tied embeddings,
-# as released (llama.cpp's lfm2moe reads no lm_head; the MLX tests keep its untied default for their refusal)
-GGUF_ARCHITECTURE = {"lfm2_moe": dict(tie_word_embeddings=True)}
+# as released (llama.cpp's lfm2moe reads no lm_head; the MLX tests keep its untied default for their refusal);
+# Granite-hybrid with attention biases, its Mamba in two groups (its gated norm per group) and its four multipliers
+# away from 1
+GGUF_ARCHITECTURE = {"lfm2_moe": dict(tie_word_embeddings=True),
+                     "granitemoehybrid": dict(attention_bias=True, mamba_n_groups=2, embedding_multiplier=0.5,
+                                              attention_multiplier=0.0625, residual_multiplier=2.0, logits_scaling=0.25)}
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
 
@@ -194,13 +198,21 @@ def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int
 # it and the MLX export refuses that, so the MLX tests take gpt-oss's config with the range rounded
 # EXAONE's window narrower than the prompt, so that its sliding layers slide; Llama 4's norms at the eps mlx-lm's
 # llama4 takes for its q/k norm
+# Granite's four multipliers away from 1 and a time-step clamp that bites (the tiny Mamba's steps are near 0.69);
+# Nemotron-H's routed scale and a time_step_min that bites (transformers clamps the prompt's steps there)
 MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}, "exaone_moe": {"sliding_window": 16},
-               "llama4": {"rms_norm_eps": 1e-6}}
+               "llama4": {"rms_norm_eps": 1e-6},
+               "granitemoehybrid": {"embedding_multiplier": 12.0, "attention_multiplier": 0.0625,
+                                    "residual_multiplier": 0.22, "logits_scaling": 8.0, "time_step_limit": [0.5, 0.8]},
+               "nemotron_h": {"routed_scaling_factor": 2.5, "time_step_min": 0.6}}
 # config values that change the model's tensors, set before it is built: Phi-3.5-MoE's released attention and
 # lm_head biases (mlx-lm's phimoe always builds them; transformers' default is none); LFM2-MoE's tied embeddings;
-# DBRX's experts as wide as MLX groups (its width is ffn_config's, which exportable_config does not set)
+# DBRX's experts as wide as MLX groups (its width is ffn_config's, which exportable_config does not set); Granite's
+# attention biases; Nemotron-H's Mamba in two groups (its gated norm per group) and a dense MLP layer
 MLX_ARCHITECTURE = {"phimoe": dict(attention_bias=True, lm_head_bias=True), "lfm2_moe": dict(tie_word_embeddings=True),
-                    "dbrx": {"ffn_config.ffn_hidden_size": 32}}
+                    "dbrx": {"ffn_config.ffn_hidden_size": 32}, "granitemoehybrid": dict(attention_bias=True),
+                    "nemotron_h": dict(n_groups=2, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                      "mlp", "moe"])}
 
 
 def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:

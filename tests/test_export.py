@@ -263,7 +263,8 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
 # --- MLX: the families of smoe.export.mlx_families ----------------------------------------------
 
 MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
-                "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next"]
+                "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
+                "granitemoehybrid", "nemotron_h"]
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +286,7 @@ def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_whe
     trunk = load_file(vault / TRUNK_FILE)
     with Vault(vault) as v:
         row = FAMILIES[v.meta["model_type"]]  # Llama 4's vault is its text model, llama4_text
-        layers, experts = v.meta["moe_layers"], v.meta["num_experts"]
+        layers, experts, roles = v.meta["moe_layers"], v.meta["num_experts"], v.meta["roles"]  # Nemotron-H: up, down
         biases = {(layer, role): torch.stack([v.read_expert(layer, e)[1][role] for e in range(experts)]).float()
                   for layer in layers for role in MLX_ROLES} if family == "gpt_oss" else {}
     # the trunk as it is, but where the row writes a tensor as mlx-lm keeps it (Qwen3-Next's norms and convolutions)
@@ -294,7 +295,7 @@ def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_whe
     assert row.edits or all(edit(row, name) is None for name in trunk)
     expert_names = set()
     for layer in layers:
-        for role in MLX_ROLES:
+        for role in roles:
             want, s, _ = vault_experts(vault, layer, role)
             for expert in range(experts) if row.per_expert else (None,):
                 module = expert_module(row, layer, role, expert)
@@ -345,6 +346,12 @@ def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
     qwen3_next = read("qwen3_next")  # linear attention, then full: a full layer every second one
     assert (qwen3_next["full_attention_interval"], qwen3_next["partial_rotary_factor"]) == (2, 0.25)
     assert (qwen3_next["norm_topk_prob"], qwen3_next["mlp_only_layers"]) == (True, [])
+    granite = read("granitemoehybrid")  # mlx-lm's spelling of the kinds; no rotary (transformers' default)
+    assert (granite["layer_types"], granite["position_embedding_type"]) == (["mamba", "attention"], "nope")
+    assert (granite["logits_scaling"], granite["time_step_limit"]) == (8.0, [0.5, 0.8])
+    nemotron = read("nemotron_h")  # transformers clamps the prompt's time steps at time_step_min
+    assert (nemotron["hybrid_override_pattern"], nemotron["n_shared_experts"]) == (list("ME*-E"), 1)
+    assert (nemotron["time_step_limit"], nemotron["routed_scaling_factor"]) == ([0.6, float("inf")], 2.5)
     llama4 = read("llama4")  # mlx-lm's multimodal llama4 reads the text model's args, quantization beside them
     assert llama4["model_type"] == "llama4" and llama4["text_config"]["interleave_moe_layer_step"] == 2
     assert llama4["quantization"]["bits"] == 4 and "quantization" not in llama4["text_config"]
@@ -389,6 +396,17 @@ MLX_REFUSALS = [
     ("qwen3_next", dict(layer_types=["full_attention", "linear_attention"]), "every k-th layer"),
     ("qwen3_next", dict(layer_types=["linear_attention", "linear_attention"]), "every k-th layer"),
     ("qwen3_next", dict(norm_topk_prob=True, shared_expert_intermediate_size=0), "0 shared experts"),
+    ("granitemoehybrid", dict(mamba_n_groups=2), "mamba_n_groups = 2"),  # mlx-lm's gated norm spans all groups
+    ("granitemoehybrid", dict(mamba_n_groups=1, head_dim=32), "head_dim = hidden_size / heads"),
+    ("granitemoehybrid", dict(mamba_n_groups=1, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1e4}), "'linear'"),
+    ("granitemoehybrid", dict(mamba_n_groups=1, time_step_limit=None), "time_step_limit None"),
+    ("nemotron_h", dict(n_group=2, topk_group=1), "n_group = 1"),  # mlx-lm zeroes dropped groups' scores
+    ("nemotron_h", dict(mamba_hidden_act="gelu"), "mamba_hidden_act 'gelu'"),
+    ("nemotron_h", dict(mlp_hidden_act="silu"), "relu2 \\(not gated\\) experts; this model's are silu"),
+    ("nemotron_h", dict(num_experts_per_tok=1), "single chosen expert"),
+    ("nemotron_h", dict(moe_latent_size=16), "does not compute latent_experts"),
+    ("nemotron_h", dict(layers_block_type=["linear_attention", "moe", "full_attention", "conv"]), "layer kinds"),
 ]
 
 
@@ -518,7 +536,8 @@ def test_a_deepseek2_gguf_is_written_but_not_read_back(deepseek_vault, tmp_path)
 WRITTEN_ONLY = {"glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
                 "minimax_m2": "minimax-m2", "dots1": "dots1", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
                 "hunyuan_v1_moe": "hunyuan-moe", "ernie4_5_moe": "ernie4_5-moe", "exaone_moe": "exaone-moe",
-                "afmoe": "afmoe", "llama4_text": "llama4", "lfm2_moe": "lfm2moe"}
+                "afmoe": "afmoe", "llama4_text": "llama4", "lfm2_moe": "lfm2moe", "qwen3_next": "qwen3next",
+                "granitemoehybrid": "granitehybrid"}
 
 
 @pytest.fixture(scope="module")
@@ -528,10 +547,10 @@ def family_vaults(tmp_path_factory):
 
 
 def arch_tensor_names(arch: str, layers: int) -> set[str]:
-    """Every tensor name llama.cpp's architecture lists (gguf's MODEL_TENSORS), with either suffix."""
+    """Every tensor name llama.cpp's architecture lists (gguf's MODEL_TENSORS), with either suffix or none (ssm_a)."""
     kinds = gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]
     names = {gguf.TENSOR_NAMES[k].format(bid=b) for k in kinds for b in range(layers)}
-    return {f"{n}.{suffix}" for n in names for suffix in ("weight", "bias")}
+    return names | {f"{n}.{suffix}" for n in names for suffix in ("weight", "bias")}
 
 
 @pytest.mark.parametrize("family", WRITTEN_ONLY)
@@ -618,6 +637,17 @@ FAMILY_REFUSALS = [
     ("lfm2_moe", dict(tie_word_embeddings=False), "untied lm_head"),
     ("lfm2_moe", dict(routed_scaling_factor=2.0), "scale = 1.0"),  # llama.cpp's lfm2moe reads no scale
     ("lfm2_moe", dict(use_expert_bias=False), "correction_bias = True"),
+    ("qwen3_next", dict(linear_value_head_dim=32), "key and value heads of one width"),
+    ("qwen3_next", dict(shared_expert_intermediate_size=0), "needs the gated shared expert"),
+    ("qwen3_next", dict(rms_norm_eps=1e-5), "L2-norm eps"),
+    ("qwen3_next", dict(norm_topk_prob=False), "normalise = True"),
+    ("qwen3_next", dict(mlp_only_layers=[0]), "every layer MoE"),
+    ("qwen3_next", dict(attention_bias=True), "attention biases"),
+    ("granitemoehybrid", dict(mamba_expand=4), "mamba_expand = 2"),
+    ("granitemoehybrid", dict(mamba_conv_bias=False), "adds a convolution bias"),
+    ("granitemoehybrid", dict(mamba_proj_bias=True), "no Mamba projection biases"),
+    ("granitemoehybrid", dict(time_step_limit=[0.5, 0.8]), "does not clamp the time step"),
+    ("granitemoehybrid", dict(hidden_act="gelu"), "takes SiLU"),
 ]
 
 
@@ -741,6 +771,72 @@ def test_gguf_lfm2_moe_marks_its_convolution_layers_with_no_key_value_heads(fami
     assert torch.equal(trunk_tensor(tensors, "blk.1.exp_probs_b.bias"),
                        trunk["model.layers.1.feed_forward.expert_bias"].float())
     assert "output.weight" not in tensors and "token_embd_norm.weight" in tensors  # tied; LFM2's final norm
+
+
+def test_gguf_qwen3_next_writes_its_delta_net_layers_as_llama_cpp_s_converter_rewrites_them(family_vaults, tmp_path):
+    vault = family_vaults["qwen3_next"]
+    out = export(vault, "gguf", tmp_path / "m.gguf", trunk_type="bf16")
+    get, c = metadata(out, "qwen3next"), json.loads((vault / "config.json").read_text())
+    assert list(get("attention.recurrent_layers")) == [t == "linear_attention" for t in c["layer_types"]] == [True, False]
+    assert (get("ssm.conv_kernel"), get("ssm.state_size"), get("ssm.group_count"), get("ssm.time_step_rank"),
+            get("ssm.inner_size")) == (c["linear_conv_kernel_dim"], c["linear_key_head_dim"], c["linear_num_key_heads"],
+                                      c["linear_num_value_heads"], c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    assert get("rope.dimension_count") == c["head_dim"] // 4 and get("expert_shared_feed_forward_length") == 32
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    attn = "model.layers.0.linear_attn."
+    # per key head [q, k, v, z] in transformers; llama.cpp's converter writes every head's q, then k, then v, and z apart
+    k_heads, k_dim = c["linear_num_key_heads"], c["linear_key_head_dim"]
+    v_width = c["linear_num_value_heads"] // k_heads * c["linear_value_head_dim"]
+    heads = trunk[attn + "in_proj_qkvz.weight"].float().view(k_heads, 2 * k_dim + 2 * v_width, -1)
+    q, k, v, z = (heads[:, a:b].reshape(-1, c["hidden_size"]) for a, b in
+                  ((0, k_dim), (k_dim, 2 * k_dim), (2 * k_dim, 2 * k_dim + v_width), (2 * k_dim + v_width, None)))
+    bf16 = lambda t: t.to(torch.bfloat16).float()
+    assert torch.equal(trunk_tensor(tensors, "blk.0.attn_qkv.weight").view(torch.bfloat16).float(), bf16(torch.cat([q, k, v])))
+    assert torch.equal(trunk_tensor(tensors, "blk.0.attn_gate.weight").view(torch.bfloat16).float(), bf16(z))
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_a"), -torch.exp(trunk[attn + "A_log"].float()))
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_dt.bias"), trunk[attn + "dt_bias"].float())
+    conv = tensors["blk.0.ssm_conv1d.weight"]  # [channels, 1, width] squeezed, F32 whatever the trunk type
+    assert conv.tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_conv1d.weight"), trunk[attn + "conv1d.weight"].float().squeeze(1))
+    # the (1 + w) norms written as 1 + w; the delta-net's gated norm multiplies by w itself
+    for gguf_name, key in (("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+                           ("blk.1.attn_q_norm.weight", "model.layers.1.self_attn.q_norm.weight"),
+                           ("output_norm.weight", "model.norm.weight")):
+        assert torch.equal(trunk_tensor(tensors, gguf_name), trunk[key].float() + 1)
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_norm.weight"), trunk[attn + "norm.weight"].float())
+    assert {"blk.1.attn_q.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.0.ssm_ba.weight"} <= set(tensors)
+
+
+def test_gguf_granite_hybrid_writes_its_mamba2_layers_with_no_key_value_heads(family_vaults, tmp_path):
+    from smoe.source.gguf import permute_rope
+
+    vault = family_vaults["granitemoehybrid"]
+    out = export(vault, "gguf", tmp_path / "m.gguf", trunk_type="bf16")
+    get, c = metadata(out, "granitehybrid"), json.loads((vault / "config.json").read_text())
+    kv, inner, groups = c["num_key_value_heads"], c["mamba_expand"] * c["hidden_size"], c["mamba_n_groups"]
+    assert list(get("attention.head_count_kv")) == [0 if t == "linear_attention" else kv for t in c["layer_types"]]
+    assert (get("ssm.conv_kernel"), get("ssm.state_size"), get("ssm.group_count"), get("ssm.inner_size"),
+            get("ssm.time_step_rank")) == (c["mamba_d_conv"], c["mamba_d_state"], groups, inner, c["mamba_n_heads"])
+    assert get("rope.scaling.finetuned") is False  # position_embedding_type none: no rotary, as transformers
+    assert get("embedding_scale") == pytest.approx(c["embedding_multiplier"])
+    assert get("residual_scale") == pytest.approx(c["residual_multiplier"])
+    assert get("expert_shared_feed_forward_length") == c["shared_intermediate_size"]
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    mamba = "model.layers.0.mamba."
+    for name in ("blk.0.ssm_a", "blk.0.ssm_d", "blk.0.ssm_conv1d.weight"):  # F32 whatever the trunk type
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+    heads = c["mamba_n_heads"]
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_a").reshape(heads, 1),
+                       -torch.exp(trunk[mamba + "A_log"].float()).reshape(heads, 1))
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_d").reshape(heads, 1), trunk[mamba + "D"].float().reshape(heads, 1))
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_dt.bias"), trunk[mamba + "dt_bias"].float())
+    norm = trunk_tensor(tensors, "blk.0.ssm_norm.weight")  # one row per group the gated norm normalises
+    assert norm.shape == (groups, inner // groups) and torch.equal(norm.flatten(), trunk[mamba + "norm.weight"].float())
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_conv1d.weight"), trunk[mamba + "conv1d.weight"].float().squeeze(1))
+    q = trunk["model.layers.1.self_attn.q_proj.weight"].to(torch.bfloat16).float()
+    got = trunk_tensor(tensors, "blk.1.attn_q.weight").view(torch.bfloat16).float()
+    assert torch.equal(got, permute_rope(q, c["num_attention_heads"]))
+    assert {"blk.1.attn_q.bias", "blk.0.ssm_conv1d.bias", "blk.0.ffn_gate_shexp.weight"} <= set(tensors)
 
 
 def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tmp_path):

@@ -364,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--plan", metavar="PLAN_JSON", help="depth per tensor from `smoe plan` (overrides --bits)")
     q.add_argument("--budget", type=numeric.BITS_PER_WEIGHT.parse, metavar="BITS", help="plan and write a mixed vault of at most BITS bits/weight "
                    "(scales included; needs --calib); plan, sensitivity table and heatmap go beside the vault")
+    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="with --budget: the sensitivity trials on a Ray cluster's workers, as smoe plan --ray")
     q.set_defaults(func=cmd_quantize)
 
     pl = sub.add_parser("plan", help="choose a depth per fused expert tensor: least KL within a size budget",
@@ -377,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("-o", "--output", default="plan.json", metavar="PLAN_JSON", help="default plan.json")
     pl.add_argument("--sensitivity", metavar="JSON", help="the sensitivity table (default: PLAN.sensitivity.json)")
     add_quality_options(pl)
+    pl.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="measure the sensitivity trials on a Ray cluster's workers (ADDRESS; without it a local cluster, one worker per core; needs pip install 'smoe[ray]')")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     pl.set_defaults(func=cmd_plan)

@@ -67,7 +67,8 @@ def cmd_plan(args) -> int:
     if not args.calib:
         raise SmoeError("smoe plan needs calibration text: --calib FILE")
     doc, table, _, _ = plan_model(args.model, args.calib, args.output, args.budget, args.size, args.encoder or DEFAULT,
-                                  args.sensitivity, args.calib_tokens, progress=not args.quiet and not args.json)
+                                  args.sensitivity, args.calib_tokens, progress=not args.quiet and not args.json,
+                                  cluster=args.ray)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
@@ -86,6 +87,8 @@ def quantize_inputs(args, progress: bool):
 
     if args.plan and args.budget is not None:
         raise SmoeError("give --plan or --budget, not both")
+    if args.ray and args.budget is None:
+        raise SmoeError("--ray fans out the sensitivity trials of --budget; give --budget BITS")
     encoder = args.encoder or default_encoder(args.calib)
     if args.budget is not None:
         if not args.calib:
@@ -95,7 +98,7 @@ def quantize_inputs(args, progress: bool):
             raise SmoeError(f"{out}: already exists (use --force to replace it)")
         doc, table, meter, stats = plan_model(args.model, args.calib, out.with_name(out.name + ".plan.json"),
                                               budget_bits=args.budget, encoder=encoder, tokens=args.calib_tokens,
-                                              progress=progress, need_meter=True)
+                                              progress=progress, need_meter=True, cluster=args.ray)
         if progress:
             print(format_plan(doc, table))
         return role_bits(doc, meter.qm.expert_map), encoder, stats, (doc, table, meter)

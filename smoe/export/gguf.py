@@ -254,7 +254,7 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
     for key in source.trunk_names():
         if key.endswith("rotary_emb.inv_freq"):
             continue  # recomputed by every runtime
-        for name, shape, transform in trunk_pieces(key, source.trunk_shape(key), names, config, arch):
+        for name, shape, transform in trunk_pieces(source.model_type, key, source.trunk_shape(key), names, config, arch):
             is_router = any(name == router.format(bid=b) + ".weight" for b in range(config["num_hidden_layers"]))
             f32 = len(shape) <= 1 or name.endswith("_norm.weight") or is_router or key.endswith(gguf_families.F32_TRUNK)
             if f32:
@@ -268,11 +268,12 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
     return plan
 
 
-def trunk_pieces(key: str, shape: tuple[int, ...], names, config: dict, arch: Architecture) -> list[gguf_mla.Piece]:
+def trunk_pieces(model_type: str, key: str, shape: tuple[int, ...], names, config: dict,
+                 arch: Architecture) -> list[gguf_mla.Piece]:
     """The GGUF tensors (name, shape, how to make it from the trunk tensor) one trunk tensor becomes."""
     if arch.arch == gguf_mla.ARCH and (split := gguf_mla.pieces(key, shape, config)) is not None:
         return split
-    if arch.arch != gguf_mla.ARCH and (split := gguf_families.pieces(key, shape)) is not None:
+    if arch.arch != gguf_mla.ARCH and (split := gguf_families.pieces(model_type, key, shape, config, names)) is not None:
         return split
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")

@@ -33,8 +33,15 @@ chunks of 8192 on the others, the NoPE queries' temperature, the q/k norm but on
 that says otherwise is refused. lfm2_moe is `lfm2moe`: short-convolution layers beside attention ones,
 told apart by their 0 key/value heads, the kernels squeezed to [channels, width] as the converter does.
 
-Left refused (no row): qwen3_next (`qwen3next`: gated delta-net layers, whose fused projections the converter
-reorders) and the Mamba hybrids granitemoehybrid (`granitehybrid`) and jamba (`jamba`), not yet written.
+qwen3_next is `qwen3next`: gated delta-net layers beside gated attention ones (partial rotary, q/k norms), the
+converter's rewrites of the trunk made here (the fused in_proj_qkvz as every head's q, k, v then z, A = -exp(A_log),
+the (1 + w) norms as 1 + w), the delta-net layers listed as attention.recurrent_layers. Its graph takes the
+delta-net's q/k L2-norm eps from rms_norm_eps where transformers fixes 1e-6: another eps is refused.
+granitemoehybrid is `granitehybrid`: Mamba2 layers (0 key/value heads) beside attention ones, Granite's
+multipliers, rotary switched on or off for all attention layers by rope_finetuned; its graph fixes an inner size of
+twice the hidden size, a convolution bias and no time-step limit.
+
+Left refused (no row): jamba (`jamba`, Mamba layers), not yet written.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataclasses import dataclass
 
 import gguf
 import numpy as np
+import torch
 
 from smoe.export import gguf_mla
 from smoe.export.source import require
@@ -57,15 +65,17 @@ EXPERT_BIAS = ".expert_bias"  # the correction bias of AFMoE (under mlp) and LFM
 GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: gate rows, then up rows
 # depthwise convolution kernels, [channels, 1, width] in transformers: llama.cpp's converter squeezes them to
 # [channels, width] and keeps them F32 (ggml's ssm_conv reads F32)
-CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight")
-F32_TRUNK = CONV_KERNELS  # matrices llama.cpp reads as F32 whatever the trunk type
+CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.weight")
+# matrices llama.cpp reads as F32 whatever the trunk type: the kernels, and Mamba's A and D ([heads, 1])
+F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D")
 SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 # llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
 # attention on the others (its swa pattern), chunks of 8192, the NoPE queries' temperature (floor, scale) and
 # no q/k norm for the 128-expert model (use_kq_norm)
 LLAMA4_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, LLAMA4_NO_NORM_EXPERTS = 4, 8192, (8192, 0.1), 128
-OAI_CLAMP = (1.702, 7.0)  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
+OAI_CLAMP = (1.702, 7.0)
+QWEN3_NEXT_L2_EPS = 1e-6  # transformers' l2norm of the delta-net's q and k  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,8 @@ class GgufFamily:
     recurrent_kv: bool = False  # head_count_kv per layer, 0 on the layers whose mixer is not attention
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
     write: Callable[[gguf.GGUFWriter, dict, ModelDescription, list[int]], None] | None = None  # its own metadata
+    # the GGUF tensors a trunk tensor becomes where the family's converter rewrites it (else None)
+    pieces: Callable[[str, tuple[int, ...], dict, gguf.TensorNameMap], list[gguf_mla.Piece] | None] | None = None
 
 
 def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
@@ -181,6 +193,106 @@ def _write_lfm2_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescriptio
     writer.add_shortconv_l_cache(config["conv_L_cache"])
 
 
+def _qwen3_next(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's qwen3next sizes each delta-net state as head_v_dim² with head_v_dim the key heads' width, and
+    builds every layer's shared expert."""
+    require(config["linear_key_head_dim"] == config["linear_value_head_dim"],
+            f"{name}: llama.cpp's qwen3next takes key and value heads of one width in its delta-net layers; this "
+            f"model's are {config['linear_key_head_dim']} and {config['linear_value_head_dim']}")
+    require(desc.shared_experts == 1, f"{name}: llama.cpp's qwen3next needs the gated shared expert; this model has "
+            "shared_expert_intermediate_size = 0")
+    # build_gdn_l2_norm divides q and k by sqrt(sum x² + rms_norm_eps); transformers' l2norm adds a fixed 1e-6
+    require(config.get("rms_norm_eps") == QWEN3_NEXT_L2_EPS, f"{name}: llama.cpp's qwen3next takes the delta-net's "
+            f"q/k L2-norm eps from rms_norm_eps, transformers fixes it at {QWEN3_NEXT_L2_EPS}; this model's "
+            f"rms_norm_eps is {config.get('rms_norm_eps')}")
+
+
+def _write_qwen3_next(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The delta-net sizes as the converter writes them, and which layers are delta-net ones (the array, not the
+    interval, so that any layer_types is written as it is)."""
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(config["linear_key_head_dim"])
+    writer.add_ssm_group_count(config["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+    writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+    mixers = set(desc.attention.mixer_layers)
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [i in mixers for i in range(desc.num_layers)])
+
+
+def _qwen3_next_pieces(key: str, shape: tuple[int, ...], config: dict,
+                       names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """What llama.cpp's converter rewrites: the fused in_proj_qkvz (per key head [q, k, v, z]) as the q, k, v rows of
+    every head then z's; A_log as A = -exp(A_log); dt_bias as ssm_dt's bias; the (1 + w) RMSNorms as 1 + w (the
+    gated norm of the delta-net output multiplies by w itself)."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    if key.endswith("linear_attn.in_proj_qkvz.weight"):
+        return _qkvz(layer, shape, config)
+    if key.endswith("linear_attn.A_log"):
+        return [(f"blk.{layer}.ssm_a", shape, lambda t: -torch.exp(t.float()))]
+    if key.endswith("linear_attn.dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: t)]
+    if key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight"):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: t.float() + 1)]
+    return None
+
+
+def _qkvz(layer: str, shape: tuple[int, ...], config: dict) -> list[gguf_mla.Piece]:
+    k_heads, k_dim = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    v_width = config["linear_num_value_heads"] // k_heads * config["linear_value_head_dim"]  # per key head
+    sizes = [k_dim, k_dim, v_width, v_width]
+    split = lambda t: [p.reshape(-1, shape[1]) for p in t.view(k_heads, sum(sizes), shape[1]).split(sizes, dim=1)]
+    qkv_rows = k_heads * (2 * k_dim + v_width)
+    return [(f"blk.{layer}.attn_qkv.weight", (qkv_rows, shape[1]), lambda t: torch.cat(split(t)[:3]).contiguous()),
+            (f"blk.{layer}.attn_gate.weight", (k_heads * v_width, shape[1]), lambda t: split(t)[3].contiguous())]
+
+
+def _granite_hybrid(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's granitehybrid runs Mamba2 layers with an inner size of twice the hidden size, a convolution bias,
+    SiLU, no projection biases and no limit on the time step."""
+    require(config.get("mamba_expand") == 2, f"{name}: llama.cpp's granitehybrid takes mamba_expand = 2; this model "
+            f"has {config.get('mamba_expand')}")
+    require(config.get("mamba_conv_bias", True), f"{name}: llama.cpp's granitehybrid adds a convolution bias; this "
+            "model has mamba_conv_bias = false")
+    require(not config.get("mamba_proj_bias", False), f"{name}: llama.cpp's granitehybrid has no Mamba projection biases")
+    require(config.get("hidden_act", "silu") == "silu", f"{name}: llama.cpp's granitehybrid takes SiLU; this model has "
+            f"{config.get('hidden_act')}")
+    # transformers writes infinity as {"__float__": "Infinity"} in config.json
+    limit = tuple(float(x["__float__"] if isinstance(x, dict) else x)
+                  for x in config.get("time_step_limit") or (0.0, float("inf")))
+    require(limit == (0.0, float("inf")), f"{name}: llama.cpp's granitehybrid does not clamp the time step; this "
+            f"model's time_step_limit is {limit}")
+
+
+def _write_granite_hybrid(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """Granite's multipliers, the Mamba2 sizes as the converter writes them, and rotary on or off for every
+    attention layer (llama.cpp reads rope_finetuned as that switch)."""
+    _write_granite(writer, config, desc, moe_layers)
+    writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+    writer.add_ssm_state_size(config["mamba_d_state"])
+    writer.add_ssm_group_count(config["mamba_n_groups"])
+    writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
+    writer.add_ssm_time_step_rank(config["mamba_n_heads"])
+    writer.add_rope_scaling_finetuned(config.get("position_embedding_type") == "rope")
+
+
+def _mamba2_pieces(key: str, shape: tuple[int, ...], config: dict,
+                   names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """What llama.cpp's Mamba2 converter rewrites: A_log as A = -exp(A_log) and D, both [heads, 1]; dt_bias as
+    ssm_dt's bias; the gated norm's weight as [groups, inner / groups], one row per group it normalises."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    column = (*shape, 1)
+    if key.endswith("mamba.A_log"):
+        return [(f"blk.{layer}.ssm_a", column, lambda t: -torch.exp(t.float()).reshape(column))]
+    if key.endswith("mamba.D"):
+        return [(f"blk.{layer}.ssm_d", column, lambda t: t.reshape(column))]
+    if key.endswith("mamba.dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: t)]
+    if key.endswith("mamba.norm.weight"):
+        groups = (config["mamba_n_groups"], shape[0] // config["mamba_n_groups"])
+        return [(f"blk.{layer}.ssm_norm.weight", groups, lambda t: t.reshape(groups))]
+    return None
+
+
 def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
     return Architecture(arch, permute_qk=permute_qk, expert_width_key=expert_width_key, experts_key=experts_key,
                         readable=False)
@@ -231,6 +343,16 @@ FAMILIES = {
     "lfm2_moe": GgufFamily(_arch("LFM2MOE", "num_experts"), SIGMOID_BIASED | dict(normalise=True, scale=1.0, n_group=1),
                            qk_norms=("head",), dense_first=True, moe_keys=True, recurrent_kv=True, check=_lfm2_moe,
                            write=_write_lfm2_moe),
+    # gated delta-net layers beside gated attention ones; the converter's rewrites of the trunk in _qwen3_next_pieces
+    "qwen3_next": GgufFamily(_arch("QWEN3NEXT", "num_experts"), SOFTMAX_UNNORMALISED | dict(normalise=True),
+                             extras=("norm_offset", "attention_gate", "partial_rotary"), qk_norms=("head",),
+                             shared_gate=True, check=_qwen3_next, write=_write_qwen3_next, pieces=_qwen3_next_pieces),
+    # Mamba2 layers beside attention ones, told apart by their 0 key/value heads; Granite's multipliers and
+    # q/k rows reordered for rotary over adjacent pairs, as granitemoe's (rotary or not: both rows move alike)
+    "granitemoehybrid": GgufFamily(_arch("GRANITE_HYBRID", "num_local_experts", permute_qk=True, expert_width_key=False),
+                                   SOFTMAX_UNNORMALISED | dict(normalise=True), extras=("multipliers", "no_rope_layers"),
+                                   attention_bias=True, shared_width=True, recurrent_kv=True, check=_granite_hybrid,
+                                   write=_write_granite_hybrid, pieces=_mamba2_pieces),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
@@ -322,8 +444,12 @@ def write(writer: gguf.GGUFWriter, name: str, config: dict, desc: ModelDescripti
     gguf_mla.write_yarn(writer, gguf_mla.rope_parameters(config))
 
 
-def pieces(key: str, shape: tuple[int, ...]) -> list[gguf_mla.Piece] | None:
+def pieces(name: str, key: str, shape: tuple[int, ...], config: dict,
+           names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
     """The GGUF tensor a trunk tensor becomes where these architectures name it their own way (else None)."""
+    family = FAMILIES.get(name)
+    if family and family.pieces and (split := family.pieces(key, shape, config, names)) is not None:
+        return split
     layer = key.split(".")[2] if key.startswith("model.layers.") else None
     name = lambda tensor: gguf.TENSOR_NAMES[tensor].format(bid=int(layer))
     for suffix in (CORRECTION_BIAS, EXPERT_BIAS):  # ERNIE's is [1, E]: llama.cpp reads [E]

@@ -9,7 +9,8 @@ across rows) the group is 32 and each SMOE scale is written twice, which stays e
 keeps the vault's precision and Hugging Face names, which mlx-lm's models read as they are. Which families,
 where each model file keeps its experts and what it computes: smoe.export.mlx_families. Experts with
 biases (gpt-oss) keep them as `bias` [E, out] beside the quantised weight, as mlx-lm's switch layers read them;
-where the model file keeps one Linear per expert (DBRX) each expert is written alone, [out, …].
+where the model file keeps one Linear per expert (DBRX) each expert is written alone, [out, …]. Ungated experts
+(Nemotron-H's relu²) have the vault's up and down roles only, written under the row's names (SwitchMLP's fc1, fc2).
 """
 
 from __future__ import annotations

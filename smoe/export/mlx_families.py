@@ -11,11 +11,18 @@ mlx-lm's sanitize converts them only for a checkpoint it fuses itself (its early
 fused), the row's `edits` write them converted. DBRX's model file keeps each expert as its own Linear
 (`per_expert`).
 
+The Mamba-2 hybrids (granitemoehybrid, nemotron_h) are written as mlx-lm's files read them: layer kinds in its
+own spelling, time_step_limit as transformers clamps the prompt's time steps (mlx-lm clamps every step;
+transformers' single-token recurrent step does not clamp at all, so a decode step whose softplus falls below
+the floor is the one place the two can part: transformers' own prefill and decode already disagree there).
+Nemotron-H's relu² experts are ungated: the vault's up and down roles become SwitchMLP's fc1 and fc2.
+
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
 router chooses with), hunyuan_v1_moe (mlx-lm's hunyuan never normalises the chosen experts' weights, transformers'
 does), jamba (mlx-lm's always does, transformers' never).
 Not yet written (no row, so refused as unsupported): minimax (MiniMax-Text-01's lightning attention:
-mlx-lm's minimax file is MiniMax-M2's); bailing_moe has no transformers family.
+mlx-lm's minimax file is MiniMax-M2's); bailing_moe has no transformers family; bailing_hybrid (mlx-lm has it,
+transformers too) is no family smoe reads, so no vault of it exists.
 """
 
 from __future__ import annotations
@@ -51,16 +58,20 @@ class MlxFamily:
     attention: str = "gqa"
     qk_norms: tuple[str | None, ...] = (None,)
     attention_bias: tuple[bool, ...] = (False,)  # q/k/v biases it builds (never, always or as the config says)
-    shared: str = "none"  # shared experts: "none", "n_shared" (n × the routed width), "gated" (qwen2_moe's)
+    shared: str = "none"  # shared experts: "none", "n_shared" (n × the routed width), "gated" (qwen2_moe's),
+    # "own" (one, as wide as its own config key says)
     sinks: bool = False
     sliding_window: bool = False
     expert_biases: bool = False
     clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU
+    activation: str = "silu"  # the experts' activation (transformers' ACT2FN name)
+    gated: bool = True  # act(gate) · up; else act(up), roles up and down only
     rope_types: tuple[str, ...] = ("default",)
     config: Callable[[dict, ModelDescription, list[int]], dict] | None = None  # ModelArgs keys it adds
     nested_in: str | None = None  # the model_type of mlx-lm's file that reads these args as its text_config
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down under `experts`
+    # (an ungated row's gate name is never used)
     per_expert: bool = False  # one module per expert (`experts.{e}.…`) instead of fused switch layers
     edits: tuple[tuple[str, str], ...] = ()  # (trunk key pattern, EDITS name): tensors written as mlx-lm keeps them
 
@@ -141,6 +152,52 @@ def _full_attention_interval(desc: ModelDescription) -> int:
     """mlx-lm's qwen3_next attends in full on every k-th layer: k is the first such layer's number."""
     mixers = set(desc.attention.mixer_layers)
     return next((i + 1 for i in range(desc.num_layers) if i not in mixers), desc.num_layers + 1)
+
+
+def _granitemoehybrid(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # mlx-lm spells the kinds "mamba" / "attention", rotates unless told "nope" (transformers: only if told "rope")
+    # and has no defaults for the four multipliers
+    m, mixers = desc.multipliers, set(desc.attention.mixer_layers)
+    return dict(layer_types=["mamba" if i in mixers else "attention" for i in range(desc.num_layers)],
+                position_embedding_type="nope" if "no_rope_layers" in desc.extras else "rope",
+                embedding_multiplier=m.embedding, attention_multiplier=m.attention, residual_multiplier=m.residual,
+                logits_scaling=m.logits, time_step_limit=_time_step_limit(config))
+
+
+NEMOTRON_KINDS = {"full_attention": "*", "attention": "*", "linear_attention": "M", "mamba": "M", "moe": "E",
+                  "mlp": "-"}
+
+
+def _nemotron_pattern(config: dict) -> list[str]:
+    """The layer kinds as transformers reads them (the list before the legacy pattern), in mlx-lm's letters."""
+    kinds = config.get("layers_block_type") or config.get("layer_types")
+    if isinstance(kinds, list):
+        return [NEMOTRON_KINDS.get(k, "?") for k in kinds]
+    return list(config.get("hybrid_override_pattern") or "")
+
+
+def _nemotron_h(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    r = desc.routing
+    # mlx-lm takes the pattern before the list where both are given: written, so that it is transformers' list;
+    # transformers clamps the prompt's time steps at (time_step_min, inf) whatever time_step_limit says (its
+    # config's default 0.001); it builds the shared expert always, mlx-lm where n_shared_experts is set; it never
+    # builds attention biases, mlx-lm as attention_bias says
+    return dict(hybrid_override_pattern=_nemotron_pattern(config), n_shared_experts=1, attention_bias=False,
+                norm_topk_prob=r.normalise, routed_scaling_factor=r.scale, n_group=1,
+                topk_group=1, time_step_limit=[float(config.get("time_step_min", 0.001)), float("inf")])
+
+
+def _time_step_limit(config: dict) -> list[float] | None:
+    """Granite's clamp of the prompt's time steps: transformers' default (0, inf) where the config has none (mlx-lm's
+    default is (0.001, 100))."""
+    return _floats(config.get("time_step_limit", [0.0, float("inf")]))
+
+
+def _floats(values) -> list[float] | None:
+    """A config's number pair as floats: transformers writes a non-finite one as {"__float__": "Infinity"}."""
+    if values is None:
+        return None
+    return [float(v["__float__"]) if isinstance(v, dict) else float(v) for v in values]
 
 
 def _minimax_m2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
@@ -235,6 +292,32 @@ def _check_qwen3_next(name: str, config: dict, desc: ModelDescription) -> None:
             f"layers are {list(desc.attention.mixer_layers)}")
 
 
+def _check_granitemoehybrid(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_head_width(name, config, desc)
+    kinds = set(config.get("layer_types") or config.get("layers_block_type") or [])
+    known = {"linear_attention", "mamba", "full_attention", "attention"}
+    require(kinds <= known, f"{name}: layer types {sorted(kinds - known)} are not what mlx-lm's {name} builds")
+    # transformers normalises the gated Mamba output per group, mlx-lm's granitemoehybrid over the whole width
+    groups = config.get("mamba_n_groups", 1)
+    require(groups == 1, f"{name}: mamba_n_groups = {groups} is not what mlx-lm's {name} computes (its gated norm "
+            "spans all groups)")
+    limit = _time_step_limit(config)
+    require(limit is not None and len(limit) == 2, f"{name}: time_step_limit {limit} is not a (low, high) pair")
+
+
+def _check_nemotron_h(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_sigmoid_top1(name, config, desc)
+    act = config.get("mamba_hidden_act", "silu")
+    require(act == "silu", f"{name}: mamba_hidden_act {act!r} is not what mlx-lm's {name} computes (silu)")
+    pattern, mixers = _nemotron_pattern(config), set(desc.attention.mixer_layers)
+    kinds = "".join(pattern)
+    require(len(pattern) == desc.num_layers and "?" not in pattern, f"{name}: layer kinds {kinds!r} are not what "
+            f"mlx-lm's {name} builds")
+    require([i for i, k in enumerate(pattern) if k == "E"] == list(desc.moe_layers)
+            and [i for i, k in enumerate(pattern) if k == "*"] == [i for i in range(desc.num_layers) if i not in mixers],
+            f"{name}: layer kinds {kinds!r} disagree with the vault's MoE and attention layers")
+
+
 LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
 
 
@@ -321,6 +404,17 @@ FAMILIES |= {
                                                                              "partial_rotary"),
                             qk_norms=("head",), attention_bias=(False, True), shared="gated", config=_qwen3_next,
                             check=_check_qwen3_next, edits=QWEN3_NEXT_EDITS),
+    # Mamba-2 layers and Granite's multipliers; the shared MLP beside the experts on every layer. Its sanitize
+    # turns the convolutions channels-last for any checkpoint
+    "granitemoehybrid": MlxFamily("block_sparse_moe.switch_mlp", SOFTMAX | dict(normalise=True),
+                                  extras=("multipliers", "no_rope_layers"), attention_bias=(False, True),
+                                  shared="own", config=_granitemoehybrid, check=_check_granitemoehybrid),
+    # Mamba-2, attention (no rotary), MLP and MoE layers in any order; ungated relu² experts in SwitchMLP. Groups
+    # are refused: mlx-lm zeroes a dropped group's scores where transformers excludes them
+    "nemotron_h": MlxFamily("mixer.switch_mlp", dict(scoring="sigmoid", correction_bias=True, n_group=1),
+                            layers="any", renames=((r"^model\.layers\.", "backbone.layers."),),
+                            extras=("no_rope_layers",), shared="own", activation="relu2", gated=False,
+                            projections=("", "fc1", "fc2"), config=_nemotron_h, check=_check_nemotron_h),
 }
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
 PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)
@@ -399,8 +493,9 @@ def _check_routing(name: str, row: MlxFamily, desc: ModelDescription) -> None:
 def _check_experts(name: str, row: MlxFamily, desc: ModelDescription, shapes: dict[str, tuple[int, ...]],
                    expert_width: int) -> None:
     e = desc.experts
-    require(e.gated and e.activation == "silu", f"{name}: mlx-lm's {name} computes SwiGLU experts; this model's are "
-            f"{e.activation}{'' if e.gated else ' (not gated)'}")
+    require(e.gated == row.gated and e.activation == row.activation,
+            f"{name}: mlx-lm's {name} computes {_kind(row.activation, row.gated)} experts; this model's are "
+            f"{_kind(e.activation, e.gated)}")
     require(e.clamp == row.clamp, f"{name}: mlx-lm's {name} clamps SwiGLU at {row.clamp}; this model at {e.clamp}")
     require(e.biases == row.expert_biases, f"{name}: expert biases = {e.biases} is not what mlx-lm's {name} builds")
     require((desc.shared_experts > 0) == (row.shared != "none"),
@@ -414,6 +509,10 @@ def _check_experts(name: str, row: MlxFamily, desc: ModelDescription, shapes: di
                 require(width == expert_width * desc.shared_experts,
                         f"{name}: shared experts {width} wide; mlx-lm's {name} takes {desc.shared_experts} × the "
                         f"routed experts' {expert_width}")
+
+
+def _kind(activation: str, gated: bool) -> str:
+    return "SwiGLU" if (activation, gated) == ("silu", True) else f"{activation}{'' if gated else ' (not gated)'}"
 
 
 def model_args(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:

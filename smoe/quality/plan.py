@@ -293,10 +293,11 @@ def write_plan(doc: dict, path: str | Path) -> Path:
 
 def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = None, size_gb: float | None = None,
                encoder: str = "grid", sensitivity: str | Path | None = None, tokens: int | None = None,
-               alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False):
+               alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False,
+               cluster: str | None = None):
     """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
     Returns (plan document, table, KL meter, calibration stats); the last two are None when the table
-    was complete already and `need_meter` is false."""
+    was complete already and `need_meter` is false. `cluster`: the trials on a Ray cluster (sensitivity.measure)."""
     from smoe.convert import calibrate, encoders
     from smoe.hf.gguf import check_calibratable
     from smoe.quality.sensitivity import (
@@ -315,6 +316,10 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         raise SmoeError("give exactly one of --budget BITS and --size GB")
     check_calibratable(model_dir)
     encoders.check_encoder(encoder)
+    if cluster is not None:
+        from smoe.quality import fanout
+
+        fanout.check_cluster(cluster)
     out = Path(out)
     sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
     check_outputs(plan_outputs(out, sensitivity), [model_dir, calib])
@@ -335,7 +340,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         if encoder in encoders.NEEDS_CALIBRATION:
             stats = calibration_stats(model_dir, calib, tokens, stats_path(out), progress, collected=True)
         meter = KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
-        table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter)
+        table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter, cluster=cluster)
     table = table_for_model(table, moe, bias_sizes(ckpt, moe))
     doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity),
                                                                 "calibration": calibration_record(calib, tokens)}

@@ -144,8 +144,10 @@ def save_json(path: Path, data: dict) -> None:
 
 
 def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, fp: str,
-            depths: tuple[int, ...] = codec.DEPTHS, progress: bool = True, meter: KLMeter | None = None) -> dict:
-    """Fill `path` (sensitivity.json) with KL per (layer, unit, depth); resumes what is there."""
+            depths: tuple[int, ...] = codec.DEPTHS, progress: bool = True, meter: KLMeter | None = None,
+            cluster: str | None = None) -> dict:
+    """Fill `path` (sensitivity.json) with KL per (layer, unit, depth); resumes what is there. `cluster`: run the
+    trials on a Ray cluster's workers (smoe.quality.fanout; "local" starts one on this machine)."""
     path = Path(path)
     table = load_table(path, fp)
     table.update(encoder=qm.encoder, moe_layers=qm.expert_map.moe_layers, units=list(UNITS), depths=list(depths),
@@ -153,21 +155,42 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
     todo = [(layer, unit, b) for layer, unit in qm.units() for b in depths if key(layer, unit, b) not in table["kl"]]
     bar = progress_bar(total=len(qm.units()) * len(depths), initial=len(qm.units()) * len(depths) - len(todo),
                        enabled=progress, desc="sensitivity", unit="tensor")
-    meter = meter or (KLMeter(qm, windows) if todo else None)
-    for layer, unit, b in todo:
-        qm.set(layer, unit, b)
-        try:
-            value = meter.kl()
-        finally:
-            qm.set(layer, unit, None)
-        if not math.isfinite(value):
-            raise SmoeError(f"layer {layer} {unit} at Q{b}: KL is not finite")
-        table["kl"][key(layer, unit, b)] = value
+
+    def record(trial: tuple[int, str, int], value: float) -> None:  # saved as it comes: a stopped run resumes
+        table["kl"][key(*trial)] = value
         save_json(path, table)
         bar.update(1)
+
+    if todo and cluster is not None:
+        from smoe.quality import fanout
+
+        fanout.measure_on_cluster(cluster, meter_for, (str(qm.ckpt.dir), qm.encoder, qm.stats, windows), measure_one,
+                                  todo, record)
+    elif todo:
+        meter = meter or KLMeter(qm, windows)
+        for trial in todo:
+            record(trial, measure_one(meter, *trial))
     bar.close()
     save_json(path, table)
     return table
+
+
+def meter_for(model_dir, encoder: str, stats: CalibrationStats | None, windows: list[torch.Tensor]) -> KLMeter:
+    """A KL meter over the windows with its own copy of the source model (what each worker of a fanned-out sweep
+    holds)."""
+    return KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
+
+
+def measure_one(meter: KLMeter, layer: int, unit: str, bits: int) -> float:
+    """One trial of the sweep: KL with `unit` of `layer` alone at `bits`, every other tensor at the source's."""
+    meter.qm.set(layer, unit, bits)
+    try:
+        value = meter.kl()
+    finally:
+        meter.qm.set(layer, unit, None)
+    if not math.isfinite(value):
+        raise SmoeError(f"layer {layer} {unit} at Q{bits}: KL is not finite")
+    return value
 
 
 def unit_sizes(expert_map) -> dict[str, int]:

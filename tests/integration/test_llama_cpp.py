@@ -86,7 +86,8 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 
 # the families only written (smoe.export.gguf_families), on tiny models at their fullest (tests/export_models.py)
 WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots1", "granitemoe", "granitemoeshared",
-                "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe"]
+                "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe", "qwen3_next",
+                "granitemoehybrid"]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "tiny-deepseek_v3", "tiny-deepseek_v2",

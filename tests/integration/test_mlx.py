@@ -53,7 +53,8 @@ def test_mlx_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
 # (tests/export_models.py; gpt-oss with its YaRN range rounded, as mlx-lm computes it, and the other MLX_CHANGES and
 # MLX_ARCHITECTURE there: PhiMoE's biases, Llama 4's norm eps, EXAONE's window narrower than the prompt)
 TINY_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
-                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next"]
+                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
+                 "granitemoehybrid", "nemotron_h"]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -95,6 +96,24 @@ def test_mlx_lm_dbrx_rotates_with_transformers_rotary_base(tmp_path):
     model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
     config = AutoConfig.from_pretrained(tmp_path / "dbrx-mlx-model-4")
     assert model.layers[0].norm_attn_norm.attn.rope.base == config.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h"])
+def test_mlx_lm_mamba_layers_clamp_time_steps_and_rotate_as_transformers(tmp_path, family):
+    """The tiny models' Mamba layers barely move their logits (their time-step clamp taken off passes the family
+    test): the clamp mlx-lm builds from the exported config is transformers' (Nemotron-H's from time_step_min), and
+    its attention rotates where transformers' does (Granite: only where position_embedding_type is "rope")."""
+    from transformers import AutoModelForCausalLM
+
+    vault = mlx_exportable_vault(tmp_path, family, 4)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-mlx-model-4")
+    hf_limit = next(m.time_step_limit for m in hf.modules() if hasattr(m, "time_step_limit"))
+    mixers = [m for layer in model.layers for key in ("mamba", "mixer") if (m := layer.get(key)) is not None]
+    assert tuple(next(m.time_step_limit for m in mixers if "in_proj" in m)) == tuple(hf_limit)
+    if family == "granitemoehybrid":
+        attention = next(layer.self_attn for layer in model.layers if layer.layer_type == "attention")
+        assert (attention.rope is None) == (hf.model.rotary_emb is None)
 
 
 def test_mlx_lm_generates_smoe_greedy_tokens(tmp_path_factory, tmp_path):
