@@ -70,11 +70,32 @@ def test_a_lost_worker_is_a_one_line_error_and_what_was_measured_is_kept(cluster
     assert (1, "gate_up", 4) not in kept and all(trial[0] == 0 and value == 0.0 for trial, value in kept.items())
 
 
-def test_a_ray_address_that_does_not_answer_is_a_one_line_error_before_any_work(tiny, tmp_path):
+@pytest.mark.parametrize("command", [["plan", "--budget", "3"], ["quantize"]])
+def test_a_ray_address_that_does_not_answer_is_a_one_line_error_before_any_work(tiny, tmp_path, command):
     model, calib = tiny
-    r = subprocess.run([sys.executable, "-m", "smoe.cli", "plan", str(model), "--budget", "3", "--calib", str(calib),
-                        "--calib-tokens", "256", "-o", str(tmp_path / "plan.json"), "--ray", "127.0.0.1:1", "-q"],
+    r = subprocess.run([sys.executable, "-m", "smoe.cli", command[0], str(model), *command[1:], "--calib", str(calib),
+                        "--calib-tokens", "256", "-o", str(tmp_path / "out"), "--ray", "127.0.0.1:1", "-q"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("smoe: error: --ray 127.0.0.1:1: no Ray cluster answers there")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_vault_encoded_on_a_ray_cluster_is_the_single_process_vault(cluster, tiny, tmp_path):
+    """One task per MoE layer, each worker reading the checkpoint itself and encoding with the same calibration
+    statistics on one thread: the same blobs, in the same order, byte for byte."""
+    from smoe.convert import calibrate
+    from smoe.convert.sculpt import sculpt
+
+    model, calib = tiny
+    stats = calibrate.collect(model, calib, tokens=256, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sculpt(model, tmp_path / "alone", encoder="gptq", calib=calib, calib_tokens=256, stats=stats, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    sculpt(model, tmp_path / "fanned", encoder="gptq", calib=calib, calib_tokens=256, stats=stats, progress=False,
+           encode_all=fanout.encoder_on(cluster, model))
+    for name in ("experts.bin", "index.json"):
+        assert (tmp_path / "alone" / name).read_bytes() == (tmp_path / "fanned" / name).read_bytes(), name

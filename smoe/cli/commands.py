@@ -23,11 +23,12 @@ def cmd_quantize(args) -> int:
     args.model = resolve_model(args.model)
     check_outputs([args.output], [args.model, args.calib, args.plan])
     progress = not args.quiet and not args.json
+    encode_all = planning.cluster_encoder(args)  # --ray's cluster checked before any work
     depths, encoder, stats, planned = planning.quantize_inputs(args, progress)
     report = sculpt(args.model, args.output, bits=args.bits, device=args.device, force=args.force,
                     num_experts=args.num_experts, progress=progress, alignment=args.alignment,
                     encoder=encoder, calib=args.calib, plan=depths, calib_tokens=args.calib_tokens, stats=stats,
-                    reads=[args.plan])
+                    reads=[args.plan], encode_all=encode_all)
     measured = planning.after_quantize(args, planned)
     if args.json:
         print(json.dumps(vars(report) | {"expert_share": report.expert_share, "depth": report.depth} | measured, indent=1))
@@ -364,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--plan", metavar="PLAN_JSON", help="depth per tensor from `smoe plan` (overrides --bits)")
     q.add_argument("--budget", type=numeric.BITS_PER_WEIGHT.parse, metavar="BITS", help="plan and write a mixed vault of at most BITS bits/weight "
                    "(scales included; needs --calib); plan, sensitivity table and heatmap go beside the vault")
-    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="with --budget: the sensitivity trials on a Ray cluster's workers, as smoe plan --ray")
+    q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="encode the experts on a Ray cluster's workers, one MoE layer per task (and with --budget measure the sensitivity trials there, as smoe plan --ray); ADDRESS as for smoe plan")
     q.set_defaults(func=cmd_quantize)
 
     pl = sub.add_parser("plan", help="choose a depth per fused expert tensor: least KL within a size budget",

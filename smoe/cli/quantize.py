@@ -87,8 +87,6 @@ def quantize_inputs(args, progress: bool):
 
     if args.plan and args.budget is not None:
         raise SmoeError("give --plan or --budget, not both")
-    if args.ray and args.budget is None:
-        raise SmoeError("--ray fans out the sensitivity trials of --budget; give --budget BITS")
     encoder = args.encoder or default_encoder(args.calib)
     if args.budget is not None:
         if not args.calib:
@@ -113,6 +111,15 @@ def quantize_inputs(args, progress: bool):
                                       stats_path(Path(args.plan)), progress)
         return role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, stats, None
     return None, encoder, None, None
+
+
+def cluster_encoder(args):
+    """With --ray: write_experts' encoding on the cluster (smoe.quality.fanout), checked before any work."""
+    if not args.ray:
+        return None
+    from smoe.quality.fanout import encoder_on
+
+    return encoder_on(args.ray, args.model)
 
 
 def after_quantize(args, planned) -> dict:

@@ -95,10 +95,12 @@ def write_vault(
     plan: dict | None = None,
     calib_tokens: int | None = None,
     stats=None,
+    encode_all=None,
 ) -> SculptReport:
     """`encoder` "grid" or a calibrated one from smoe.convert.encoders, which needs `calib` (a text file;
     `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
-    tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without."""
+    tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without. `encode_all`: how
+    the experts are encoded (write_experts; default here, in this process)."""
     start = time.perf_counter()
     encoder = encoder or encoders.default_encoder(calib)
     codec.check_bits(bits)
@@ -132,7 +134,8 @@ def write_vault(
     try:
         coder = Coder(encoder, stats, depths or {}, bits)
         resumed = keep_unchanged_blobs(ckpt, expert_map, writer, coder, progress)
-        snr, weighted_snr, expert_out = write_experts(ckpt, expert_map, writer, coder, dev, progress)
+        snr, weighted_snr, expert_out = write_experts(ckpt, expert_map, writer, coder, dev, progress,
+                                                      encode_all or encode_here)
         trunk_bytes = write_trunk_file(ckpt, expert_map, partial / TRUNK_FILE, progress)
         for name in COPIED_FILES:
             if (ckpt.dir / name).exists():
@@ -258,8 +261,48 @@ def majority_depth(depths: dict[tuple[int, str], int]) -> int:
     return max(set(values), key=lambda b: (values.count(b), b))
 
 
-def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool):
-    """Encode every (layer, expert) not already in the partial vault; returns (mean SNR per role, mean
+@dataclass
+class EncodedExpert:
+    """One expert's blob contents as encoded, and the SNRs the summary reports (dB per role)."""
+
+    key: tuple[int, int]
+    tensors: list[QuantisedTensor]
+    biases: dict[str, torch.Tensor]
+    source: str  # the digest of everything it was encoded from (the journal's resume check)
+    snr: dict[str, float]
+    weighted_snr: dict[str, float]
+    numel: int
+
+
+def encode_expert(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, key: tuple[int, int]) -> EncodedExpert:
+    """Read and encode one expert's projections (one at a time) and its biases."""
+    expected = expert_map.expert_shapes()
+    tensors, digest, snr, weighted, numel = [], xxhash.xxh3_64(), {}, {}, 0
+    for src, w, moment in expert_inputs(ckpt, expert_map, coder, key, digest):
+        name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+        check_shape(name, src.role, tuple(w.shape), expected)
+        w = w.to(dev)
+        bits, codes, scales = stored_or_encoded(ckpt, coder, src, w, moment, key[0], name)
+        q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
+        decoded = q.decode().to(dev)
+        snr[src.role] = codec.snr_db(w, decoded)
+        if moment is not None:
+            weighted[src.role] = codec.weighted_snr_db(w, decoded, moment)
+        tensors.append(q)
+        numel += w.numel()
+    biases = check_finite_all(expert_biases(ckpt, expert_map, key, digest))
+    return EncodedExpert(key, tensors, biases, digest.hexdigest(), snr, weighted, numel)
+
+
+def encode_here(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, todo: list):
+    """The experts of `todo`, encoded in this process one after another (in order)."""
+    return (encode_expert(ckpt, expert_map, coder, dev, key) for key in todo)
+
+
+def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool,
+                  encode_all=encode_here):
+    """Encode every (layer, expert) not already in the partial vault, through `encode_all` (encode_here, or a
+    fan-out over workers yielding the same EncodedExperts in the same order); returns (mean SNR per role, mean
     input-weighted SNR per role where there is calibration, bytes out)."""
     done = writer.done()
     todo = [key for key in sorted(expert_map.experts) if key not in done]
@@ -269,22 +312,12 @@ def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder
     weights = sum(o * i for o, i in expected.values()) or None
     bar = progress_bar(total=weights and 2 * weights * len(expert_map.experts), initial=weights and 2 * weights * len(done),
                        enabled=progress, unit="B", unit_scale=True, desc=f"experts ({len(expert_map.experts)})")
-    for layer, expert in todo:
-        tensors, digest = [], xxhash.xxh3_64()
-        for src, w, moment in expert_inputs(ckpt, expert_map, coder, (layer, expert), digest):
-            name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
-            check_shape(name, src.role, tuple(w.shape), expected)
-            w = w.to(dev)
-            bits, codes, scales = stored_or_encoded(ckpt, coder, src, w, moment, layer, name)
-            q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
-            decoded = q.decode().to(dev)
-            snr_sum[src.role] = snr_sum.get(src.role, 0.0) + codec.snr_db(w, decoded)
-            if moment is not None:
-                weighted_sum[src.role] = weighted_sum.get(src.role, 0.0) + codec.weighted_snr_db(w, decoded, moment)
-            tensors.append(q)
-            bar.update(2 * w.numel())
-        biases = expert_biases(ckpt, expert_map, (layer, expert), digest)
-        writer.add(layer, expert, tensors, check_finite_all(biases), source=digest.hexdigest())
+    for encoded in encode_all(ckpt, expert_map, coder, dev, todo):
+        for sums, values in ((snr_sum, encoded.snr), (weighted_sum, encoded.weighted_snr)):
+            for role, db in values.items():
+                sums[role] = sums.get(role, 0.0) + db
+        writer.add(*encoded.key, encoded.tensors, encoded.biases, source=encoded.source)
+        bar.update(2 * encoded.numel)
     bar.close()
     snr = {role: total / max(len(todo), 1) for role, total in snr_sum.items()}
     weighted = {role: total / max(len(todo), 1) for role, total in weighted_sum.items()}

@@ -1,4 +1,5 @@
-"""The sensitivity sweep's trials fanned out over a Ray cluster: the one module of smoe that imports ray.
+"""The sensitivity sweep's trials and the vault's encoding fanned out over a Ray cluster: the one module of smoe
+that imports ray.
 
 Each worker is an actor holding its own copy of the source model (read from the checkpoint, which every
 worker reaches on a shared filesystem), with the calibration statistics and windows the driver put in the
@@ -37,13 +38,41 @@ def measure_on_cluster(cluster: str, build, args: tuple, measure, todo: list, re
         while running:
             (done,), _ = ray.wait(list(running), num_returns=1)
             worker, trial = running.pop(done)
-            record(trial, result(done, trial))
+            record(trial, result(done, f"measuring layer {trial[0]} {trial[1]} at Q{trial[2]}", SWEEP_KEPT))
             submit(worker, queue, running)
     finally:
         for worker in workers:
             ray.kill(worker)
         if started:
             ray.shutdown()
+
+
+def encoder_on(cluster: str, source):
+    """A write_experts `encode_all` that encodes on the cluster's workers: one task per MoE layer (its experts to
+    encode), each worker opening the checkpoint at `source` (the model directory or GGUF file) itself;
+    EncodedExperts come back in the order asked, at most two layers per worker in flight, so the driver holds a
+    few layers' blobs at a time."""
+    check_cluster(cluster)
+
+    def encode_all(ckpt, expert_map, coder, dev, todo: list):
+        from smoe.convert.sculpt import encode_expert
+
+        layers = [[key for key in todo if key[0] == layer] for layer in dict.fromkeys(key[0] for key in todo)]
+        started = connect(cluster)
+        try:
+            shared = ray.put((str(source), expert_map, coder, coder.stats is not None))
+            workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            pending = [encode_layer.remote(shared, keys, encode_expert) for keys in layers[: 2 * workers]]
+            for i in range(len(layers)):
+                done = result(pending.pop(0), f"encoding layer {layers[i][0][0]}", VAULT_KEPT)
+                if 2 * workers + i < len(layers):
+                    pending.append(encode_layer.remote(shared, layers[2 * workers + i], encode_expert))
+                yield from done
+        finally:
+            if started:
+                ray.shutdown()
+
+    return encode_all
 
 
 def check_cluster(cluster: str) -> None:
@@ -87,19 +116,22 @@ def submit(worker, queue: list, running: dict) -> None:
         running[worker.kl.remote(*trial)] = (worker, trial)
 
 
-def result(ref, trial) -> float:
+SWEEP_KEPT = "the sensitivity table keeps every value measured so far"
+VAULT_KEPT = "the partial vault keeps every expert written so far"
+
+
+def result(ref, doing: str, kept: str):
+    """The task's value; its own error (a non-finite KL, a bad checkpoint) or a lost worker as one line."""
     try:
         return ray.get(ref)
-    except ray.exceptions.RayTaskError as err:  # the trial's own error (a non-finite KL, a bad checkpoint)
+    except ray.exceptions.RayTaskError as err:
         cause = err.as_instanceof_cause()
         if isinstance(cause, SmoeError):
             raise SmoeError(str(cause)) from None
-        raise SmoeError(f"a Ray worker failed measuring layer {trial[0]} {trial[1]} at Q{trial[2]}: "
-                        f"{one_line(err)}") from None
+        raise SmoeError(f"a Ray worker failed {doing}: {one_line(err)}") from None
     except ray.exceptions.RayError as err:  # the worker or its node is gone
-        raise SmoeError(f"a Ray worker was lost measuring layer {trial[0]} {trial[1]} at Q{trial[2]} "
-                        f"({type(err).__name__}); the sensitivity table keeps every value measured so far: run the "
-                        "same command again to resume") from None
+        raise SmoeError(f"a Ray worker was lost {doing} ({type(err).__name__}); {kept}: run the same command again "
+                        "to resume") from None
 
 
 def one_line(err: Exception) -> str:
@@ -108,6 +140,17 @@ def one_line(err: Exception) -> str:
 
 
 if ray is not None:
+
+    @ray.remote(num_cpus=1)
+    def encode_layer(shared, keys: list, encode_expert) -> list:
+        """One layer's experts of `keys`, encoded on a worker from its own reading of the checkpoint (on its CPU)."""
+        import torch
+
+        from smoe.hf.gguf import open_source
+
+        model_dir, expert_map, coder, calibrated = shared
+        ckpt = open_source(model_dir, calibrated=calibrated)  # as the driver opened it
+        return [encode_expert(ckpt, expert_map, coder, torch.device("cpu"), key) for key in keys]
 
     @ray.remote(num_cpus=1)
     class Trial:
