@@ -269,12 +269,14 @@ class CompiledStep:
         self.ungated = np.zeros(0, dtype=np.float32)
         self.top_i = np.zeros(dec.top_k, dtype=np.int64)
         self.route_work = np.zeros(kn.route_work_size(r.num_experts or 1, r.n_group), dtype=np.float32)
-        self.bound = None  # (state, its generation) the state views and work buffer were made for
+        # (state, its generation) the state views and work buffer were made for: the state itself, not its id(),
+        # which a later state may reuse once this one is freed (the kernels would then write through stale views)
+        self.bound = None
 
     def bind(self) -> None:
         """Views of the current sequence state's tensors, and a work buffer for its capacity."""
         dec, state = self.dec, self.dec.state
-        if self.bound == (id(state), state.generation):
+        if self.bound is not None and self.bound[0] is state and self.bound[1] == state.generation:
             return
         for layer, held in zip(self.layers, state.layers):
             if layer is None:
@@ -284,7 +286,7 @@ class CompiledStep:
         self.no_cos, self.no_sin = self.cos[:, :0], self.sin[:, :0]  # a layer without rotary rotates nothing
         mlps = [2 * m[0].shape[0] + self.x.shape[0] for layer in self.own_layers for m in (layer.dense, layer.shared) if m]
         self.work = np.zeros(max([self.attention_work(state.capacity), *mlps]), dtype=np.float32)
-        self.bound = (id(state), state.generation)
+        self.bound = (state, state.generation)
 
     def attention_work(self, positions: int) -> int:
         a, hidden = self.dec.description.attention, self.x.shape[0]
