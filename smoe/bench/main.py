@@ -82,7 +82,7 @@ def bench_decode_main(args) -> int:
     from smoe.bench import decode as bench_decode
 
     budgets = parse_budgets(args.budgets)
-    parse_lengths(args.prefill)
+    prefill = parse_lengths(args.prefill)
     sources = tuple(args.sources.split(","))
     if not sources or not set(sources) <= {"host", "disk"}:
         raise SmoeError(f"--sources {args.sources!r}: host, disk or both, separated by a comma")
@@ -91,7 +91,7 @@ def bench_decode_main(args) -> int:
     result = bench_decode.bench_decode(args.workdir, budgets, args.tokens, args.warmup, args.threads,
                                        baseline=not args.no_baseline, layers=args.layers, model=args.model,
                                        sources=sources, llama_bench=args.llama_bench,
-                                       prefill=parse_lengths(args.prefill))
+                                       prefill=prefill)
     result["machine"] = machine_description("cuda")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_decode.format_result(result))
     return 0

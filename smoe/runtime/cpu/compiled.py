@@ -97,19 +97,6 @@ class FastCpuDecoder(HoldsSequence):
         # Off by default: it pays only when reads are slow and the guess is good (BENCHMARKS.md).
         self.prefetch = PREFETCH.on()
         self.compiled = CompiledStep(self)
-        self.warm()
-
-    def warm(self) -> None:
-        """One compiled step on a scratch state of one position, so that numba compiles the step's kernels (or
-        loads them from its cache) when the decoder is made, not inside the first timed decode: the first run
-        after installing compiles for seconds. Its experts are read through the store like any step's."""
-        if not self.compiled.enabled:
-            return
-        self.use(sequence_state(self.description, 1, ACT))
-        try:
-            self.compiled.step(0)
-        finally:
-            self.use(None)
 
     def new_state(self, positions: int) -> SequenceState:
         """An empty state for another sequence, with room for `positions` tokens."""
