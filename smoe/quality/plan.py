@@ -296,8 +296,9 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
                alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False,
                cluster: str | None = None):
     """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
-    Returns (plan document, table, KL meter, calibration stats); the last two are None when the table
-    was complete already and `need_meter` is false. `cluster`: the trials on a Ray cluster (sensitivity.measure)."""
+    Returns (plan document, table, KL meter, calibration stats); the meter is None when the table was complete
+    already or its trials ran on a cluster, and `need_meter` is false; the statistics when the table was complete.
+    `cluster`: the trials on a Ray cluster (sensitivity.measure)."""
     from smoe.convert import calibrate, encoders
     from smoe.hf.gguf import check_calibratable
     from smoe.quality.sensitivity import (
@@ -339,8 +340,10 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     if wanted - set(table["kl"]) or need_meter:  # a complete table needs no model run
         if encoder in encoders.NEEDS_CALIBRATION:
             stats = calibration_stats(model_dir, calib, tokens, stats_path(out), progress, collected=True)
-        meter = KLMeter(QuantisedModel(model_dir, encoder, stats), windows)
-        table = measure(meter.qm, windows, sensitivity, fp, progress=progress, meter=meter, cluster=cluster)
+        qm = QuantisedModel(model_dir, encoder, stats)
+        # the source model runs here only for the trials run here, or for the caller's meter
+        meter = KLMeter(qm, windows) if cluster is None or need_meter else None
+        table = measure(qm, windows, sensitivity, fp, progress=progress, meter=meter, cluster=cluster)
     table = table_for_model(table, moe, bias_sizes(ckpt, moe))
     doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity),
                                                                 "calibration": calibration_record(calib, tokens)}

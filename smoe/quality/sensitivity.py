@@ -11,6 +11,7 @@ run resumes where it stopped.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -40,7 +41,8 @@ def key(layer: int, unit: str, bits: int) -> str:
 
 
 class QuantisedModel:
-    """The source model in fp32 whose fused expert tensors can be swapped for quantised ones and back."""
+    """The source model in fp32 whose fused expert tensors can be swapped for quantised ones and back. The model
+    is loaded when first needed: a sweep whose trials run on a cluster's workers needs only its expert map here."""
 
     def __init__(self, model_dir, encoder: str = "grid", stats: CalibrationStats | None = None):
         encoders.check_encoder(encoder)
@@ -49,13 +51,30 @@ class QuantisedModel:
         self.encoder, self.stats = encoder, stats
         self.ckpt = Checkpoint(model_dir)
         self.expert_map = map_experts(self.ckpt.config, self.ckpt.names())
-        self.model, self.modules = load_source_model(model_dir)
-        missing = set(self.expert_map.moe_layers) - set(self.modules)
+        self.cache: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
+
+    @functools.cached_property
+    def loaded(self) -> tuple:
+        """(the transformers model, its experts modules by layer, their source parameters by layer)."""
+        with torch.inference_mode(False):  # first needed inside log_probs: normal tensors, as at any other load
+            model, modules = load_source_model(self.ckpt.dir)
+        missing = set(self.expert_map.moe_layers) - set(modules)
         if missing:
             raise SmoeError(f"the model has no experts module for MoE layers {sorted(missing)}")
-        self.original = {layer: {n: p.data for n, p in m.named_parameters(recurse=False)}
-                         for layer, m in self.modules.items()}
-        self.cache: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
+        original = {layer: {n: p.data for n, p in m.named_parameters(recurse=False)} for layer, m in modules.items()}
+        return model, modules, original
+
+    @property
+    def model(self):
+        return self.loaded[0]
+
+    @property
+    def modules(self) -> dict:
+        return self.loaded[1]
+
+    @property
+    def original(self) -> dict:
+        return self.loaded[2]
 
     def units(self) -> list[tuple[int, str]]:
         return [(layer, unit) for layer in self.expert_map.moe_layers for unit in UNITS]
