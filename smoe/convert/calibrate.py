@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from smoe.convert.encoders import CALIB_TOKENS
 from smoe.errors import SmoeError
 from smoe.hf.experts import expert_linear, experts_input_sizes, is_experts_module, layer_of, register
+from smoe.hf.layerwise import LayerByLayer
 from smoe.hf.model import load_pretrained
 from smoe.hf.tokenizer import load_tokenizer
 from smoe.moe.dispatch import routed_sum
@@ -82,6 +84,15 @@ class CalibrationStats:
         energy = torch.diagonal(sums, dim1=1, dim2=2).sum() / max(float(counts.sum()), 1.0) / sums.shape[-1]
         eye = torch.eye(sums.shape[-1], dtype=sums.dtype)
         return eye * (energy if energy > 0 else 1.0)
+
+    def to(self, device: str | torch.device) -> CalibrationStats:
+        moved = lambda d: {k: v.to(device) if isinstance(v, torch.Tensor) else moved(v) for k, v in d.items()}
+        return replace(self, sums=moved(self.sums), counts=moved(self.counts), layer_sums=moved(self.layer_sums))
+
+    def merge(self, other: CalibrationStats) -> CalibrationStats:
+        """These statistics and another's, of other layers, together."""
+        return replace(self, sums=self.sums | other.sums, counts=self.counts | other.counts,
+                       layer_sums=self.layer_sums | other.layer_sums, layer_tokens=self.layer_tokens | other.layer_tokens)
 
     def save(self, path: Path, source: str = "") -> None:
         """Written under a temporary name, then renamed: a run stopped midway leaves no half file. `source`:
@@ -184,16 +195,18 @@ class Recorder:
     def __init__(self, stats: CalibrationStats, sizes: dict[str, int]):
         self.stats, self.sizes = stats, sizes
 
-    def _layer(self, layer: int) -> None:
+    def _layer(self, layer: int, device: torch.device) -> None:
         s = self.stats
         if layer not in s.counts:
-            s.counts[layer] = torch.zeros(s.num_experts, dtype=torch.int64)
-            s.sums[layer] = {k: torch.zeros(s.num_experts, n, n, dtype=torch.float64) for k, n in self.sizes.items()}
-            s.layer_sums[layer] = torch.zeros(self.sizes["gate_up"], self.sizes["gate_up"], dtype=torch.float64)
+            s.counts[layer] = torch.zeros(s.num_experts, dtype=torch.int64, device=device)
+            s.sums[layer] = {k: torch.zeros(s.num_experts, n, n, dtype=torch.float64, device=device)
+                             for k, n in self.sizes.items()}
+            s.layer_sums[layer] = torch.zeros(self.sizes["gate_up"], self.sizes["gate_up"], dtype=torch.float64,
+                                              device=device)
             s.layer_tokens[layer] = 0
 
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
-        self._layer(layer)
+        self._layer(layer, x.device)
         x = x.reshape(-1, x.shape[-1]).double()
         self.stats.layer_sums[layer] += x.t() @ x
         self.stats.layer_tokens[layer] += x.shape[0]
@@ -205,9 +218,9 @@ class Recorder:
             self.stats.counts[layer][expert] += x.shape[0]
 
 
-def load_source_model(model_dir, implementation: str | None = None):
-    """The source model in fp32 through transformers (families whose experts use the registry)."""
-    model = load_pretrained(model_dir, torch.float32, implementation, "for calibration")
+def experts_modules(model) -> dict[int, torch.nn.Module]:
+    """layer -> the model's experts module, each told its layer; an error where the family's experts do not run
+    through transformers' experts registry (calibration records through it)."""
     modules = {}
     for name, module in model.named_modules():
         if is_experts_module(module) and layer_of(name) is not None:
@@ -216,25 +229,75 @@ def load_source_model(model_dir, implementation: str | None = None):
     if not modules:
         raise SmoeError(f"{model.config.model_type}: calibration needs experts that run through transformers' experts "
                         "registry, and this family's do not")
-    return model, modules
+    return modules
 
 
-@torch.inference_mode()
-def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None) -> CalibrationStats:
-    """Run the calibration windows through the source model and return the raw second-moment sums."""
+def load_source_model(model_dir, implementation: str | None = None):
+    """The source model in fp32 through transformers (families whose experts use the registry)."""
+    model = load_pretrained(model_dir, torch.float32, implementation, "for calibration")
+    return model, experts_modules(model)
+
+
+def collect_layers(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
+                   device: str | torch.device = "cpu") -> Iterator[CalibrationStats]:
+    """The calibration windows through the source model, run one decoder layer at a time (smoe.hf.layerwise:
+    memory holds one layer and the windows' hidden states, whatever the depth); yields each MoE layer's raw
+    second-moment sums, on the CPU, as a CalibrationStats of that layer alone, once the layer has run."""
     chunks = calibration_windows(model_dir, text_path, tokens)
-    model, modules = load_source_model(model_dir, IMPLEMENTATION)
+    runner = LayerByLayer(model_dir, chunks, IMPLEMENTATION, device)
+    modules = experts_modules(runner.model)
     some = next(iter(modules.values()))
-    sizes = experts_input_sizes(some)
-    stats = CalibrationStats(num_experts=some.num_experts, tokens=sum(w.shape[1] for w in chunks),
-                             text_hash=file_hash(text_path))
-    recorder = Recorder(stats, sizes)
+    header = {"num_experts": some.num_experts, "tokens": sum(w.shape[1] for w in chunks),
+              "text_hash": file_hash(text_path)}
+    recorder = Recorder(CalibrationStats(**header), experts_input_sizes(some))
     for module in modules.values():
         module.smoe_recorder = recorder
-    for window in bar(chunks, progress, desc="calibrate", unit="window"):
-        model(input_ids=window, use_cache=False)
-    warn_if_sparse(stats, warn)
+    counts = {}
+    for layer in bar(runner.run(), progress, total=len(runner.layers), desc="calibrate", unit="layer"):
+        if layer not in recorder.stats.counts:
+            continue
+        done, recorder.stats = recorder.stats.to("cpu"), CalibrationStats(**header)
+        counts |= done.counts
+        if layer == max(modules):
+            warn_if_sparse(CalibrationStats(**header, counts=counts), warn)
+        yield done
+
+
+def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
+            device: str | torch.device = "cpu") -> CalibrationStats:
+    """Every MoE layer's raw second-moment sums, held together (StreamedStats holds one layer at a time)."""
+    stats = None
+    for one in collect_layers(model_dir, text_path, tokens, progress, warn, device):
+        stats = one if stats is None else stats.merge(one)
     return stats
+
+
+class StreamedStats:
+    """Calibration statistics collected as they are asked for, one MoE layer at a time: asking for a layer runs
+    the source model up to it and forgets the layer before, so layers must be asked for in increasing order (as
+    the sculptor encodes them). Memory: one layer's sums, whatever the depth."""
+
+    def __init__(self, model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
+                 device: str | torch.device = "cpu"):
+        self.ahead = collect_layers(model_dir, text_path, tokens, progress, warn, device)
+        self.held: CalibrationStats | None = None
+
+    def second_moment(self, layer: int, expert: int, role: str) -> torch.Tensor:
+        return self.at(layer).second_moment(layer, expert, role)
+
+    def importance(self, layer: int, expert: int, role: str) -> torch.Tensor:
+        return self.at(layer).importance(layer, expert, role)
+
+    def at(self, layer: int) -> CalibrationStats:
+        while self.held is None or self.held.layers[0] < layer:
+            self.held = next(self.ahead, None)
+            if self.held is None:
+                raise SmoeError(f"calibration has no statistics for layer {layer}: the source model has no experts "
+                                "module there")
+        if self.held.layers[0] != layer:
+            raise SmoeError(f"calibration statistics of layer {layer} asked for after those of layer "
+                            f"{self.held.layers[0]} (they are collected in layer order)")
+        return self.held
 
 
 def warn_if_sparse(stats: CalibrationStats, warn=None) -> None:

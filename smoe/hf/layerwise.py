@@ -1,0 +1,192 @@
+"""A transformers model run one decoder layer at a time from its checkpoint, for models bigger than memory.
+
+The model is built on the meta device. The decoder's tensors outside its layers (embeddings, rotary
+tables) are loaded for one pass that records, per batch of windows, the hidden states entering the first
+layer and the arguments the model's own forward gives each layer (masks, rotary tables, per-layer
+attention kinds: stand-ins take the layers' place for that pass), and are freed again. Then each layer's
+tensors are read, converted as transformers converts them on load, run over every batch and freed, so
+that peak memory is one layer plus the hidden states, whatever the depth. The language-model head and
+any vision or audio tower are never read.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from smoe.errors import SmoeError
+from smoe.hf.model import build_model, cast_as, convert_trunk, rebuild_meta_buffers
+from smoe.source.checkpoint import Checkpoint
+
+BATCH_TOKENS = 4096  # windows of one length run together up to this many tokens: fewer passes over each layer
+IN_MEMORY_BYTES = 512 << 20  # hidden states beyond this go to disk between layers
+
+
+class Caught(Exception):
+    """Raised by the last stand-in: the recording pass needs nothing after it."""
+
+
+class LayerByLayer:
+    """The checkpoint at `model_dir`'s decoder, run over `windows` ([1, T] token ids) one layer at a time."""
+
+    def __init__(self, model_dir, windows: list[torch.Tensor], implementation: str | None = None,
+                 device: str | torch.device = "cpu"):
+        self.ckpt = Checkpoint(model_dir)
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(self.ckpt.dir)
+        self.model = build_model(config, torch.float32, streaming=False, where=str(self.ckpt.dir / "config.json"))
+        if implementation:
+            self.model.set_experts_implementation(implementation)
+        rebuild_meta_buffers(self.model)
+        self.decoder = self.model.get_decoder()
+        self.layers = getattr(self.decoder, "layers", None)
+        if not isinstance(self.layers, torch.nn.ModuleList):
+            raise SmoeError(f"{config.model_type}: its decoder keeps no list of layers (`layers`), so it cannot be "
+                            "run one layer at a time")
+        self.keys = self.keys_by_layer()
+        self.batches = batches(windows)
+
+    def keys_by_layer(self) -> dict[int | None, list[str]]:
+        """Checkpoint keys per decoder layer (None: the decoder's other tensors), grouped by where transformers'
+        conversions put them; tensors outside the decoder (the head, towers) are left out."""
+        names = self.ckpt.names()
+        shapes = {n: torch.empty(self.ckpt.shape(n), dtype=self.ckpt.dtype(n), device="meta") for n in names}
+        converted = convert_trunk(self.model, shapes, "the checkpoint")
+        prefix = module_name(self.model, self.decoder)
+        layers = f"{prefix}layers."
+        keys: dict[int | None, list[str]] = {}
+        for name, (sources, _) in converted.items():
+            if not name.startswith(prefix):
+                continue
+            layer = int(name[len(layers):].split(".", 1)[0]) if name.startswith(layers) else None
+            keys.setdefault(layer, []).extend(k for k in sources if k not in keys.get(layer, ()))
+        return keys
+
+    def load(self, modules: list[torch.nn.Module], layer: int | None) -> None:
+        """Read the checkpoint tensors of `layer` (None: the decoder's others) into `modules`, on the device."""
+        tensors = {k: self.ckpt.load(k) for k in self.keys.get(layer, [])}
+        converted = convert_trunk(self.model, tensors, "the checkpoint")
+        expected = self.model.state_dict()
+        state = {n: cast_as(t, expected[n]).to(self.device) for n, (_, t) in converted.items()}
+        self.model.load_state_dict(state, strict=False, assign=True)
+        missing = [n for m in modules for n, p in m.named_parameters() if p.is_meta]
+        if missing:
+            where = f"layer {layer}" if layer is not None else "the decoder"
+            raise SmoeError(f"{self.ckpt.dir}: the checkpoint holds no tensor for {len(missing)} parameters of "
+                            f"{where} (first: {missing[:2]})")
+        for module in modules:
+            module.to(self.device)  # buffers computed at construction (rotary tables) go along
+
+    def run(self) -> Iterator[int]:
+        """Run every layer over every batch in order, yielding each layer's index once it has run on all
+        batches (its tensors are freed when the caller asks for the next)."""
+        hidden, arguments = self.record()
+        with tempfile.TemporaryDirectory(prefix="smoe-hidden-") as spill:
+            states = HiddenStates(hidden, Path(spill))
+            for i, layer in enumerate(self.layers):
+                self.load([layer], i)
+                states.update(lambda b, h: output(layer(h, *arguments[b][i][0], **arguments[b][i][1])))
+                yield i
+                layer.to("meta")
+
+    @torch.inference_mode()
+    def record(self) -> tuple[list[torch.Tensor], list[list[tuple]]]:
+        """(hidden states entering layer 0 per batch, per batch and layer the (args, kwargs) the model gives it)."""
+        resident = [m for m in self.decoder.children() if m is not self.layers]
+        self.load(resident, None)
+        hidden, arguments = [], []
+        try:
+            for ids in self.batches:
+                first, given = self.catch(ids.to(self.device))
+                hidden.append(first)
+                arguments.append(given)
+        finally:
+            for module in resident:
+                module.to("meta")
+        return hidden, arguments
+
+    def catch(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+        given: list[tuple] = []
+        last = len(self.layers) - 1
+
+        def stand_in(i):
+            def forward(hidden_states, *args, **kwargs):
+                given.append((args, kwargs))
+                if i == last:
+                    raise Caught
+                return hidden_states
+            return forward
+
+        first = []
+        for i, layer in enumerate(self.layers):
+            layer.forward = stand_in(i)  # an instance attribute: the class's forward is back once it is deleted
+        hook = self.layers[0].register_forward_pre_hook(lambda _, args, kwargs: first.append(
+            args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        try:
+            self.decoder(input_ids=ids, use_cache=False)
+        except Caught:
+            pass
+        finally:
+            for layer in self.layers:
+                del layer.forward
+            hook.remove()
+        if len(given) != len(self.layers) or not first:
+            raise SmoeError(f"{self.model.config.model_type}: its decoder called {len(given)} of its "
+                            f"{len(self.layers)} layers in order, so it cannot be run one layer at a time")
+        return first[0], given
+
+
+class HiddenStates:
+    """The batches' hidden states between layers: in memory up to IN_MEMORY_BYTES, else one file per batch."""
+
+    def __init__(self, hidden: list[torch.Tensor], spill: Path):
+        self.on_disk = sum(h.numel() * h.element_size() for h in hidden) > IN_MEMORY_BYTES
+        self.spill = spill
+        self.held = [self.put(b, h) for b, h in enumerate(hidden)]
+
+    def put(self, b: int, h: torch.Tensor):
+        if not self.on_disk:
+            return h
+        path = self.spill / f"batch-{b}.pt"
+        torch.save(h.cpu(), path)
+        return (path, h.device)
+
+    def get(self, b: int) -> torch.Tensor:
+        if not self.on_disk:
+            return self.held[b]
+        path, device = self.held[b]
+        return torch.load(path, weights_only=True).to(device)
+
+    @torch.inference_mode()
+    def update(self, step) -> None:
+        """Replace each batch's hidden states h by step(b, h)."""
+        for b in range(len(self.held)):
+            self.held[b] = self.put(b, step(b, self.get(b)))
+
+
+def batches(windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The windows stacked into [B, T] batches of equal length (no padding) of at most BATCH_TOKENS tokens."""
+    by_length: dict[int, list[torch.Tensor]] = {}
+    for w in windows:
+        by_length.setdefault(w.shape[-1], []).append(w.reshape(1, -1))
+    out = []
+    for length, group in by_length.items():
+        per = max(1, BATCH_TOKENS // length)
+        out += [torch.cat(group[i : i + per]) for i in range(0, len(group), per)]
+    return out
+
+
+def output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def module_name(model: torch.nn.Module, target: torch.nn.Module) -> str:
+    """`target`'s qualified name in `model`, with a trailing dot ("" for the model itself)."""
+    for name, module in model.named_modules():
+        if module is target:
+            return f"{name}." if name else ""
+    raise SmoeError(f"{type(target).__name__} is not part of the model")
