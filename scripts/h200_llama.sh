@@ -8,6 +8,11 @@
 # TESTS="pytest arguments": the prepare part also runs these tests while the build finishes.
 # MODELS="qwen3-30b-a3b" (default: both), BUDGETS (default 1,0.25,0.1), PREFILL="512,2048" (prompt lengths timed
 # beside llama-bench -p; default none), PROFILE=1: the bench part first runs scripts/gpu_profile_prefill.py.
+# Every decode row is timed under both recorded routings (--routing zipf,uniform). After each model's host-RAM rows
+# and llama-bench, its partial budgets again with the experts read cold from the disk (--sources disk: page cache
+# dropped and checked, O_DIRECT; the disk measured as the cache reads it), COLD_TOKENS timed tokens (default 16)
+# after 16 of warm-up, within COLD_TIMEOUT_S (default 150) and before DEADLINE_S seconds of the call (default 590);
+# COLD=0 leaves them out.
 # Usage (on a CUDA machine, repository root): PART=prepare bash scripts/h200_llama.sh; PART=bench bash scripts/h200_llama.sh
 # The llama.cpp sources (the ones llama-cpp-python 0.3.36 builds, as in constraints.txt), made on any machine:
 #   pip download --no-deps --no-binary :all: llama_cpp_python==0.3.36 -d /tmp/src && tar xzf /tmp/src/*.tar.gz -C /tmp/src
@@ -68,7 +73,21 @@ else
     set -- $run
     case " $models " in *" $1 "*) ;; *) continue ;; esac
     timeout 380 python3 -m smoe.cli bench decode --model "$1" --layers "$2" --workdir "$work" --budgets "${BUDGETS:-1,0.25,0.1}" \
-      --prefill "${PREFILL:-}" --sources host --tokens 64 --warmup 32 --no-baseline --llama-bench "$bench" --json > "$OUT/$1.json" \
+      --prefill "${PREFILL:-}" --sources host --routing zipf,uniform --tokens 64 --warmup 32 --no-baseline \
+      --llama-bench "$bench" --json > "$OUT/$1.json" \
       && python3 -c "import json, sys; from smoe.bench.decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/$1.json"
+    # the cold rows: partial budgets only (a full budget reads nothing), in a call of their own so that a slow disk
+    # costs only these rows
+    partial=$(echo "${BUDGETS:-1,0.25,0.1}" | tr ',' '\n' | awk '$1 < 1' | paste -sd, -)
+    cold_s=$(( ${DEADLINE_S:-590} - SECONDS ))  # what is left of the call (10 minutes a command on the device)
+    cold_s=$(( cold_s < ${COLD_TIMEOUT_S:-150} ? cold_s : ${COLD_TIMEOUT_S:-150} ))
+    if [ "${COLD:-1}" != 0 ] && [ -n "$partial" ] && [ "$cold_s" -lt 60 ]; then
+      echo "$1: cold disk rows left out: $cold_s s left of the call"
+    elif [ "${COLD:-1}" != 0 ] && [ -n "$partial" ]; then
+      timeout "$cold_s" python3 -m smoe.cli bench decode --model "$1" --layers "$2" --workdir "$work" \
+        --budgets "$partial" --sources disk --routing zipf,uniform --tokens "${COLD_TOKENS:-16}" --warmup 16 --no-baseline \
+        --json > "$OUT/$1-cold.json" \
+        && python3 -c "import json, sys; from smoe.bench.decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/$1-cold.json"
+    fi
   done
 fi

@@ -3,15 +3,22 @@
 Everything is built in the run: a vault of random codes with the real model's expert shapes (48
 layers x 128 experts of [768, 2048] / [2048, 768], ~16 GB at Q4) and a random bf16 trunk of the real
 shapes. Speed does not depend on the values, but hit rates depend on routing, and a random trunk
-routes almost uniformly: the experts used are therefore replayed from a skewed (Zipf) draw, while
-the router still runs and its top-k is still read by the host, as in real decoding.
+routes almost uniformly: the experts used are therefore replayed from a recorded draw, while the
+router still runs and its top-k is still read by the host, as in real decoding. The draw is skewed
+(Zipf, as real routers are) or uniform (`--routing uniform`: no expert more popular than another, the
+worst case for a cache); each row is labelled with its routing.
 
 For each row: tok/s, GPU hit rate, bytes moved per token, and the ratio to the physical limit
 
     limit seconds per token = bytes copied to the GPU / source bandwidth (pinned copy or disk)
                             + bytes the GPU reads (trunk, the k experts of every layer, KV) / HBM bandwidth
 
-with the bandwidths measured in the same run. The baseline is transformers running the same model
+and to the I/O limit alone (the first term: what moving the row's measured miss bytes over the link, or
+reading them from the disk, allows), with the bandwidths measured in the same run. The disk is measured
+as the cache reads it: one request per expert blob, as many in flight as the cache has reader threads.
+A disk row is cold: experts.bin is dropped from the page cache before it is timed (the share of its pages
+still resident is reported) and read with O_DIRECT where the filesystem allows; where neither gives a
+cold state the row says so instead of a percentage. The baseline is transformers running the same model
 resident in bf16 on the same GPU.
 """
 
@@ -26,11 +33,12 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 import numpy as np
 import torch
 
-from smoe.bench.runtime import drop_page_cache, skewed_routing
+from smoe.bench.runtime import ROUTINGS, drop_page_cache, resident_fraction, routing_draw
 from smoe.errors import SmoeError
 from smoe.format import codec
 from smoe.format.safetensors_io import write_safetensors
@@ -133,15 +141,22 @@ def write_model_vault(path: Path, cfg: dict = QWEN3_30B, bits: int = 4, progress
 # --- the machine's limits ------------------------------------------------------------------------
 
 
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def pinned_copy_gbps(device, nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """Host -> device copies from pinned memory (on a CPU "device", the memory copy the cache makes instead)."""
+    cuda = torch.device(device).type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
+    dst.copy_(src, non_blocking=cuda)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
+        dst.copy_(src, non_blocking=cuda)
+    synchronize(device)
     return 3 * nbytes / (time.perf_counter() - start) / 1e9
 
 
@@ -150,53 +165,107 @@ def hbm_gbps(device, nbytes: int = 2 << 30) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    torch.cuda.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(5):
         b.copy_(a)
-    torch.cuda.synchronize(device)
+    synchronize(device)
     return 5 * 2 * nbytes / (time.perf_counter() - start) / 1e9
 
 
-def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
-    """O_DIRECT reads of whole blobs by a thread pool, as the cache reads them."""
+COLD_RESIDENT_MAX = 0.01  # share of experts.bin's pages that may stay in the page cache after a drop for reads to count as cold
+
+
+def direct_io_works(vault_dir: Path) -> bool:
+    """Whether the filesystem holding the vault lets its data be opened with O_DIRECT (as the cache's direct_io)."""
+    from smoe.runtime.blobs import open_direct
+
+    with Vault(vault_dir) as v:
+        try:
+            os.close(open_direct(v))
+        except SmoeError:
+            return False
+    return True
+
+
+def cold_state(direct_io: bool, resident: float | None) -> dict:
+    """Whether reads after a page-cache drop that left `resident` of the file's pages come from the disk: where the
+    drop emptied the page cache (a filesystem whose pages cannot be dropped, as tmpfs, has no disk behind it, and
+    O_DIRECT there reads memory too); where the page cache cannot be inspected, only with O_DIRECT. `cold_note`
+    says why not."""
+    cold = resident <= COLD_RESIDENT_MAX if resident is not None else direct_io
+    note = None
+    if not cold and resident is None:
+        note = "not cold: the page cache cannot be inspected (no mincore) and the filesystem refuses direct I/O"
+    elif not cold:
+        note = (f"not cold: {100 * resident:.1f}% of {DATA_FILE}'s pages stayed in the page cache after the drop"
+                + (" (a filesystem with no disk behind it: O_DIRECT reads its memory)" if direct_io
+                   else " and the filesystem refuses direct I/O"))
+    return {"direct_io": direct_io, "resident_after_drop": resident, "cold": cold, "cold_note": note}
+
+
+def disk_read(vault_dir: Path, threads: int = 16, n_blobs: int = 512, direct_io: bool | None = None) -> dict:
+    """Reads of whole blobs, as the expert cache issues them: one request per blob (its length aligned up to the
+    vault's alignment), `threads` of them in flight from a pool of that many threads, the blobs spread over the
+    whole file. O_DIRECT where the filesystem allows it (direct_io None: try), else buffered preads after dropping
+    the file from the page cache; the cold state (cold_state) is part of the result."""
     from smoe.format.vault import align
     from smoe.runtime.blobs import open_direct
     from smoe.runtime.cuda.cache import allocate
 
+    path = vault_dir / DATA_FILE
+    if direct_io is None:
+        direct_io = direct_io_works(vault_dir)
+    resident = drop_page_cache(path)
     with Vault(vault_dir) as v:
         entries = list(v.entries.values())[:: max(1, len(v.entries) // n_blobs)][:n_blobs]
         size = align(max(e.size for e in entries), v.alignment)
         buf = allocate(threads * size, torch.device("cpu"), "read buffers", "--threads").view(threads, size)
-        fd = open_direct(v)
+        free: SimpleQueue = SimpleQueue()  # one buffer per read in flight
+        for i in range(threads):
+            free.put(memoryview(buf[i].numpy()))
+        fd = open_direct(v) if direct_io else v.fd
         try:
-            def read(i):
-                e = entries[i]
-                return os.preadv(fd, [memoryview(buf[i % threads].numpy())[: align(e.size, v.alignment)]], e.offset)
+            def read(e):
+                b = free.get()
+                try:
+                    return os.preadv(fd, [b[: align(e.size, v.alignment) if direct_io else e.size]], e.offset)
+                finally:
+                    free.put(b)
 
             start = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
-                total = sum(pool.map(read, range(len(entries))))
-            return total / (time.perf_counter() - start) / 1e9
+                total = sum(pool.map(read, entries))
+            seconds = time.perf_counter() - start
         finally:
-            os.close(fd)
+            if direct_io:
+                os.close(fd)
+    return {"gbps": total / seconds / 1e9, "request_bytes": size, "threads": threads, "reads": len(entries),
+            "bytes": total} | cold_state(direct_io, resident)
+
+
+def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
+    """GB/s of disk_read."""
+    return disk_read(vault_dir, threads, n_blobs)["gbps"]
 
 
 # --- one run -------------------------------------------------------------------------------------
 
 
 def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, warmup: int, tokens: int,
-               threads: int) -> dict:
+               threads: int, device: str = "cuda", routing_name: str = "zipf", direct_io: bool = True) -> dict:
     """Decode with the GPU cache at `budget_fraction` of the experts; misses from the pinned host tier
-    (source "host", filled before timing) or from the disk (source "disk": O_DIRECT, page cache dropped)."""
+    (source "host", filled before timing) or from the disk (source "disk": page cache dropped after the
+    warm-up, O_DIRECT unless direct_io is False; the cold state is part of the row)."""
     from smoe.bench.replay import ReplayDecoder, fill_host_tier
     from smoe.runtime.cuda.cache import blob_slot_bytes
 
-    vault, device = sm.vault, torch.device("cuda")
+    vault, device = sm.vault, torch.device(device)
     everything = blob_slot_bytes(vault) * len(vault.entries)
     host = everything if source == "host" and budget_fraction < 1 else 0
     dec = ReplayDecoder(sm, device, int(everything * budget_fraction), warmup + tokens + 8, host_cache_bytes=host,
-                        threads=threads, direct_io=source == "disk", route_replay=torch.from_numpy(routing))
+                        threads=threads, direct_io=source == "disk" and direct_io,
+                        route_replay=torch.from_numpy(routing))
     try:
         if host:
             fill_host_tier(dec.cache)
@@ -204,35 +273,40 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         for t in range(warmup):
             dec.replay_step = t
             token = int(dec.forward([token]).argmax())
+        cold = {}
         if source == "disk":
-            drop_page_cache(vault.dir / DATA_FILE)
+            cold = cold_state(direct_io, drop_page_cache(vault.dir / DATA_FILE))
         before = dict(dec.cache.stats.as_dict())
         timing0 = dict(dec.timing)
-        torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         for t in range(warmup, warmup + tokens):
             dec.replay_step = t
             token = int(dec.forward([token]).argmax())
         seconds = time.perf_counter() - start
+        if source == "disk":  # what the row's own reads left in the page cache (none with O_DIRECT)
+            cold["resident_after_row"] = resident_fraction(vault.dir / DATA_FILE)
         after = dec.cache.stats.as_dict()
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "host_hits", "bytes_read", "bytes_copied",
                                                    "wait_seconds")}
-        return delta | {"budget_fraction": budget_fraction, "source": source, "tokens": tokens,
-                        "tok_s": tokens / seconds, "ms_per_token": 1000 * seconds / tokens,
-                        "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
-                        "gpu_read_bytes_per_token": gpu_bytes_per_token(dec, warmup + tokens // 2),
-                        "copied_bytes_per_token": delta["bytes_copied"] / tokens,
-                        "disk_bytes_per_token": delta["bytes_read"] / tokens,
-                        "cache_wait_ms_per_token": 1000 * delta["wait_seconds"] / tokens,
-                        "whole_token_graph": dec.whole_token is not None, "segment_graphs": dec.segments is not None,
-                        "host_ms_per_token": {k: 1000 * (dec.timing[k] - timing0[k]) / tokens for k in dec.timing}}
+        return delta | cold | {
+            "budget_fraction": budget_fraction, "source": source, "routing": routing_name, "tokens": tokens,
+            "tok_s": tokens / seconds, "ms_per_token": 1000 * seconds / tokens,
+            "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
+            "gpu_read_bytes_per_token": gpu_bytes_per_token(dec, warmup + tokens // 2),
+            "copied_bytes_per_token": delta["bytes_copied"] / tokens,
+            "disk_bytes_per_token": delta["bytes_read"] / tokens,
+            "cache_wait_ms_per_token": 1000 * delta["wait_seconds"] / tokens,
+            "whole_token_graph": dec.whole_token is not None, "segment_graphs": dec.segments is not None,
+            "host_ms_per_token": {k: 1000 * (dec.timing[k] - timing0[k]) / tokens for k in dec.timing}}
     finally:
         dec.close()
         del dec
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: int = 3) -> dict:
+def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: int = 3, device: str = "cuda") -> dict:
     """A prompt of `length` random token ids through the GPU decoder with the cache at `budget_fraction` of the
     experts (misses from the pinned host tier, filled first), the router's own routing; one untimed run (compiles,
     cache fill), then `repeats` timed ones from position 0: their median."""
@@ -240,7 +314,7 @@ def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: 
     from smoe.runtime.cuda.cache import blob_slot_bytes
     from smoe.runtime.cuda.decode import GpuDecoder
 
-    vault, device = sm.vault, torch.device("cuda")
+    vault, device = sm.vault, torch.device(device)
     everything = blob_slot_bytes(vault) * len(vault.entries)
     host = everything if budget_fraction < 1 else 0
     dec = GpuDecoder(sm, device, int(everything * budget_fraction), length + 8, host_cache_bytes=host, threads=threads)
@@ -255,7 +329,8 @@ def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: 
     finally:
         dec.close()
         del dec
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def prompt_rates(dec, ids: list[int], repeats: int) -> list[float]:
@@ -263,10 +338,10 @@ def prompt_rates(dec, ids: list[int], repeats: int) -> list[float]:
     seconds = []
     for _ in range(repeats + 1):
         dec.reset()
-        torch.cuda.synchronize()
+        synchronize(dec.device)
         start = time.perf_counter()
         dec.forward(ids)
-        torch.cuda.synchronize()
+        synchronize(dec.device)
         seconds.append(time.perf_counter() - start)
     return [len(ids) / t for t in seconds[1:]]
 
@@ -350,37 +425,46 @@ def llama_bench_run(binary: str, gguf: Path, tokens: int, n_cpu_moe: int, prompt
 def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, threads: int = 16,
                  baseline: bool = True, layers: int | None = None, model: str = "qwen3-30b-a3b",
                  sources: tuple[str, ...] = ("host", "disk"), llama_bench: str | None = None,
-                 prefill: tuple[int, ...] = ()) -> dict:
+                 prefill: tuple[int, ...] = (), routings: tuple[str, ...] = ("zipf",), device: str = "cuda",
+                 config: dict | None = None, measure_bytes: int | None = None) -> dict:
+    """Every budget's rows, each source (a full budget: host only) under each recorded routing of `routings`
+    ("zipf", "uniform"). `device` "cpu" runs the same rows on a CPU "device" (no GPU: tests), `config` overrides
+    keys of the model's config (smaller shapes), `measure_bytes` sizes the copies that measure the link and the
+    device memory (default 1 and 2 GiB)."""
     from smoe.runtime.model import OpenedVault
     from smoe.source.description import describe_model
 
-    if not torch.cuda.is_available():
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
         raise SmoeError("smoe bench decode measures the GPU runtime: no CUDA device is available")
-    cfg = dict(MODELS[model]) | ({"num_hidden_layers": layers} if layers else {})
-    vault_dir = write_model_vault(Path(workdir) / f"{model}-shaped-q4-{cfg['num_hidden_layers']}L", cfg)
+    if not routings or not set(routings) <= set(ROUTINGS):
+        raise SmoeError(f"routings {routings!r}: one or more of {', '.join(ROUTINGS)}")
+    cfg = model_config(model, config, layers)
+    vault_dir = write_model_vault(model_vault_dir(workdir, model, config, layers), cfg)
     d = describe_model(cfg)
-    limits = {"pinned_copy_gbps": pinned_copy_gbps("cuda"), "hbm_gbps": hbm_gbps("cuda"), "disk_gbps": disk_gbps(vault_dir)}
-    sm = OpenedVault(vault_dir, dtype="bfloat16", kernel_path="dequant")  # its CPU store stays unused
-    routing = skewed_routing(cfg["num_hidden_layers"], warmup + tokens + 8, seed=0, experts=d.routing.num_experts,
-                             top_k=d.routing.top_k)
+    direct = direct_io_works(vault_dir)
+    disk = disk_read(vault_dir, threads, direct_io=direct)
+    limits = {"pinned_copy_gbps": pinned_copy_gbps(device, measure_bytes or 1 << 30),
+              "hbm_gbps": hbm_gbps(device, measure_bytes or 2 << 30), "disk_gbps": disk["gbps"], "disk_read": disk}
+    sm = OpenedVault(vault_dir, dtype="bfloat16" if cuda else "float32", kernel_path="dequant")  # its CPU store stays unused
+    draws = {r: routing_draw(r, cfg["num_hidden_layers"], warmup + tokens + 8, seed=0, experts=d.routing.num_experts,
+                             top_k=d.routing.top_k) for r in routings}
     rows = []
     try:
         for fraction in budgets:
             for source in (sources if fraction < 1 else ("host",)):
-                r = decode_run(sm, fraction, source, routing, warmup, tokens, threads)
-                src_gbps = limits["pinned_copy_gbps"] if source == "host" else limits["disk_gbps"]
-                moved = r["copied_bytes_per_token"] if source == "host" else r["disk_bytes_per_token"]
-                # HBM: a device copy's read + write bytes per second, the rate a read-only stream gets
-                limit_s = moved / (src_gbps * 1e9) + r["gpu_read_bytes_per_token"] / (limits["hbm_gbps"] * 1e9)
-                rows.append(r | {"limit_tok_s": 1 / limit_s, "of_limit": r["tok_s"] * limit_s})
-                print(format_row(rows[-1]), file=sys.stderr, flush=True)
-        prompts = [prefill_run(sm, f, n, threads) for f in budgets for n in prefill]
+                for routing in routings:
+                    r = decode_run(sm, fraction, source, draws[routing], warmup, tokens, threads, device, routing, direct)
+                    rows.append(with_limits(r, limits))
+                    print(format_row(rows[-1]), file=sys.stderr, flush=True)
+        prompts = [prefill_run(sm, f, n, threads, device=device) for f in budgets for n in prefill]
     finally:
         sm.close()
     with Vault(vault_dir) as v:
         vault_gb = sum(e.size for e in v.entries.values()) / 1e9
     result = {"benchmark": "decode", "model": model, "vault": str(vault_dir), "vault_expert_gb": vault_gb, "limits": limits,
-              "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "rows": rows, "prefill": prompts}
+              "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "routings": list(routings),
+              "rows": rows, "prefill": prompts}
     if baseline:
         result["transformers_bf16"] = transformers_run(cfg, min(tokens, 32))
     if llama_bench:
@@ -392,24 +476,85 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
     return result
 
 
+def model_config(model: str, config: dict | None = None, layers: int | None = None) -> dict:
+    """The config of `model` (a key of MODELS) with the keys of `config` over it, and `layers` layers if given."""
+    return dict(MODELS[model]) | (config or {}) | ({"num_hidden_layers": layers} if layers else {})
+
+
+def model_vault_dir(workdir, model: str, config: dict | None = None, layers: int | None = None) -> Path:
+    """Where bench_decode keeps the vault of that model (built once, reused by later runs)."""
+    name = f"{model}-shaped-q4-{model_config(model, config, layers)['num_hidden_layers']}L"
+    if config:  # other shapes: a vault of their own
+        name += f"-{zlib.crc32(json.dumps(config, sort_keys=True).encode()):08x}"
+    return Path(workdir) / name
+
+
+def with_limits(r: dict, limits: dict) -> dict:
+    """A row with its limits: `limit_tok_s` (its I/O, plus what the GPU reads at HBM speed) and `io_limit_tok_s`
+    (the I/O alone: the row's measured bytes per token moved over the pinned link, or read from the disk; None
+    when nothing moved), and the share of each reached. A disk row that was not cold (or whose disk measurement
+    was not) gets no shares: `cold_note` says why."""
+    disk = r["source"] == "disk"
+    gbps = limits["disk_gbps"] if disk else limits["pinned_copy_gbps"]
+    moved = r["disk_bytes_per_token"] if disk else r["copied_bytes_per_token"]
+    io_s = moved / (gbps * 1e9)
+    # HBM: a device copy's read + write bytes per second, the rate a read-only stream gets
+    limit_s = io_s + r["gpu_read_bytes_per_token"] / (limits["hbm_gbps"] * 1e9)
+    row = r | {"limit_tok_s": 1 / limit_s, "of_limit": r["tok_s"] * limit_s,
+               "io_limit_tok_s": 1 / io_s if io_s else None, "of_io_limit": r["tok_s"] * io_s if io_s else None}
+    if disk and not (r["cold"] and limits["disk_read"]["cold"]):
+        note = r["cold_note"] or f"disk measurement {limits['disk_read']['cold_note']}"
+        row |= {"of_limit": None, "of_io_limit": None, "cold_note": note}
+    return row
+
+
+def percent(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.0f}%"
+
+
 def format_row(r: dict) -> str:
-    return (f"  budget {100 * r['budget_fraction']:5.1f}%  {r['source']:4s}  {r['tok_s']:7.1f} tok/s  "
-            f"hit {100 * r['hit_rate']:5.1f}%  moved {r['copied_bytes_per_token'] / 1e6:7.1f} MB/tok  "
-            f"limit {r['limit_tok_s']:7.1f} tok/s  ({100 * r['of_limit']:.0f}% of it)  "
+    line = (f"  budget {100 * r['budget_fraction']:5.1f}%  {r['source']:4s}  {r.get('routing', 'zipf'):7s}  "
+            f"{r['tok_s']:7.1f} tok/s  hit {100 * r['hit_rate']:5.1f}%  "
+            f"moved {r['copied_bytes_per_token'] / 1e6:7.1f} MB/tok  "
+            f"limit {r['limit_tok_s']:7.1f} tok/s  ({percent(r['of_limit'])} of it)  "
             f"cache wait {r['cache_wait_ms_per_token']:.2f} ms/tok")
+    io = r.get("io_limit_tok_s")
+    if r["source"] == "disk" and "cold" in r:
+        line += f"  read {r['disk_bytes_per_token'] / 1e6:.1f} MB/tok from disk"
+        if io:
+            line += f", disk limit {io:.1f} tok/s"
+            line += f" ({percent(r['of_io_limit'])} of it)" if r["of_io_limit"] is not None else ""
+        if r.get("cold_note"):
+            line += f" [{r['cold_note']}]"
+        resident = r["resident_after_drop"]
+        line += (f"; {'O_DIRECT' if r['direct_io'] else 'buffered reads'}, resident pages after drop: "
+                 + ("unknown" if resident is None else f"{100 * resident:.1f}%"))
+    elif io:
+        line += f"  link limit {io:.1f} tok/s ({percent(r['of_io_limit'])} of it)"
+    return line
 
 
 def format_result(result: dict) -> str:
     lim = result["limits"]
+    disk = lim.get("disk_read")
+    disk_text = f"disk {lim['disk_gbps']:.2f} GB/s"
+    if disk:
+        resident = disk["resident_after_drop"]
+        disk_text += (f" ({'O_DIRECT' if disk['direct_io'] else 'buffered'} reads of one {disk['request_bytes'] / 1e6:.2f} MB "
+                      f"blob each, {disk['threads']} in flight, {disk['reads']} reads; resident pages after drop: "
+                      + ("unknown" if resident is None else f"{100 * resident:.1f}%")
+                      + (f"; {disk['cold_note']}" if disk["cold_note"] else "") + ")")
     lines = [f"vault {result['vault']}: {result['vault_expert_gb']:.2f} GB of experts, {result['layers']} layers; "
-             f"pinned copy {lim['pinned_copy_gbps']:.1f} GB/s, HBM {lim['hbm_gbps']:.0f} GB/s (read+write), "
-             f"disk {lim['disk_gbps']:.2f} GB/s"]
+             f"pinned copy {lim['pinned_copy_gbps']:.1f} GB/s, HBM {lim['hbm_gbps']:.0f} GB/s (read+write), {disk_text}"]
     lines += [format_row(r) for r in result["rows"]]
     for run in result.get("llama_cpp", []):
-        ours = [r["tok_s"] for r in result["rows"] if r["budget_fraction"] == run["budget_fraction"] and r["source"] == "host"]
+        ours = {r.get("routing", "zipf"): r["tok_s"] for r in result["rows"]
+                if r["budget_fraction"] == run["budget_fraction"] and r["source"] == "host"}
+        ratio = ("" if not ours else f"  (smoe host / llama.cpp = {next(iter(ours.values())) / run['tok_s']:.2f})"
+                 if len(ours) == 1 else
+                 "  (smoe host / llama.cpp: " + ", ".join(f"{k} {v / run['tok_s']:.2f}" for k, v in ours.items()) + ")")
         lines.append(f"  llama.cpp CUDA, --n-cpu-moe {run['n_cpu_moe']:2d} (budget {100 * run['budget_fraction']:5.1f}%): "
-                     f"{run['tok_s']:7.1f} ± {run['stdev_tok_s']:.1f} tok/s"
-                     + (f"  (smoe host / llama.cpp = {ours[0] / run['tok_s']:.2f})" if ours else ""))
+                     f"{run['tok_s']:7.1f} ± {run['stdev_tok_s']:.1f} tok/s" + ratio)
     for r in result.get("prefill", []):
         peer = [p for p in result.get("llama_cpp_prefill", [])
                 if (p["budget_fraction"], p["length"]) == (r["budget_fraction"], r["length"])]

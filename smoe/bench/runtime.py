@@ -4,7 +4,10 @@ process so peak RSS is its own — next to baselines run in the same invocation.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -24,12 +27,53 @@ PROMPT = ("It was the best of times, it was the worst of times, it was the age o
           "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light,")
 
 
-def drop_page_cache(path: Path) -> None:
-    """Evict a file from the page cache so the next reads come from the disk (a cold run)."""
+def drop_page_cache(path: Path) -> float | None:
+    """Evict a file from the page cache so the next reads come from the disk (a cold run). Returns the share of
+    its pages still resident afterwards (resident_fraction): about 0 where the drop worked; a filesystem with no
+    disk behind it (tmpfs) keeps every page, and one that refuses the advice keeps what it had."""
+    fd = os.open(path, os.O_RDONLY)
+    try:  # a refusal of either is not an error here: what stays resident is measured below
+        with contextlib.suppress(OSError):
+            os.fsync(fd)  # dirty pages are not dropped
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return resident_fraction(path)
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def resident_fraction(path: Path) -> float | None:
+    """Share of the file's pages in the page cache: mincore(2) over a read-only shared mapping of it (the
+    mapping itself reads nothing). None where the system has no mincore."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    try:
+        libc = _libc()
+    except (OSError, AttributeError):
+        return None
+    pages = -(-size // mmap.PAGESIZE)
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(addr, size, vec) != 0:
+                return None
+            return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) / pages
+        finally:
+            libc.munmap(addr, size)
     finally:
         os.close(fd)
 
@@ -193,8 +237,8 @@ def random_tensor(rng, role: str, shape: tuple[int, int], bits: int) -> Quantise
 def skewed_routing(layers: int, tokens: int, seed: int = 0, zipf: float = 1.2, experts: int = SYNTH["experts"],
                    top_k: int = SYNTH["top_k"]) -> np.ndarray:
     """[tokens, layers, top_k] expert ids drawn without replacement from a Zipf-like popularity,
-    a different popularity order per layer (real routers are skewed; uniform routing makes hit
-    rates meaningless)."""
+    a different popularity order per layer (real routers are skewed; uniform_routing is the worst
+    case for a cache)."""
     rng = np.random.default_rng(seed)
     e, k = experts, top_k
     weights = 1.0 / np.arange(1, e + 1) ** zipf
@@ -205,6 +249,26 @@ def skewed_routing(layers: int, tokens: int, seed: int = 0, zipf: float = 1.2, e
         for layer in range(layers):
             out[t, layer] = order[layer][rng.choice(e, size=k, replace=False, p=weights)]
     return out
+
+
+def uniform_routing(layers: int, tokens: int, seed: int = 0, experts: int = SYNTH["experts"],
+                    top_k: int = SYNTH["top_k"]) -> np.ndarray:
+    """[tokens, layers, top_k] expert ids: k distinct experts per token and layer, every k-subset equally
+    likely (the ordering of i.i.d. uniform keys). No expert is more popular than another, so an LRU cache of
+    a fraction f of the experts hits about f of the time: the worst case for a cache."""
+    rng = np.random.default_rng(seed)
+    return np.argsort(rng.random((tokens, layers, experts)), axis=-1)[..., :top_k].astype(np.int64)
+
+
+ROUTINGS = {"zipf": skewed_routing, "uniform": uniform_routing}
+
+
+def routing_draw(kind: str, layers: int, tokens: int, seed: int = 0, experts: int = SYNTH["experts"],
+                 top_k: int = SYNTH["top_k"]) -> np.ndarray:
+    """[tokens, layers, top_k] expert ids of the routing `kind` ("zipf" or "uniform")."""
+    if kind not in ROUTINGS:
+        raise SmoeError(f"routing {kind!r}: one of {', '.join(ROUTINGS)}")
+    return ROUTINGS[kind](layers, tokens, seed=seed, experts=experts, top_k=top_k)
 
 
 SYNTHETIC_RUN = """

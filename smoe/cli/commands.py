@@ -522,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--no-baseline", action="store_true", help="skip transformers bf16 resident on the GPU")
     bd.add_argument("--sources", default="host,disk", help="where a partial budget's misses come from: host, disk or "
                     "host,disk (default)")
+    bd.add_argument("--routing", default="zipf", help="the recorded routing each row is timed under: zipf (skewed, as real routers; default), uniform (the worst case for a cache) or zipf,uniform")
     bd.add_argument("--llama-bench", metavar="PATH", default=None, help="llama.cpp's llama-bench (a CUDA build): also run "
                     "the model exported to GGUF, resident and with --n-cpu-moe for each partial budget")
     bd.add_argument("--prefill", default="", metavar="N,N", help="also time prompts of these lengths per budget "
