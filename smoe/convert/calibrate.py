@@ -290,6 +290,7 @@ class StreamedStats:
 
     def at(self, layer: int) -> CalibrationStats:
         while self.held is None or self.held.layers[0] < layer:
+            self.held = None  # before the next layer's sums are made: one layer's in memory, not two
             self.held = next(self.ahead, None)
             if self.held is None:
                 raise SmoeError(f"calibration has no statistics for layer {layer}: the source model has no experts "
