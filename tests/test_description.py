@@ -28,13 +28,13 @@ CUSTOM = {"phimoe": "sparsemixer", "gemma4_text": "per-expert scales over a norm
 # group-limited families get two groups of two experts in their tiny model, so the groups matter
 GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "nemotron_h": {}, "mistral4": {},
            "deepseek_v2": {"topk_method": "group_limited_greedy"}}
-# the tiny families the GPU's fast decoder covers: q/k norm after rotary; multipliers; Mistral 4's temperature;
-# AFMoE's output gate and norms and NoPE layers (EXAONE-MoE's tiny model slides on every layer: none of them is a
-# NoPE full layer)
+# the tiny families the fast decoders (GPU and CPU alike) cover: q/k norm after rotary; multipliers; Mistral 4's
+# temperature; AFMoE's output gate and norms and NoPE layers (EXAONE-MoE's tiny model slides on every layer: none of
+# them is a NoPE full layer); hybrids, their mixer layers through the family's own modules
 GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe",
-       "gpt_oss", "exaone_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "mistral4", "afmoe", "ernie4_5_moe"}
-# and the CPU's: hybrids, their mixer layers through the family's own modules
-CPU = GPU | {"lfm2_moe", "jamba", "granitemoehybrid"}
+       "gpt_oss", "exaone_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "mistral4", "afmoe", "ernie4_5_moe",
+       "lfm2_moe", "jamba", "granitemoehybrid"}
+CPU = GPU
 
 
 def description_of(family: str, **overrides):
@@ -156,7 +156,7 @@ def test_attention_geometry_matches_the_family_modules(family):
 def test_fast_decoders_cover_exactly_the_descriptions_their_layers_implement():
     for device, expected in (("cpu", CPU), ("cuda", GPU)):
         assert {f for f in tiny_families() if fast_decoder_gap(description_of(f), device) is None} == expected
-    assert fast_decoder_gap(description_of("jamba"), "cuda") == "linear-attention or state-space layers"
+    assert fast_decoder_gap(description_of("jamba"), "cuda") is None
     assert fast_decoder_gap(description_of("mixtral", sliding_window=4), "cuda") is None
     assert fast_decoder_gap(description_of("mixtral", sliding_window=4)) is None
     nope = description_of("exaone_moe", layer_types=["sliding_attention", "full_attention", "sliding_attention"])

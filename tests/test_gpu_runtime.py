@@ -231,6 +231,46 @@ def test_a_sequence_past_the_kv_capacity_grows_the_state_in_place(family, tmp_pa
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 
 
+# hybrid families: mixer layers (short convolutions, Mamba) through the family's own transformers modules, their
+# MoE blocks on the GPU expert cache (Jamba's tiny model given experts on every layer, its Mamba layer's included)
+HYBRIDS = {"lfm2_moe": ({}, {"conv": [0, 2]}), "granitemoehybrid": ({}, {"linear_attention": [0]}),
+           "jamba": (dict(expert_layer_period=1, expert_layer_offset=0), {"linear_attention": [0]})}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_a_hybrid_family_runs_its_mixer_layers_through_its_own_modules_on_the_gpu_decoder(family, tmp_path):
+    from smoe.runtime.model import pick_decoder
+
+    architecture, named = HYBRIDS[family]
+    vault = vault_of(tiny_model_dir(tmp_path, family, seed=2, architecture=architecture), tmp_path / "vault")
+    reference = load_reference(dequantised_reference(vault, tmp_path))
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    sm.device = torch.device("cuda")  # as opened on a GPU: --decoder auto's rule and the report read the device
+    assert pick_decoder(sm, "auto") == "fast" and sm.describe()["transformers_layers"] == named
+    sm.device = torch.device("cpu")
+    mixers = sm.description.attention.mixer_layers
+    assert set(mixers) & set(sm.vault.meta["moe_layers"])  # a mixer layer with routed experts
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 100, (36,), generator=gen).tolist() for _ in range(2))
+    want = reference(torch.tensor([a, b]))
+    # one slot more than a token's experts: evictions, and a prompt's experts in groups
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, sm.vault.meta["top_k"] + 1), max_positions=64)
+    assert [i for i, w in enumerate(dec.layers) if w is None] == list(mixers)
+    first = decode_in_pieces(dec, a)
+    assert relative_error(want[0], first) < TOLERANCE
+    dec.reset()  # another sequence on the same state: the family's cache is made again
+    assert relative_error(want[1], decode_in_pieces(dec, b)) < TOLERANCE
+    dec.use(dec.new_state(64))  # and on a new state
+    assert torch.equal(decode_in_pieces(dec, a), first)
+    assert dec.cache.stats.misses > len(sm.vault.entries)  # experts evicted and read again
+    with Vault(vault) as v:
+        everything = blob_slot_bytes(v) * len(v.entries)
+    resident = GpuDecoder(sm, "cpu", everything, max_positions=64)  # the whole token cut at the mixer layers
+    got = decode_in_pieces(resident, b)
+    assert resident.table is not None and resident.cache.stats.misses == len(sm.vault.entries)
+    assert relative_error(want[1], got) < TOLERANCE
+
+
 INTERPRETED = """
 import sys, torch
 from smoe.runtime.model import OpenedVault
@@ -244,7 +284,9 @@ torch.save(logits, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # gpt-oss: expert biases, clamped SwiGLU, sinks, windows
+# gpt-oss: expert biases, clamped SwiGLU, sinks, windows; Granite-MoE-Hybrid: a Mamba layer through its own module,
+# its experts by the kernels too
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "granitemoehybrid"])
 def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, tmp_path):
     kernel_sized_vault(tmp_path, family)
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -300,6 +342,37 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
     # the single-token steps after the first replayed captured graphs
     assert (dec.whole_token if resident else dec.segments) is not None
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+# the hybrids' tiny models with expert widths of 64, so that the Triton kernels and with them the graphs run
+KERNEL_WIDTHS = {"lfm2_moe": dict(moe_intermediate_size=64), "granitemoehybrid": dict(intermediate_size=64),
+                 "jamba": dict(intermediate_size=64)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+@pytest.mark.parametrize("resident", [False, True])
+def test_cuda_decoder_runs_a_hybrid_family_with_graphs_between_its_mixer_layers(family, resident, tmp_path):
+    architecture, named = HYBRIDS[family]
+    vault = vault_of(tiny_model_dir(tmp_path, family, seed=2, architecture=architecture | KERNEL_WIDTHS[family]),
+                     tmp_path / "vault")
+    reference = load_reference(dequantised_reference(vault, tmp_path))
+    with Vault(vault) as v:
+        budget = blob_slot_bytes(v) * len(v.entries) if resident else min_gpu_budget(v, v.meta["top_k"])
+    sm = OpenedVault(vault, dtype="float32", device="cuda", gpu_cache_bytes=budget)
+    try:
+        assert sm.decoder == "fast" and sm.describe()["transformers_layers"] == named
+        gen = torch.Generator().manual_seed(3)
+        a, b = (torch.randint(0, 100, (36,), generator=gen).tolist() for _ in range(2))
+        want = reference(torch.tensor([a, b]))
+        dec = sm.fast_decoder(64)
+        assert dec.graphs and relative_error(want[0], decode_in_pieces(dec, a)) < TOLERANCE
+        # the single-token steps after the first replayed captured graphs, the mixer layers eagerly between them
+        assert (dec.whole_token if resident else dec.segments) is not None
+        dec.reset()  # another sequence: the graphs stay, the family's cache is made again
+        assert relative_error(want[1], decode_in_pieces(dec, b)) < TOLERANCE
+    finally:
+        sm.close()
 
 
 @needs_cuda

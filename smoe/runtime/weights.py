@@ -39,10 +39,10 @@ def fast_decoder_gap(d: ModelDescription, device: str = "cpu") -> str | None:
     does. Both run the layer library's kinds (smoe.runtime.layers, library_gap), gpt-oss's included (windows,
     sinks, biases: the GPU's GQA block; biases and the clamped SwiGLU: its Triton kernels), as do HunYuan's q/k
     norm after rotary, layers without rotary, multipliers, Mistral 4's query temperature and AFMoE's output gate
-    and norms, and rotary in pairs (ERNIE). The CPU's runs the layers of a kind the library lacks (linear
-    attention, state-space mixers: the description's mixer_layers) through the family's own transformers modules,
-    the GPU's does not."""
-    return library_gap(d, mixers_by_modules=device == "cpu")
+    and norms, and rotary in pairs (ERNIE). Both run the layers of a kind the library lacks (linear attention,
+    state-space mixers: the description's mixer_layers) through the family's own transformers modules (on the GPU
+    eagerly, between its captured graphs)."""
+    return library_gap(d, mixers_by_modules=True)
 
 
 # the description's extras the layer library computes: rotary in pairs, and over part of each head

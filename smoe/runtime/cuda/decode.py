@@ -19,6 +19,17 @@ token is one graph with no sync but the final read of the logits.
 Several tokens at once (prompt prefill, teacher-forced evaluation) run eagerly, layer by layer, with
 the grouped kernel; a layer whose experts do not fit the cache together is done in expert groups.
 
+A layer of a kind the layer library lacks (linear attention, a state-space or convolution mixer: the
+description's mixer_layers, as on the fast CPU decoder) runs through the family's own transformers module,
+moved to the device, on a cache of the family's kind kept in the sequence state (smoe.runtime.kv.ModuleLayers,
+renewed when a sequence starts again); the experts of its MoE block come from the same GPU expert cache
+(ModuleExperts). Such a layer cannot be captured: transformers' cache objects are made, replaced and grown
+from the host, and its MoE block asks the cache for experts on the host. So a one-token step ends a segment
+before each such layer, which runs eagerly between the captured segments, reading and writing the static
+residual; segment i+1 then starts from that residual (no MLP branch of layer i to add: the module added its
+own). With every expert resident the whole-token graph is cut the same way: one graph per stretch of
+segments between such layers.
+
 On a CPU "device" (tests without a GPU) everything runs eagerly and the experts run through
 kernels_triton.experts_forward's reference path or, under TRITON_INTERPRET=1, the Triton kernels.
 """
@@ -32,6 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from smoe.errors import SmoeError
+from smoe.hf.experts import attach_routed, empty_parameters, is_experts_module
+from smoe.hf.model import new_cache, run_layer
 from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
 from smoe.runtime.cuda import kernels as kernels_triton
@@ -55,7 +68,7 @@ from smoe.runtime.layers import (
     shared_mlp,
     static_step,
 )
-from smoe.runtime.weights import layer_weights, rms_epsilon
+from smoe.runtime.weights import layer_weights, module_layers, rms_epsilon
 from smoe.switches import GPU_INDUCTOR
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
@@ -132,11 +145,19 @@ class GpuDecoder(HoldsSequence):
         put = lambda t: t.detach().to(device=self.device, dtype=self.dtype).contiguous()
         self.embed, self.lm_head = put(trunk["embed"]), put(trunk["lm_head"])
         self.final_norm = trunk["final_norm"].detach().to(device=self.device, dtype=ACT)
-        self.layers = [GpuLayer(layer, i, self.description, self.device, self.dtype)
+        # a layer of a kind the library lacks runs through the family's own module (None here, in self.modules)
+        by_modules = set(module_layers(self.description))
+        self.layers = [None if i in by_modules else GpuLayer(layer, i, self.description, self.device, self.dtype)
                        for i, layer in enumerate(trunk["layers"])]
+        self.model, self.module_experts = sm.model, ModuleExperts(self)
+        self.modules = {i: self.module_on_device(trunk["layers"][i]) for i in sorted(by_modules)}
+        self.experts_in = {i: [m for m in layer.modules() if is_experts_module(m)] for i, layer in self.modules.items()}
+        self.last_module = max(by_modules, default=None)
         # the blobs' layout, with the experts' activation the kernels compute (gpt-oss's clamped SwiGLU)
         clamp = self.description.experts.clamp
-        self.layouts = {i: replace(layer_layout(self.vault, i), clamp=clamp) for i, w in enumerate(self.layers) if w.moe}
+        moe = set(self.vault.meta["moe_layers"])
+        self.layouts = {i: replace(layer_layout(self.vault, i), clamp=clamp) for i, w in enumerate(self.layers)
+                        if (w.moe if w is not None else i in moe)}
         self.cache = GpuExpertCache(self.vault, gpu_cache_bytes, self.device, self.top_k, host_cache_bytes,
                                     threads=threads, direct_io=direct_io)
         self.rotary = trunk["rotary"]
@@ -144,9 +165,21 @@ class GpuDecoder(HoldsSequence):
                                                limit=sm.max_positions)
         self.rope_for_capacity()
 
+    def module_on_device(self, layer):
+        """A decoder layer the family's own module runs, on the device (the parameters of its experts modules,
+        placeholders, emptied so that the layer moves; module_layer points those modules at the GPU cache)."""
+        for module in layer.modules():
+            if is_experts_module(module):
+                empty_parameters(module)
+        return layer.to(self.device)
+
     def rope_for_capacity(self) -> None:
-        """Rotary tables and the position index for the state's capacity."""
-        cos, sin = rope_tables(self.rotary, self.state.capacity, rotary_dim(self.description))
+        """Rotary tables and the position index for the state's capacity (of width 0 for a model without
+        rotary: Jamba's attention has none)."""
+        if self.rotary is None:
+            cos = sin = torch.zeros(self.state.capacity, 0)
+        else:
+            cos, sin = rope_tables(self.rotary, self.state.capacity, rotary_dim(self.description))
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         self.positions = torch.arange(self.state.capacity, device=self.device)
 
@@ -191,10 +224,27 @@ class GpuDecoder(HoldsSequence):
         x = self.embedded(torch.tensor(ids, device=self.device))
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
+            if w is None:
+                x = self.module_layer(i, x, start)
+                continue
             x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, end=start + t, **self.block_args(i))
             x = x + self.mlp(i, h, *self.route(i, logits))
         self.state.length = start + t
         return self.logits(x)
+
+    def module_layer(self, i: int, x, start: int):
+        """x [T, H] (fp32) after layer i as the family's own module computes it (its experts from the GPU expert
+        cache), continuing the sequence's cache of the family's kind (a new one when the sequence starts)."""
+        held = self.state.layers[i]
+        if held.length != start:  # the sequence starts (again): the family's cache of an earlier one is dropped
+            held.cache, held.length = new_cache(self.model), start
+        for module in self.experts_in[i]:  # its experts from this decoder's cache (another may share the model)
+            attach_routed(module, i, self.module_experts)
+        t = x.shape[0]
+        out = run_layer(self.modules[i], x.to(self.dtype)[None], self.positions[start: start + t][None], held.cache)
+        if i == self.last_module:
+            held.length = start + t
+        return out[0].to(ACT)
 
     def mlp(self, i: int, h, top_i, top_w, one=None):
         """Layer i's MLP branch as it joins the residual stream: its routed experts (one token: from the segment's
@@ -265,29 +315,46 @@ class GpuDecoder(HoldsSequence):
         s.set_token(token, self.pos)
         if self.all_resident():
             self.run_whole_token()
-            self.cache.stats.hits += self.top_k * len(self.layouts)  # every routed expert is resident
+            # every routed expert is resident (a module layer's experts are counted by the cache, which it asks)
+            self.cache.stats.hits += self.top_k * sum(self.layers[i] is not None for i in self.layouts)
         else:
             for seg in range(len(self.layers) + 1):
                 self.run_segment(seg)
-                if seg < len(self.layers) and self.layers[seg].moe:
+                if seg < len(self.layers) and self.layers[seg] is None:
+                    self.module_step(seg)
+                elif seg < len(self.layers) and self.layers[seg].moe:
                     self.load_offsets(seg)
         self.state.length += 1
         return s.logits.clone()
+
+    def module_step(self, i: int) -> None:
+        """Layer i, one the family's own module runs, on the static residual: eager, between the captured
+        segments (see the module's docstring)."""
+        s = self.static
+        s.x.copy_(self.module_layer(i, s.x, self.pos))
 
     def load_offsets(self, i: int) -> None:
         ids = self.static.top_i[0].tolist()  # the sync: the host must know which experts to bring
         self.static.set_offsets(self.cache.offsets(i, ids))
 
     def segment(self, seg: int) -> None:
-        """experts of layer seg-1, then attention and routing of layer seg (or the LM head)."""
+        """experts of layer seg-1, then attention and routing of layer seg (or the LM head). Where layer seg-1
+        is one the family's own module runs, the residual holds its whole output (nothing to add); where layer
+        seg is, the segment ends with the residual it starts from."""
         s = self.static
         if seg == 0:
             s.x.copy_(self.embedded(s.token))
             added = None
+        elif self.layers[seg - 1] is None:
+            added = None
         else:
             added = self.mlp(seg - 1, s.h, None, None, one=s.offsets)
         if seg == len(self.layers):
-            s.logits.copy_(self.logits(s.x + added))
+            s.logits.copy_(self.logits(s.x if added is None else s.x + added))
+            return
+        if self.layers[seg] is None:
+            if added is not None:
+                s.x.copy_(s.x + added)
             return
         x, h, logits = self.run_block(self.layers[seg], s.x, added, s.pos, self.block_args(seg))
         s.x.copy_(x)
@@ -329,15 +396,21 @@ class GpuDecoder(HoldsSequence):
         return kernels_triton.experts_forward(self.cache.pool, layout, s.h, offsets[None], s.top_w,
                                               path=self.kernel_path)
 
+    def idle(self, seg: int) -> bool:
+        """Whether segment seg does nothing: it lies between two layers the family's own modules run."""
+        return 0 < seg < len(self.layers) and self.layers[seg - 1] is None and self.layers[seg] is None
+
     def run_segment(self, seg: int) -> None:
         """Eager on the first token (it compiles the kernels and warms the libraries up), captured at
-        its end, replayed from then on."""
+        its end, replayed from then on (an idle segment is not captured: None)."""
         if self.segments is None:
             self.segment(seg)
             if self.graphs and seg == len(self.layers):
-                self.segments = [capture(lambda i=i: self.segment(i), self.device) for i in range(seg + 1)]
+                self.segments = [None if self.idle(i) else capture(lambda i=i: self.segment(i), self.device)
+                                 for i in range(seg + 1)]
             return
-        self.segments[seg].replay()
+        if self.segments[seg] is not None:
+            self.segments[seg].replay()
 
     # --- every expert resident: one graph per token ----------------------------------------------
 
@@ -353,23 +426,53 @@ class GpuDecoder(HoldsSequence):
         self.table = table.to(self.device)
         return True
 
-    def whole_token_body(self) -> None:
+    def stretches(self) -> list[range]:
+        """The token's segments cut after each layer the family's own modules run (which runs eagerly between
+        two stretches): one stretch, every segment, for a model without such layers."""
+        ends = [i for i, w in enumerate(self.layers) if w is None] + [len(self.layers)]
+        return [range(start, end + 1) for start, end in zip([0, *(e + 1 for e in ends[:-1])], ends)]
+
+    def whole_token_body(self, segments: range) -> None:
         s = self.static
-        for seg in range(len(self.layers) + 1):
-            if seg > 0 and self.layers[seg - 1].moe:
+        for seg in segments:
+            if seg > 0 and self.layers[seg - 1] is not None and self.layers[seg - 1].moe:
                 s.offsets.copy_(self.table[seg - 1][s.top_i[0]])
             self.segment(seg)
 
     def run_whole_token(self) -> None:
-        if self.whole_token is None:
-            self.whole_token_body()  # eager first: compiles and warms up, see run_segment
-            if self.graphs:
-                self.whole_token = capture(self.whole_token_body, self.device)
-            return
-        self.whole_token.replay()
+        """The token's stretches, each one graph (every segment of the token when no layer runs through the
+        family's modules), the module layers eagerly between them. Eager first: compiles and warms up, see
+        run_segment."""
+        stretches, eager = self.stretches(), self.whole_token is None
+        for n, segments in enumerate(stretches):
+            if eager:
+                self.whole_token_body(segments)
+            elif self.whole_token[n] is not None:
+                self.whole_token[n].replay()
+            if segments[-1] < len(self.layers):
+                self.module_step(segments[-1])
+        if eager and self.graphs:
+            self.whole_token = [None if all(map(self.idle, segments)) else
+                                capture(lambda segments=segments: self.whole_token_body(segments), self.device)
+                                for segments in stretches]
 
     def close(self) -> None:
         self.cache.close()
+
+
+class ModuleExperts:
+    """The routed experts of a layer the family's own module runs (smoe.hf.experts' registry calls forward),
+    computed as the GPU decoder computes a prompt's: from the GPU expert cache, in groups of experts that fit it
+    together."""
+
+    def __init__(self, dec: GpuDecoder):
+        self.dec = dec
+
+    def forward(self, module, hidden_states, top_k_index, top_k_weights):
+        h = hidden_states.reshape(-1, hidden_states.shape[-1])
+        top_i, top_w = top_k_index.reshape(h.shape[0], -1), top_k_weights.reshape(h.shape[0], -1).to(ACT)
+        out = self.dec.experts_chunked(module.smoe_layer, h.to(self.dec.dtype), top_i, top_w)
+        return out.to(hidden_states.dtype).view(hidden_states.shape)
 
 
 def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router,
