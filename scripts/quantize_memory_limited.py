@@ -2,8 +2,8 @@
 
 For each depth, builds (once, under WORKDIR) a synthetic Qwen3-MoE checkpoint with Qwen3-30B-A3B expert shapes
 (2048 x 768, 16 experts per layer, random bf16), then runs `smoe quantize --calib` (GPTQ, the default calibrated
-encoder) in a child process inside a memory cgroup, and prints per depth the wall time, the peak RSS of the
-child and the cgroup's peak (page cache included) as one JSON line each.
+encoder, unless --encoder says otherwise) in a child process inside a memory cgroup, and prints per depth
+the wall time, the peak RSS of the child and the cgroup's peak (page cache included) as one JSON line each.
 
     python scripts/quantize_memory_limited.py WORKDIR [--layers 8,16,32] [--limit-gb 3] [--tokens 4096]
 """
@@ -81,6 +81,7 @@ def main() -> int:
     p.add_argument("--layers", default="8,16,32")
     p.add_argument("--limit-gb", type=float, default=3.0)
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--encoder", default="gptq", help="the calibrated encoder (gptq, the default, or weighted)")
     args = p.parse_args()
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -88,10 +89,11 @@ def main() -> int:
     for layers in map(int, args.layers.split(",")):
         model, out = checkpoint(root, layers), root / f"vault-{layers}"
         cmd = [sys.executable, "-m", "smoe.cli", "quantize", str(model), "-o", str(out), "--calib", str(text),
-               "--calib-tokens", str(args.tokens), "--force", "-q"]
+               "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--force", "-q"]
         row = {"layers": layers, "experts_per_layer": SYNTH_EXPERTS, "checkpoint_gb": round(sum(
             f.stat().st_size for f in model.glob("*.safetensors")) / 1e9, 2), "limit_gb": args.limit_gb,
-            "calib_tokens": args.tokens} | limited(cmd, f"smoe-quantize-{layers}", int(args.limit_gb * 1e9))
+            "calib_tokens": args.tokens, "encoder": args.encoder}
+        row |= limited(cmd, f"smoe-quantize-{layers}", int(args.limit_gb * 1e9))
         print(json.dumps(row), flush=True)
         shutil.rmtree(out, ignore_errors=True)
     return 0

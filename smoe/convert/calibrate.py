@@ -256,11 +256,12 @@ def collect_layers(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress:
     for layer in bar(runner.run(), progress, total=len(runner.layers), desc="calibrate", unit="layer"):
         if layer not in recorder.stats.counts:
             continue
-        done, recorder.stats = recorder.stats.to("cpu"), CalibrationStats(**header)
-        counts |= done.counts
+        recorder.stats = recorder.stats.to("cpu")
+        counts |= recorder.stats.counts
         if layer == max(modules):
             warn_if_sparse(CalibrationStats(**header, counts=counts), warn)
-        yield done
+        yield recorder.stats
+        recorder.stats = CalibrationStats(**header)  # the layer yielded is the caller's alone: freed when it lets go
 
 
 def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
