@@ -18,17 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-from smoe.bench.main import SYNTH_EXPERTS, SYNTH_HIDDEN, SYNTH_INTER, write_synthetic_checkpoint
+from smoe.bench.main import SYNTH_EXPERTS, write_synthetic_checkpoint
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TOKENIZER = SHARED / "models" / "qwen3-moe-28m"  # its ids (< 6144) fit the synthetic 8192-token vocabulary
 
 
-def checkpoint(root: Path, layers: int) -> Path:
-    model = root / f"model-{layers}"
+def checkpoint(root: Path, layers: int, experts: int) -> Path:
+    model = root / f"model-{layers}x{experts}"
     if not (model / "model.safetensors.index.json").exists():
-        gb = layers * SYNTH_EXPERTS * 3 * SYNTH_HIDDEN * SYNTH_INTER * 2 / 1e9
-        write_synthetic_checkpoint(model, gb)
+        write_synthetic_checkpoint(model, layers=layers, experts=experts, top_k=8 if experts >= 64 else 4)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copyfile(TOKENIZER / name, model / name)
     return model
@@ -45,8 +44,10 @@ RSS_OF_CHILD = ("import resource, subprocess, sys; code = subprocess.call(sys.ar
                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(code)")
 
 
-def cgroup(name: str, limit: int) -> Path:
-    """A fresh memory cgroup (v1 or v2) capped at `limit` bytes, page cache included."""
+def cgroup(name: str, limit: int | None) -> Path | None:
+    """A fresh memory cgroup (v1 or v2) capped at `limit` bytes, page cache included (None: no limit, no group)."""
+    if limit is None:
+        return None
     v1 = Path("/sys/fs/cgroup/memory")
     group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"{name}-{os.getpid()}"
     group.mkdir(exist_ok=True)
@@ -54,18 +55,18 @@ def cgroup(name: str, limit: int) -> Path:
     return group
 
 
-def peak_of(group: Path) -> int:
-    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+def peak_of(group: Path | None) -> int:
+    for name in () if group is None else ("memory.max_usage_in_bytes", "memory.peak"):
         if (group / name).exists():
             return int((group / name).read_text())
     return 0
 
 
-def limited(cmd: list[str], name: str, limit: int) -> dict:
+def limited(cmd: list[str], name: str, limit: int | None) -> dict:
     """Run `cmd` inside a new cgroup: wall seconds, the process's own peak RSS, the cgroup's peak (which counts the
     page cache of every file read or written, reclaimed under the cap)."""
     group = cgroup(name, limit)
-    join = lambda: (group / "cgroup.procs").write_text(str(os.getpid()))
+    join = None if group is None else lambda: (group / "cgroup.procs").write_text(str(os.getpid()))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", RSS_OF_CHILD, *cmd], capture_output=True, text=True, preexec_fn=join)
     seconds = time.perf_counter() - start
@@ -81,19 +82,22 @@ def main() -> int:
     p.add_argument("--layers", default="8,16,32")
     p.add_argument("--limit-gb", type=float, default=3.0)
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=SYNTH_EXPERTS, help="experts per layer (top-8 from 64 on, else 4)")
+    p.add_argument("--device", default="cpu", help="where calibration and encoding run (cpu, cuda)")
+    p.add_argument("--no-limit", action="store_true", help="no memory cgroup: peak RSS only")
     p.add_argument("--encoder", default="gptq", help="the calibrated encoder (gptq, the default, or weighted)")
     args = p.parse_args()
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     text = calibration_text(root)
     for layers in map(int, args.layers.split(",")):
-        model, out = checkpoint(root, layers), root / f"vault-{layers}"
+        model, out = checkpoint(root, layers, args.experts), root / f"vault-{layers}"
         cmd = [sys.executable, "-m", "smoe.cli", "quantize", str(model), "-o", str(out), "--calib", str(text),
-               "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--force", "-q"]
-        row = {"layers": layers, "experts_per_layer": SYNTH_EXPERTS, "checkpoint_gb": round(sum(
+               "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--device", args.device, "--force", "-q"]
+        row = {"layers": layers, "experts_per_layer": args.experts, "device": args.device, "checkpoint_gb": round(sum(
             f.stat().st_size for f in model.glob("*.safetensors")) / 1e9, 2), "limit_gb": args.limit_gb,
             "calib_tokens": args.tokens, "encoder": args.encoder}
-        row |= limited(cmd, f"smoe-quantize-{layers}", int(args.limit_gb * 1e9))
+        row |= limited(cmd, f"smoe-quantize-{layers}", None if args.no_limit else int(args.limit_gb * 1e9))
         print(json.dumps(row), flush=True)
         shutil.rmtree(out, ignore_errors=True)
     return 0

@@ -158,17 +158,17 @@ def bench_quantize(mb: float, device: str) -> dict:
 SYNTH_HIDDEN, SYNTH_INTER, SYNTH_EXPERTS = 2048, 768, 16  # Qwen3-30B-A3B expert shapes
 
 
-def synthetic_config(layers: int) -> dict:
+def synthetic_config(layers: int, experts: int = SYNTH_EXPERTS, top_k: int = 4) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": SYNTH_HIDDEN,
         "intermediate_size": 6144, "moe_intermediate_size": SYNTH_INTER, "num_hidden_layers": layers,
-        "num_experts": SYNTH_EXPERTS, "num_experts_per_tok": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "num_experts": experts, "num_experts_per_tok": top_k, "num_attention_heads": 16, "num_key_value_heads": 4,
         "head_dim": 128, "vocab_size": 8192, "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16",
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False, "norm_topk_prob": True,
     }
 
 
-def synthetic_tensors(layers: int) -> dict[str, tuple[int, ...]]:
+def synthetic_tensors(layers: int, experts: int = SYNTH_EXPERTS) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (8192, SYNTH_HIDDEN), "lm_head.weight": (8192, SYNTH_HIDDEN),
               "model.norm.weight": (SYNTH_HIDDEN,)}
     for layer in range(layers):
@@ -181,21 +181,23 @@ def synthetic_tensors(layers: int) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.self_attn.o_proj.weight"] = (SYNTH_HIDDEN, 2048)
         shapes[f"{p}.self_attn.q_norm.weight"] = (128,)
         shapes[f"{p}.self_attn.k_norm.weight"] = (128,)
-        shapes[f"{p}.mlp.gate.weight"] = (SYNTH_EXPERTS, SYNTH_HIDDEN)
-        for e in range(SYNTH_EXPERTS):
+        shapes[f"{p}.mlp.gate.weight"] = (experts, SYNTH_HIDDEN)
+        for e in range(experts):
             for role, shape in (("gate", (SYNTH_INTER, SYNTH_HIDDEN)), ("up", (SYNTH_INTER, SYNTH_HIDDEN)),
                                 ("down", (SYNTH_HIDDEN, SYNTH_INTER))):
                 shapes[f"{p}.mlp.experts.{e}.{role}_proj.weight"] = shape
     return shapes
 
 
-def write_synthetic_checkpoint(directory: Path, gb: float) -> int:
-    """Shards of random bf16 weights, one layer per shard, written tensor by tensor; returns bytes."""
-    expert_bytes_per_layer = SYNTH_EXPERTS * 3 * SYNTH_HIDDEN * SYNTH_INTER * 2
-    layers = max(1, round(gb * 1e9 / expert_bytes_per_layer))
+def write_synthetic_checkpoint(directory: Path, gb: float | None = None, layers: int | None = None,
+                               experts: int = SYNTH_EXPERTS, top_k: int = 4) -> int:
+    """Shards of random bf16 weights, one layer per shard, written tensor by tensor; returns bytes. The depth is
+    `layers`, or what makes about `gb` of experts."""
+    expert_bytes_per_layer = experts * 3 * SYNTH_HIDDEN * SYNTH_INTER * 2
+    layers = layers or max(1, round(gb * 1e9 / expert_bytes_per_layer))
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(synthetic_config(layers)))
-    shapes = synthetic_tensors(layers)
+    (directory / "config.json").write_text(json.dumps(synthetic_config(layers, experts, top_k)))
+    shapes = synthetic_tensors(layers, experts)
     shard_of = {n: (int(n.split(".")[2]) if n.startswith("model.layers.") else layers) for n in shapes}
     weight_map, total = {}, 0
     gen = torch.Generator().manual_seed(0)

@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("model", metavar="MODEL_DIR", help=HUB_HELP + ", or a GGUF file (llama.cpp's; dequantised, except the SMOE groups of one `smoe export` wrote, kept as they are)")
     q.add_argument("-o", "--output", required=True, metavar="VAULT_DIR", help="the vault to write (a new directory)")
     q.add_argument("--bits", type=int, choices=(4, 2), default=4, help="SMOE-Q4 (default) or SMOE-Q2")
-    q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run the scale search")
+    q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where calibration and the encoding run (default auto: a GPU when there is one)")
     q.add_argument("--force", action="store_true", help="replace an existing output and discard a partial run")
     q.add_argument("--num-experts", type=numeric.COUNT.parse, help="experts per MoE layer, for checkpoints whose config lacks it")
     q.add_argument("--alignment", type=int, choices=(4096, 16384), default=4096,
