@@ -35,11 +35,15 @@ def model_with_text(tmp_path, family: str, **options):
     return model, tmp_path / "calib.txt"
 
 
+MORE_EXPERTS = {"qwen3_moe": {"num_experts": 12}, "mixtral": {"num_local_experts": 12}}  # expert 10 after expert 2
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"])
 def test_layer_by_layer_statistics_equal_the_whole_models(tmp_path, family):
-    """Dense first layers, MLA, sliding/full attention with sinks, linear attention, experts stored per expert:
-    each layer gets the arguments the model's own forward gives it."""
-    model, text = model_with_text(tmp_path, family)
+    """Dense first layers, MLA, sliding/full attention with sinks, linear attention, experts stored one tensor per
+    expert (merged in transformers' order, numbers numerically): each layer gets the arguments and weights the
+    model's own forward and loader give it."""
+    model, text = model_with_text(tmp_path, family, architecture=MORE_EXPERTS.get(family))
     layered = calibrate.collect(model, text, TOKENS, progress=False)
     whole = whole_model_stats(model, text)
     assert layered.layers == sorted(whole.counts) and layered.layers

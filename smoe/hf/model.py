@@ -201,7 +201,7 @@ def convert_trunk(model, tensors: dict[str, torch.Tensor], holder: str) -> dict[
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     expected, ignorable = model.state_dict(), ignored_on_load(model)
     out, groups, unknown = {}, {}, []
-    for key, tensor in sorted(tensors.items()):
+    for key, tensor in sorted(tensors.items(), key=lambda item: natural_key(item[0])):
         name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
         if name not in expected and key in expected:  # as transformers: a renaming that misfired (DeepSeek-V4's
             name, pattern = rename_source_key(key, [], [], model.base_model_prefix, expected)  # ".norm." on model.norm)
@@ -231,6 +231,11 @@ def convert_trunk(model, tensors: dict[str, torch.Tensor], holder: str) -> dict[
             raise SmoeError(f"trunk tensor {', '.join(keys[:3])}: shape {tuple(tensor.shape)} in {holder}{converted}, "
                             f"{tuple(expected[name].shape)} in the model config.json builds")
     return out
+
+
+def natural_key(name: str) -> list[tuple]:
+    """Keys in transformers' load order: numbers numerically (expert 2 before expert 10), as merges stack them."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split(".")]
 
 
 def _place(out: dict, name: str, keys: tuple[str, ...], tensor: torch.Tensor) -> None:
