@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from smoe.convert.sculpt import sculpt
-from smoe.testing.tiny_models import TOKENIZER_TEXT, tiny_config
+from smoe.testing.tiny_models import TOKENIZER_TEXT, tiny_config, tiny_default_config, tiny_families
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHARED_MODELS = {"qwen3_moe": SHARED / "models" / "qwen3-moe-28m", "mixtral": SHARED / "models" / "mixtral-28m-b",
@@ -45,6 +45,20 @@ FULLEST = {
                   layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     # Llama 4's text model (GGUF; MLX writes the multimodal "llama4") at llama.cpp's fixed chunk of 8192
     "llama4_text": dict(attention_chunk_size=8192),
+    # Jamba's every pairing: Mamba with a dense MLP (layer 0) and with experts (1, 3), attention with a dense MLP (2);
+    # a time-step rank of 4, what "auto" (ceil(hidden / 16)) makes of the hidden size 64
+    # the families transformers runs with GLM-4.5's or DeepSeek-V3's modules (transformers' defaults shrunk): groups,
+    # a routed scale, q_lora and attention biases where they have them
+    "solar_open": dict(n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5, attention_bias=True),
+    "sarvam_moe": dict(n_routed_experts=8, n_group=4, topk_group=2, attention_bias=True),
+    "sarvam_mla": dict(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=32),
+    "glm4_moe_lite": dict(n_routed_experts=8, n_group=4, topk_group=2),
+    # Mistral 4's query temperature stepping every 16 positions, so that the prompt sees it grow
+    "mistral4": dict(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=32, first_k_dense_replace=1,
+                     routed_scaling_factor=2.0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                                      "original_max_position_embeddings": 16}),
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=2, mamba_dt_rank=4),
 }
 # config values that change the model's tensors for the GGUF tests (exportable_vault): LFM2-MoE's tied embeddings,
 # as released (llama.cpp's lfm2moe reads no lm_head; the MLX tests keep its untied default for their refusal);
@@ -57,7 +71,13 @@ VOCAB = 300  # 256 byte symbols + merges + one special token
 
 
 def exportable_config(family: str, expert_width: int = 32, architecture: dict | None = None):
-    config = tiny_config(family, **(architecture or {}))
+    """The family's tiny config, or transformers' default config shrunk where smoe has no tiny model of it."""
+    if family in tiny_families():
+        config = tiny_config(family, **(architecture or {}))
+    else:
+        config = tiny_default_config(family)
+        for key, value in (architecture or {}).items():
+            setattr(config, key, value)
     config.vocab_size = VOCAB
     # the experts' width: moe_intermediate_size where the family has one, else intermediate_size
     setattr(config, "moe_intermediate_size" if hasattr(config, "moe_intermediate_size") else "intermediate_size",
@@ -68,15 +88,32 @@ def exportable_config(family: str, expert_width: int = 32, architecture: dict | 
     return config
 
 
+# families whose RMSNorm weights are drawn around 1 rather than 0: attention scores and router logits of unit scale,
+# so that rotary, the query temperature and the router's gating function each move the logits
+UNIT_NORMS = {"jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4"}
+# families whose causal LM transformers' auto classes do not map
+CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+
+
+def causal_lm(family: str, config):
+    import transformers
+
+    if family in CAUSAL_LM:
+        return getattr(transformers, CAUSAL_LM[family])(config).float()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, seed: int = 0, pre: str = "gpt-2",
                           architecture: dict | None = None) -> Path:
     """A random model of `family` whose experts are `expert_width` wide (32: fits Q4_1 and MLX groups)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(exportable_config(family, expert_width, architecture), dtype=torch.float32)
+    model = causal_lm(family, exportable_config(family, expert_width, architecture))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            if family in UNIT_NORMS and name.endswith("norm.weight"):
+                param.add_(1.0)
     model.save_pretrained(out_dir)
     save_byte_level_tokenizer(out_dir, pre)
     return out_dir
@@ -168,6 +205,8 @@ def agreement(ref, got) -> dict:
     diff = np.abs(ref - got)
     p, q = log_softmax(ref), log_softmax(got)
     kl = (np.exp(p) * (p - q)).sum(-1)
+    best_two = np.sort(ref, axis=-1)[:, -2:]
+    lead = best_two[:, 1] - best_two[:, 0]
     return {
         "positions": ref.shape[0],
         "ref_max_abs": float(np.abs(ref).max()),
@@ -177,6 +216,9 @@ def agreement(ref, got) -> dict:
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
         "top1": float((ref.argmax(-1) == got.argmax(-1)).mean()),
+        # top-1 where the reference's best logit leads its second by more than the position's largest |Δ|: a lead
+        # that rounding alone cannot overturn
+        "top1_clear": float((ref.argmax(-1) == got.argmax(-1))[lead > diff.max(-1)].mean()),
     }
 
 

@@ -493,6 +493,7 @@ DEEPSEEK_REFUSALS = [
     ("deepseek_v2", dict(n_group=4, topk_group=2, topk_method="group_limited_greedy"), "best expert"),
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave"),
     ("deepseek_v3", dict(num_hidden_layers=27, q_lora_rank=32), "V2-Lite"),
+    ("deepseek_v3", dict(num_hidden_layers=48, vocab_size=128256, q_lora_rank=32), "vocabulary 128256"),
     ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                           "mscale": 1.0, "mscale_all_dim": 0.707}), "mscale"),
     ("deepseek_v3", dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "'linear'"),
@@ -537,7 +538,8 @@ WRITTEN_ONLY = {"glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "
                 "minimax_m2": "minimax-m2", "dots1": "dots1", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
                 "hunyuan_v1_moe": "hunyuan-moe", "ernie4_5_moe": "ernie4_5-moe", "exaone_moe": "exaone-moe",
                 "afmoe": "afmoe", "llama4_text": "llama4", "lfm2_moe": "lfm2moe", "qwen3_next": "qwen3next",
-                "granitemoehybrid": "granitehybrid"}
+                "granitemoehybrid": "granitehybrid", "jamba": "jamba", "solar_open": "glm4moe", "sarvam_moe": "glm4moe",
+                "sarvam_mla": "deepseek2", "glm4_moe_lite": "deepseek2", "mistral4": "mistral4"}
 
 
 @pytest.fixture(scope="module")
@@ -648,6 +650,14 @@ FAMILY_REFUSALS = [
     ("granitemoehybrid", dict(mamba_proj_bias=True), "no Mamba projection biases"),
     ("granitemoehybrid", dict(time_step_limit=[0.5, 0.8]), "does not clamp the time step"),
     ("granitemoehybrid", dict(hidden_act="gelu"), "takes SiLU"),
+    ("solar_open", dict(n_shared_experts=0), "shared expert to every MoE layer"),
+    ("sarvam_moe", dict(n_shared_experts=0), "shared expert to every MoE layer"),
+    ("solar_open", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), "'linear'"),
+    ("jamba", dict(mamba_expand=4), "mamba_expand = 2"),
+    ("jamba", dict(mamba_conv_bias=False), "adds a convolution bias"),
+    ("jamba", dict(mamba_proj_bias=True), "no Mamba projection biases"),
+    ("jamba", dict(hidden_act="gelu"), "takes SiLU"),
+    ("jamba", dict(head_dim=32), "heads that span the hidden size"),
 ]
 
 
@@ -839,6 +849,123 @@ def test_gguf_granite_hybrid_writes_its_mamba2_layers_with_no_key_value_heads(fa
     assert {"blk.1.attn_q.bias", "blk.0.ssm_conv1d.bias", "blk.0.ffn_gate_shexp.weight"} <= set(tensors)
 
 
+def test_gguf_jamba_writes_its_mamba_layers_with_no_key_value_heads_and_experts_where_its_routers_are(
+        family_vaults, tmp_path):
+    vault = family_vaults["jamba"]
+    out = export(vault, "gguf", tmp_path / "m.gguf", trunk_type="bf16")
+    get, c = metadata(out, "jamba"), json.loads((vault / "config.json").read_text())
+    kv, layers = c["num_key_value_heads"], c["num_hidden_layers"]
+    attention = [i % c["attn_layer_period"] == c["attn_layer_offset"] for i in range(layers)]
+    assert list(get("attention.head_count_kv")) == [kv if a else 0 for a in attention] == [0, 0, kv, 0]
+    assert (get("ssm.conv_kernel"), get("ssm.inner_size"), get("ssm.state_size"), get("ssm.time_step_rank")) == (
+        c["mamba_d_conv"], c["mamba_expand"] * c["hidden_size"], c["mamba_d_state"], c["mamba_dt_rank"])
+    assert get("feed_forward_length") == c["intermediate_size"] == 32  # the dense layers' width and the experts'
+    assert get("attention.layer_norm_rms_epsilon") == pytest.approx(c["rms_norm_eps"])  # also the dt, B and C norms'
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    mamba = "model.layers.0.mamba."
+    for name in ("blk.0.ssm_a", "blk.0.ssm_d", "blk.0.ssm_conv1d.weight"):  # F32 whatever the trunk type
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_a"), -torch.exp(trunk[mamba + "A_log"].float()))
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_d"), trunk[mamba + "D"].float())
+    assert torch.equal(trunk_tensor(tensors, "blk.0.ssm_conv1d.weight"), trunk[mamba + "conv1d.weight"].float().squeeze(1))
+    for norm in ("dt", "b", "c"):
+        assert torch.equal(trunk_tensor(tensors, f"blk.0.ssm_{norm}_norm.weight"), trunk[mamba + f"{norm}_layernorm.weight"])
+    assert {"blk.0.ssm_in.weight", "blk.0.ssm_x.weight", "blk.0.ssm_dt.bias", "blk.0.ssm_out.weight"} <= set(tensors)
+    with Vault(vault) as v:
+        moe_layers = v.meta["moe_layers"]
+    assert moe_layers == [1, 3]
+    for layer in range(layers):  # a dense MLP where there is no router, attention only on the layers with kv heads
+        assert (f"blk.{layer}.ffn_gate_inp.weight" in tensors) == (layer in moe_layers)
+        assert (f"blk.{layer}.ffn_gate.weight" in tensors) == (layer not in moe_layers)
+        assert (f"blk.{layer}.attn_q.weight" in tensors) == attention[layer] != (f"blk.{layer}.ssm_in.weight" in tensors)
+    q = trunk["model.layers.2.self_attn.q_proj.weight"].to(torch.bfloat16)  # no rotary: rows as they are
+    assert torch.equal(trunk_tensor(tensors, "blk.2.attn_q.weight").view(torch.bfloat16), q)
+
+
+@pytest.mark.parametrize("family", ["solar_open", "sarvam_moe"])
+def test_gguf_solar_open_and_sarvam_moe_are_glm4moe_with_whole_head_rotary_and_the_routing_smoe_describes(
+        family_vaults, tmp_path, family):
+    from smoe.source.description import describe_model
+
+    vault = family_vaults[family]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    get = metadata(out, "glm4moe")
+    with Vault(vault) as v:
+        c, moe_layers = v.config, v.meta["moe_layers"]
+    r = describe_model(c).routing
+    assert get("rope.dimension_count") == c["head_dim"]  # transformers rotates the whole head of both
+    assert get("leading_dense_block_count") == moe_layers[0] and get("expert_shared_count") == c["n_shared_experts"]
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm") == r.normalise
+    assert get("expert_weights_scale") == pytest.approx(c["routed_scaling_factor"]) and r.scale == 2.5
+    assert (get("expert_group_count"), get("expert_group_used_count")) == (c["n_group"], c["topk_group"]) == (4, 2)
+    tensors = gguf_tensors(out)
+    assert {"blk.1.attn_q.bias", "blk.1.exp_probs_b.bias", "blk.1.ffn_gate_shexp.weight"} <= set(tensors)
+    assert ("blk.1.attn_q_norm.weight" in tensors) == (family == "sarvam_moe")  # Solar Open has Llama's attention
+
+
+def test_gguf_sarvam_moe_splits_the_release_s_fused_qkv_and_renames_its_attention_as_transformers_does(
+        family_vaults, tmp_path):
+    vault = family_vaults["sarvam_moe"]
+    tensors, trunk = gguf_tensors(export(vault, "gguf", tmp_path / "m.gguf")), load_file(vault / TRUNK_FILE)
+    c = json.loads((vault / "config.json").read_text())
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    for suffix in ("weight", "bias"):  # the release's rows [q | k | v]
+        fused = trunk[f"model.layers.1.attention.query_key_value.{suffix}"]
+        for name, rows in (("attn_q", fused[:q]), ("attn_k", fused[q:q + kv]), ("attn_v", fused[q + kv:])):
+            assert torch.equal(trunk_tensor(tensors, f"blk.1.{name}.{suffix}"), rows)
+    for gguf_name, key in (("token_embd.weight", "model.word_embeddings.weight"),
+                           ("blk.1.attn_output.weight", "model.layers.1.attention.dense.weight"),
+                           ("blk.1.attn_q_norm.weight", "model.layers.1.attention.query_layernorm.weight"),
+                           ("blk.1.attn_k_norm.weight", "model.layers.1.attention.key_layernorm.weight"),
+                           ("blk.1.exp_probs_b.bias", "model.layers.1.mlp.gate.expert_bias")):
+        assert torch.equal(trunk_tensor(tensors, gguf_name), trunk[key].float())
+    assert not any("qkv" in n for n in tensors)
+
+
+@pytest.mark.parametrize("family,arch", [("sarvam_mla", "deepseek2"), ("glm4_moe_lite", "deepseek2"),
+                                         ("mistral4", "mistral4")])
+def test_gguf_families_with_deepseek_v3_s_attention_write_mla_and_route_as_smoe_describes(
+        family_vaults, tmp_path, family, arch):
+    from smoe.source.description import describe_model
+
+    vault = family_vaults[family]
+    out = export(vault, "gguf", tmp_path / "m.gguf")
+    get, fields = metadata(out, arch), gguf.GGUFReader(out).fields
+    with Vault(vault) as v:
+        c, moe_layers = v.config, v.meta["moe_layers"]
+    desc = describe_model(c)
+    assert field(gguf.GGUFReader(out), "general.architecture") == arch
+    assert get("attention.head_count_kv") == 1 and get("attention.kv_lora_rank") == c["kv_lora_rank"]
+    assert get("attention.key_length_mla") == c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    assert get("attention.q_lora_rank") == c["q_lora_rank"] == 32
+    assert get("leading_dense_block_count") == moe_layers[0] == 1  # GLM-4.7-Flash's from mlp_layer_types
+    gating = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
+    assert get("expert_gating_func") == gating[desc.routing.scoring] and get("expert_weights_norm")
+    assert get("expert_weights_scale") == pytest.approx(desc.routing.scale)
+    assert (get("expert_group_count"), get("expert_group_used_count")) == (c["n_group"], c["topk_group"]) == (4, 2)
+    rope = c["rope_parameters"]
+    if family == "mistral4":  # the query temperature 1 + beta · log(1 + floor(position / length))
+        assert get("attention.temperature_scale") == pytest.approx(rope["llama_4_scaling_beta"])
+        assert get("attention.temperature_length") == rope["original_max_position_embeddings"] == 16
+    else:
+        assert f"{arch}.attention.temperature_scale" not in fields
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    heads, nope, v, latent = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    kv_b = trunk["model.layers.1.self_attn.kv_b_proj.weight"].view(heads, nope + v, latent)
+    assert torch.equal(trunk_tensor(tensors, "blk.1.attn_k_b.weight"), kv_b[:, :nope].transpose(1, 2))
+    assert torch.equal(trunk_tensor(tensors, "blk.1.attn_v_b.weight"), kv_b[:, nope:])
+    if desc.routing.correction_bias:
+        assert torch.equal(trunk_tensor(tensors, "blk.1.exp_probs_b.bias"),
+                           trunk["model.layers.1.mlp.gate.e_score_correction_bias"].float())
+
+
+def test_gguf_phimoe_is_refused_naming_the_routing_llama_cpp_computes_otherwise(tmp_path):
+    tiny_vault(tmp_path, "phimoe")
+    r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
+    assert r.returncode == 2 and "phimoe: llama.cpp's phimoe weighs" in r.stderr and "sparsemixer" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "m.gguf").exists()
+
+
 def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tmp_path):
     tiny_vault(tmp_path, "olmoe")  # 2 key/value heads for 4: llama.cpp's olmoe sizes k as n_head heads
     r = smoe_cli("export", tmp_path / "vault", "--to", "gguf", "-o", tmp_path / "m.gguf")
@@ -849,11 +976,11 @@ def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tm
 # --- errors and atomic output --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("to", ["gguf", "mlx"])
-def test_unsupported_family_is_refused_by_name(tmp_path, to):
-    tiny_vault(tmp_path, "jamba")  # mamba layers: neither llama.cpp's graphs nor mlx-lm's take them from a vault
+@pytest.mark.parametrize("to,family", [("gguf", "minimax"), ("mlx", "jamba")])
+def test_unsupported_family_is_refused_by_name(tmp_path, to, family):
+    tiny_vault(tmp_path, family)  # MiniMax-Text-01's lightning attention: not written to GGUF; Jamba's router in mlx-lm
     r = smoe_cli("export", tmp_path / "vault", "--to", to, "-o", tmp_path / "out")
-    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and "jamba" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and family in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "vault"]  # nothing half-written
 

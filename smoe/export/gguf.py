@@ -69,10 +69,12 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
         writer.close()
 
 
-EXPORTED = {**ARCHITECTURES, **gguf_families.ARCHITECTURES}
+EXPORTED = {**ARCHITECTURES, **gguf_mla.ARCHITECTURES, **gguf_families.ARCHITECTURES}
 
 
 def architecture(source: ExportSource) -> Architecture:
+    refused = gguf_families.REFUSED.get(source.model_type)
+    require(refused is None, f"{source.model_type}: {refused}; not exported to GGUF")
     arch = EXPORTED.get(source.model_type)
     if arch is None:
         raise SmoeError(f"GGUF export supports {', '.join(EXPORTED)}; this vault is {source.model_type}")
@@ -91,7 +93,7 @@ def check_config(source: ExportSource, config: dict) -> None:
         gguf_families.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
                             source.expert_shape(source.roles[0])[0])
         return
-    if architecture(source).arch == gguf_mla.ARCH:
+    if architecture(source).arch in gguf_mla.ARCHS:
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
         gguf_mla.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
                        source.expert_shape(source.roles[0])[0])
@@ -135,8 +137,8 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_head_count(config["num_attention_heads"])
-    if arch.arch == gguf_mla.ARCH:
-        gguf_mla.write_attention(writer, config)
+    if arch.arch in gguf_mla.ARCHS:
+        gguf_mla.write_attention(writer, config, describe_model(config))
         gguf_mla.write_moe(writer, describe_model(config), source.meta["moe_layers"], config["num_hidden_layers"])
     else:
         writer.add_head_count_kv(gguf_families.kv_heads(source.model_type, config, describe_model(config)))
@@ -271,9 +273,10 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
 def trunk_pieces(model_type: str, key: str, shape: tuple[int, ...], names, config: dict,
                  arch: Architecture) -> list[gguf_mla.Piece]:
     """The GGUF tensors (name, shape, how to make it from the trunk tensor) one trunk tensor becomes."""
-    if arch.arch == gguf_mla.ARCH and (split := gguf_mla.pieces(key, shape, config)) is not None:
+    if arch.arch in gguf_mla.ARCHS and (split := gguf_mla.pieces(key, shape, config)) is not None:
         return split
-    if arch.arch != gguf_mla.ARCH and (split := gguf_families.pieces(model_type, key, shape, config, names)) is not None:
+    if arch.arch not in gguf_mla.ARCHS and (
+            split := gguf_families.pieces(model_type, key, shape, config, names)) is not None:
         return split
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")

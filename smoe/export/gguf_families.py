@@ -10,7 +10,11 @@ refused by name, before anything is written.
 glm4_moe (GLM-4.5) is llama.cpp's `glm4moe`: leading dense layers, a shared expert, sigmoid scores
 chosen with the correction bias (`exp_probs_b`), rotary over the first half of each head (NeoX order,
 as Hugging Face's), optional q/k norms and attention biases. Its multi-token-prediction layer is not
-in a vault and is not written (llama.cpp decodes without it).
+in a vault and is not written (llama.cpp decodes without it). Its graph builds a shared expert on every MoE layer.
+solar_open (GLM-4.5's MoE block in Llama's decoder layer) and sarvam_moe (GLM-4.5's modules, rotary over the
+whole head) are written as glm4moe too, as llama.cpp's converter writes Solar Open. A vault of sarvam_moe holds the
+release's names (transformers converts them on load): its fused query_key_value is written as q, k and v split by
+their sizes, as transformers splits it, and the other names as transformers renames them.
 
 gpt_oss is llama.cpp's `gpt-oss`: attention sinks (`attn_sinks.weight`), biases on every projection, the
 router and the experts, sliding-window layers as a per-layer pattern, YaRN, and the clamped SwiGLU with
@@ -41,11 +45,27 @@ granitemoehybrid is `granitehybrid`: Mamba2 layers (0 key/value heads) beside at
 multipliers, rotary switched on or off for all attention layers by rope_finetuned; its graph fixes an inner size of
 twice the hidden size, a convolution bias and no time-step limit.
 
-Left refused (no row): jamba (`jamba`, Mamba layers), not yet written.
+jamba is `jamba`: Mamba (selective-scan) layers beside attention ones without rotary, told apart by their 0 key/value
+heads, dense and MoE layers wherever the config puts them (the graph takes a layer as MoE where it finds its router),
+softmax scores left unnormalised; the norms of the time step, B and C as the converter names them, A = -exp(A_log).
+Its graph fixes an inner size of twice the hidden size, a convolution bias, SiLU, no projection biases, and heads
+that span the hidden size. (DeepSeek-V3's attention under other families' names is smoe.export.gguf_mla's.)
+
+Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
+transformers' sparsemixer does not. Not written (no row, refused as unsupported), though llama.cpp has an
+architecture for them: dbrx (its config's own key names and LayerNorm eps need their own metadata), mellum and
+hy_v3 (architectures the pinned gguf package does not name; Mellum's sliding layers take their own rotary base),
+nemotron_h (`nemotron_h_moe`: Mamba2 and ungated relu² experts), minimax (`minimax-01`: lightning attention),
+gemma4_text, qwen3_5_moe (`qwen35moe`: its delta-net's projections apart and M-RoPE sections), deepseek_v32
+(`deepseek32`: the sparse-attention indexer, which deepseek2 does not compute), and the families smoe.source.description
+does not describe (the checks above read the description): qwen3_vl_moe, glm4v_moe, cohere2_moe, granitemoe_swa,
+laguna, hy_v4, mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4, dots3_note, step3p7, qwen4_exp,
+minimax_m3_vl.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,6 +116,7 @@ class GgufFamily:
     interleaved: bool = False  # every interleave_moe_layer_step-th layer MoE, the others dense (Llama 4)
     dense_width_key: str = "intermediate_size"  # the config key of the dense layers' width (feed_forward_length)
     recurrent_kv: bool = False  # head_count_kv per layer, 0 on the layers whose mixer is not attention
+    any_moe_layers: bool = False  # the graph builds a layer as MoE where its router is: any layout
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
     write: Callable[[gguf.GGUFWriter, dict, ModelDescription, list[int]], None] | None = None  # its own metadata
     # the GGUF tensors a trunk tensor becomes where the family's converter rewrites it (else None)
@@ -107,6 +128,36 @@ def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
             f"{name}: llama.cpp's gpt-oss clamps SwiGLU at alpha 1.702, limit 7; this model has {desc.experts.clamp}")
     require(desc.attention.bias, f"{name}: llama.cpp's gpt-oss needs attention biases")
     require(bool(desc.attention.sliding_layers), f"{name}: llama.cpp's gpt-oss needs sliding-window layers")
+
+
+def _glm4_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    require(desc.shared_experts >= 1, f"{name}: llama.cpp's glm4moe adds a shared expert to every MoE layer; this "
+            "model has n_shared_experts = 0")
+
+
+# the release names of Sarvam-MoE's attention and embeddings, as transformers renames them on load
+SARVAM_RENAMES = ((r"^model\.word_embeddings\.", "model.embed_tokens."), (r"\.attention\.dense\.", ".self_attn.o_proj."),
+                  (r"\.attention\.query_layernorm\.", ".self_attn.q_norm."),
+                  (r"\.attention\.key_layernorm\.", ".self_attn.k_norm."))
+
+
+def _sarvam_pieces(key: str, shape: tuple[int, ...], config: dict,
+                   names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """query_key_value's rows [q | k | v] (weight and bias) as q, k and v; the other release names renamed."""
+    if ".attention.query_key_value." in key:
+        dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        sizes = [config["num_attention_heads"] * dim] + [config["num_key_value_heads"] * dim] * 2
+        require(sum(sizes) == shape[0], f"trunk tensor {key}: {shape[0]} rows, the config says q, k, v of {sizes}")
+        starts = np.cumsum([0, *sizes[:-1]]).tolist()
+        return [(names.get_name(key.replace("attention.query_key_value", f"self_attn.{p}_proj"),
+                                try_suffixes=(".weight", ".bias")), (n, *shape[1:]),
+                 lambda t, a=a, n=n: t[a:a + n].contiguous()) for p, a, n in zip("qkv", starts, sizes)]
+    renamed = key
+    for pattern, name in SARVAM_RENAMES:
+        renamed = re.sub(pattern, name, renamed)
+    if renamed != key:
+        return [(names.get_name(renamed, try_suffixes=(".weight", ".bias")), shape, lambda t: t)]
+    return None
 
 
 def _write_granite(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
@@ -293,6 +344,38 @@ def _mamba2_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+def _jamba(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's jamba runs Mamba layers with an inner size of twice the hidden size, a convolution bias, SiLU and no
+    projection biases, and sizes q and the output projection as the hidden size."""
+    require(config.get("mamba_expand") == 2, f"{name}: llama.cpp's jamba takes mamba_expand = 2; this model has "
+            f"{config.get('mamba_expand')}")
+    require(config.get("mamba_conv_bias", True), f"{name}: llama.cpp's jamba adds a convolution bias; this model has "
+            "mamba_conv_bias = false")
+    require(not config.get("mamba_proj_bias", False), f"{name}: llama.cpp's jamba has no Mamba projection biases")
+    require(config.get("hidden_act", "silu") == "silu", f"{name}: llama.cpp's jamba takes SiLU; this model has "
+            f"{config.get('hidden_act')}")
+    a = desc.attention
+    require(a.heads * a.head_dim == desc.hidden_size, f"{name}: llama.cpp's jamba takes heads that span the hidden "
+            f"size; this model has {a.heads} heads of {a.head_dim} for {desc.hidden_size}")
+
+
+def _write_jamba(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The Mamba sizes as the converter writes them (a time-step rank of "auto" is transformers' ceil(hidden / 16))."""
+    rank = config.get("mamba_dt_rank", "auto")
+    writer.add_ssm_conv_kernel(config.get("mamba_d_conv", 4))
+    writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
+    writer.add_ssm_state_size(config.get("mamba_d_state", 16))
+    writer.add_ssm_time_step_rank(-(config["hidden_size"] // -16) if rank == "auto" else rank)
+
+
+def _mamba_pieces(key: str, shape: tuple[int, ...], config: dict,
+                  names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """What llama.cpp's Mamba converter rewrites: A_log as A = -exp(A_log), [inner, state] as it is."""
+    if key.endswith("mamba.A_log"):
+        return [(f"blk.{key.split('.')[2]}.ssm_a", shape, lambda t: -torch.exp(t.float()))]
+    return None
+
+
 def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
     return Architecture(arch, permute_qk=permute_qk, expert_width_key=expert_width_key, experts_key=experts_key,
                         readable=False)
@@ -302,7 +385,14 @@ SOFTMAX_UNNORMALISED = dict(scoring="softmax", normalise=False, correction_bias=
 SIGMOID_BIASED = dict(scoring="sigmoid", correction_bias=True)
 FAMILIES = {
     "glm4_moe": GgufFamily(_arch("GLM4_MOE", "n_routed_experts"), SIGMOID_BIASED, extras=("partial_rotary",),
-                           qk_norms=(None, "head"), attention_bias=True, dense_first=True, moe_keys=True),
+                           qk_norms=(None, "head"), attention_bias=True, dense_first=True, moe_keys=True,
+                           check=_glm4_moe),
+    # GLM-4.5's MoE block under Llama's attention (no q/k norm) and GLM-4.5's modules with whole-head rotary
+    "solar_open": GgufFamily(_arch("GLM4_MOE", "n_routed_experts"), SIGMOID_BIASED, attention_bias=True,
+                             dense_first=True, moe_keys=True, check=_glm4_moe),
+    "sarvam_moe": GgufFamily(_arch("GLM4_MOE", "n_routed_experts"), SIGMOID_BIASED, qk_norms=(None, "head"),
+                             attention_bias=True, dense_first=True, moe_keys=True, check=_glm4_moe,
+                             pieces=_sarvam_pieces),
     "gpt_oss": GgufFamily(_arch("GPT_OSS", "num_local_experts"),
                           dict(scoring="softmax", normalise=True, router_bias=True, scale=1.0, n_group=1),
                           attention_bias=True, expert_biases=True, sliding_window=True, rope_types=("default", "yarn"),
@@ -353,8 +443,16 @@ FAMILIES = {
                                    SOFTMAX_UNNORMALISED | dict(normalise=True), extras=("multipliers", "no_rope_layers"),
                                    attention_bias=True, shared_width=True, recurrent_kv=True, check=_granite_hybrid,
                                    write=_write_granite_hybrid, pieces=_mamba2_pieces),
+    # Mamba layers beside attention ones without rotary, told apart by their 0 key/value heads; MoE where a router is
+    "jamba": GgufFamily(_arch("JAMBA", "num_experts", expert_width_key=False), SOFTMAX_UNNORMALISED,
+                        extras=("no_rope_layers",), recurrent_kv=True, any_moe_layers=True, check=_jamba,
+                        write=_write_jamba, pieces=_mamba_pieces),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
+# families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
+REFUSED = {"phimoe": "llama.cpp's phimoe weighs the two chosen experts by a softmax over their logits; transformers' "
+                     "phimoe routes with sparsemixer (each chosen expert's weight a softmax over the logits within its "
+                     "jitter band, the second chosen with the first masked out)"}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
 PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)
 
@@ -397,6 +495,8 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
 def moe_layout(family: GgufFamily, config: dict, moe_layers: list[int]) -> tuple[list[int], str]:
     """The MoE layers the family's graph builds for this config, and how to say so."""
     layers = config["num_hidden_layers"]
+    if family.any_moe_layers:
+        return moe_layers, "any layout"
     if family.interleaved:
         step = config.get("interleave_moe_layer_step", 1)
         return list(range(step - 1, layers, step)), f"every interleave_moe_layer_step = {step}th layer MoE"

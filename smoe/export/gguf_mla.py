@@ -11,7 +11,16 @@ dense FFNs, shared experts as `ffn_*_shexp`, the correction bias as `exp_probs_b
 
 What llama.cpp's graph cannot compute the same way is refused by name: a group score other than the
 top-2 sum (DeepSeek-V2's group-limited greedy ranks groups by their best expert), half-split rotary
-(rope_interleave = false), YaRN whose two mscales differ, dense layers after a MoE layer.
+(rope_interleave = false), YaRN whose two mscales differ, dense layers after a MoE layer, q_lora on a
+model llama.cpp takes for a Lite one.
+
+Beside deepseek_v3 and deepseek_v2 (smoe.source.gguf's table, which smoe also reads), ARCHITECTURES adds
+the families transformers runs with DeepSeek-V3's attention and router that are written only: glm4_moe_lite
+(GLM-4.7-Flash: DeepSeek-V3's attention, GLM-4.5's MoE block, which routes as DeepSeek-V3's does; llama.cpp's
+converter writes it as deepseek2), sarvam_mla (DeepSeek-V3's modules under its own config), and mistral4 as
+llama.cpp's `mistral4` (deepseek2's loader and graph) with its query temperature 1 + beta · log(1 + floor(position /
+length)), written as the attention.temperature_scale and _length that graph reads (llama.cpp's converter writes
+neither for a Hugging Face checkpoint).
 """
 
 from __future__ import annotations
@@ -23,11 +32,19 @@ import torch
 
 from smoe.export.source import require
 from smoe.source.description import ModelDescription
+from smoe.source.gguf import Architecture
 
 ARCH = "DEEPSEEK2"
+ARCHS = (ARCH, "MISTRAL4")  # llama.cpp's mistral4 is deepseek2's loader and graph (down projections in F32)
+ARCHITECTURES = {t: Architecture(arch, permute_qk=False, expert_width_key=True, experts_key="n_routed_experts",
+                                 readable=False)
+                 for t, arch in (("glm4_moe_lite", ARCH), ("sarvam_mla", ARCH), ("mistral4", "MISTRAL4"))}
+# what the description may say that the deepseek2 graph computes: the query temperature from its metadata
+EXTRAS = ("interleaved_rotary", "temperature_tuning")
 # llama.cpp takes a deepseek2 of these depths for V2-Lite (and its kin), which has no q_lora, and does
-# not read q_lora_rank for them
+# not read q_lora_rank for them; also one of 48 layers with a vocabulary of 128256 (Kanana-2)
 LITE_LAYERS = (26, 27)
+LITE_DEPTH_VOCAB = (48, 128256)
 KV_B = "self_attn.kv_b_proj.weight"
 CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
 
@@ -41,6 +58,8 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
             f"{name}: llama.cpp's deepseek2 takes dense layers only before the MoE ones; this model's MoE layers are "
             f"{moe_layers}")
     require(desc.attention.kind == "mla", f"{name}: llama.cpp's deepseek2 needs MLA attention")
+    unsupported = [e for e in desc.extras if e not in EXTRAS]
+    require(not unsupported, f"{name}: llama.cpp's deepseek2 does not compute {', '.join(unsupported)}")
     require("interleaved_rotary" in desc.extras,
             f"{name}: rope_interleave = false (half-split rotary) is not what llama.cpp's deepseek2 computes")
     r = desc.routing
@@ -49,10 +68,10 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
             f"expert (topk_method group_limited_greedy)")
     require(r.scoring in ("softmax", "sigmoid"), f"{name}: router scoring {r.scoring!r} has no llama.cpp gating function")
     check_shared_experts(name, "deepseek2", shapes, expert_width, desc.shared_experts)
-    lite = layers in LITE_LAYERS
+    lite = layers in LITE_LAYERS or (layers, config.get("vocab_size")) == LITE_DEPTH_VOCAB
     require(not (lite and config.get("q_lora_rank")),
-            f"{name}: llama.cpp reads a {layers}-layer deepseek2 as DeepSeek-V2-Lite, without q_lora; this model has "
-            f"q_lora_rank {config.get('q_lora_rank')}")
+            f"{name}: llama.cpp reads a {layers}-layer deepseek2 (vocabulary {config.get('vocab_size')}) as "
+            f"DeepSeek-V2-Lite, without q_lora; this model has q_lora_rank {config.get('q_lora_rank')}")
     rope = rope_parameters(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     require(kind in ("default", "yarn"), f"{name}: RoPE scaling {kind!r} is not exported to GGUF")
@@ -77,8 +96,9 @@ def rope_parameters(config: dict) -> dict:
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
 
 
-def write_attention(writer: gguf.GGUFWriter, config: dict) -> None:
-    """One K/V head of the latent plus the rotary key; the real head sizes under the `_mla` keys."""
+def write_attention(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription) -> None:
+    """One K/V head of the latent plus the rotary key; the real head sizes under the `_mla` keys; Mistral 4's query
+    temperature 1 + beta · log(1 + floor(position / length)), which llama.cpp reads as scale and length."""
     latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
     writer.add_head_count_kv(1)
     writer.add_q_lora_rank(config.get("q_lora_rank") or 0)  # 0: q is one projection
@@ -89,6 +109,10 @@ def write_attention(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_value_length_mla(config["v_head_dim"])
     writer.add_rope_dimension_count(rope)
     write_yarn(writer, rope_parameters(config))
+    if desc.attention.query_temperature is not None:
+        beta, length = desc.attention.query_temperature
+        writer.add_attn_temperature_scale(beta)
+        writer.add_attn_temperature_length(length)
 
 
 def write_yarn(writer: gguf.GGUFWriter, rope: dict) -> None:

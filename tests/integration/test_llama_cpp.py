@@ -87,18 +87,18 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # the families only written (smoe.export.gguf_families), on tiny models at their fullest (tests/export_models.py)
 WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots1", "granitemoe", "granitemoeshared",
                 "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe", "qwen3_next",
-                "granitemoehybrid"]
+                "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4"]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "tiny-deepseek_v3", "tiny-deepseek_v2",
                                     *(f"tiny-{f}" for f in WRITTEN_ONLY)])
 def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_factory, tmp_path, family):
     """With F32 trunk and F32 decoded experts llama.cpp computes what smoe computes (up to summation
-    order, which can still flip a near-tie of the router at a rare position): the metadata, tensor
-    names and q/k layout are right, and the gap above is Q4_1/BF16 arithmetic alone. The tiny DeepSeeks
-    add what the shared one lacks: group-limited sigmoid routing with q_lora (V3), YaRN and softmax (V2);
-    the other tiny models are the families only written: GLM-4.5's partial rotary and groups, gpt-oss's
-    sinks, biases, sliding layers and YaRN, and the rest."""
+    order, which can still flip a near-tie of the router, or of the best two logits, at a rare position):
+    the metadata, tensor names and q/k layout are right, and the gap above is Q4_1/BF16 arithmetic alone.
+    The tiny DeepSeeks add what the shared one lacks: group-limited sigmoid routing with q_lora (V3), YaRN
+    and softmax (V2); the other tiny models are the families only written: GLM-4.5's partial rotary and
+    groups, gpt-oss's sinks, biases, sliding layers and YaRN, and the rest."""
     if family.startswith("tiny-"):
         vault = exportable_vault(tmp_path, family.removeprefix("tiny-"), 4)
     else:
@@ -109,7 +109,7 @@ def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_facto
     a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
     print("\n" + figures_line(f"llama.cpp {family} Q4, F32 trunk and decoded experts", a))
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
-    assert a["mean_kl"] < DECODED_MEAN_KL.get(family, 1e-5) and a["top1"] == 1.0
+    assert a["mean_kl"] < DECODED_MEAN_KL.get(family, 1e-5) and a["top1_clear"] == 1.0
 
 
 @pytest.mark.parametrize("bits", [4, 2])
