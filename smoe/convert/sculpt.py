@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from smoe.convert import calibrate, encoders
+from smoe.convert.gptq_batch import encode_gptq_many
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.format import codec
@@ -135,7 +136,7 @@ def write_vault(
         coder = Coder(encoder, stats, depths or {}, bits)
         resumed = keep_unchanged_blobs(ckpt, expert_map, writer, coder, progress)
         snr, weighted_snr, expert_out = write_experts(ckpt, expert_map, writer, coder, dev, progress,
-                                                      encode_all or encode_here)
+                                                      encode_all or default_encoding(encoder, dev))
         trunk_bytes = write_trunk_file(ckpt, expert_map, partial / TRUNK_FILE, progress)
         for name in COPIED_FILES:
             if (ckpt.dir / name).exists():
@@ -151,6 +152,11 @@ def write_vault(
         seconds=time.perf_counter() - start, snr_db=snr, weighted_snr_db=weighted_snr, bits=bits, resumed_experts=resumed,
         weights_by_bits=weights_by_bits(expert_map, depths, bits),
     )
+
+
+def default_encoding(encoder: str, dev: torch.device):
+    """In this process: GPTQ on a GPU a layer's experts at a time, everything else one expert at a time."""
+    return encode_batched if encoder == "gptq" and dev.type == "cuda" else encode_here
 
 
 def calibration(model_dir, calib, tokens: int, progress: bool, dev: torch.device, streamed: bool):
@@ -306,6 +312,56 @@ def encode_expert(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, 
 def encode_here(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, todo: list):
     """The experts of `todo`, encoded in this process one after another (in order)."""
     return (encode_expert(ckpt, expert_map, coder, dev, key) for key in todo)
+
+
+BATCH_EXPERTS = 32  # experts of one layer GPTQ-encoded together on a GPU (their weights and Hessians held at once)
+
+
+def encode_batched(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, todo: list):
+    """The experts of `todo`, GPTQ run for up to BATCH_EXPERTS of one layer at once (smoe.convert.gptq_batch): the
+    EncodedExperts encode_here yields, in order, for a GPU's sake (one column step's kernels cover them all)."""
+    for keys in layer_chunks(todo, BATCH_EXPERTS):
+        yield from encode_chunk(ckpt, expert_map, coder, dev, keys)
+
+
+def layer_chunks(todo: list, size: int):
+    chunk: list = []
+    for key in todo:
+        if chunk and (key[0] != chunk[0][0] or len(chunk) == size):
+            yield chunk
+            chunk = []
+        chunk.append(key)
+    if chunk:
+        yield chunk
+
+
+def encode_chunk(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, keys: list) -> list[EncodedExpert]:
+    expected, read = expert_map.expert_shapes(), []
+    for key in keys:
+        digest, inputs = xxhash.xxh3_64(), []
+        for src, w, moment in expert_inputs(ckpt, expert_map, coder, key, digest):
+            name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+            check_shape(name, src.role, tuple(w.shape), expected)
+            inputs.append((src.role, w.to(dev), moment, name))
+        read.append((inputs, check_finite_all(expert_biases(ckpt, expert_map, key, digest)), digest.hexdigest()))
+    layer, done = keys[0][0], [[] for _ in keys]
+    for r, (role, *_) in enumerate(read[0][0]):
+        bits = coder.depth(layer, role)
+        ws, moments, names = ([inputs[r][i] for inputs, _, _ in read] for i in (1, 2, 3))
+        for k, (codes, scales) in enumerate(encode_gptq_many(ws, moments, bits, names)):
+            done[k].append(QuantisedTensor(role, tuple(ws[k].shape), bits, codes.cpu(), scales.cpu()))
+    return [encoded_from(key, tensors, inputs, biases, source, dev)
+            for key, tensors, (inputs, biases, source) in zip(keys, done, read)]
+
+
+def encoded_from(key, tensors: list[QuantisedTensor], inputs: list, biases, source: str, dev) -> EncodedExpert:
+    snr, weighted, numel = {}, {}, 0
+    for q, (role, w, moment, _) in zip(tensors, inputs):
+        decoded = q.decode().to(dev)
+        snr[role] = codec.snr_db(w, decoded)
+        weighted[role] = codec.weighted_snr_db(w, decoded, moment.to(dev))
+        numel += w.numel()
+    return EncodedExpert(key, tensors, biases, source, snr, weighted, numel)
 
 
 def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool,
