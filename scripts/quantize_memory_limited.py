@@ -24,19 +24,19 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TOKENIZER = SHARED / "models" / "qwen3-moe-28m"  # its ids (< 6144) fit the synthetic 8192-token vocabulary
 
 
-def checkpoint(root: Path, layers: int, experts: int) -> Path:
+def checkpoint(root: Path, layers: int, experts: int, tokenizer: Path) -> Path:
     model = root / f"model-{layers}x{experts}"
     if not (model / "model.safetensors.index.json").exists():
         write_synthetic_checkpoint(model, layers=layers, experts=experts, top_k=8 if experts >= 64 else 4)
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(TOKENIZER / name, model / name)
+            shutil.copyfile(tokenizer / name, model / name)
     return model
 
 
-def calibration_text(root: Path) -> Path:
+def calibration_text(root: Path, source: Path) -> Path:
     path = root / "calib.txt"
     if not path.exists():
-        path.write_text(gzip.open(SHARED / "corpus" / "train.txt.gz", "rt").read())
+        path.write_text(gzip.open(source, "rt").read() if source.suffix == ".gz" else source.read_text())
     return path
 
 
@@ -85,13 +85,15 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=SYNTH_EXPERTS, help="experts per layer (top-8 from 64 on, else 4)")
     p.add_argument("--device", default="cpu", help="where calibration and encoding run (cpu, cuda)")
     p.add_argument("--no-limit", action="store_true", help="no memory cgroup: peak RSS only")
+    p.add_argument("--tokenizer", type=Path, default=TOKENIZER, help="a directory with tokenizer.json")
+    p.add_argument("--text", type=Path, default=SHARED / "corpus" / "train.txt.gz", help="the calibration text")
     p.add_argument("--encoder", default="gptq", help="the calibrated encoder (gptq, the default, or weighted)")
     args = p.parse_args()
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
-    text = calibration_text(root)
+    text = calibration_text(root, args.text)
     for layers in map(int, args.layers.split(",")):
-        model, out = checkpoint(root, layers, args.experts), root / f"vault-{layers}"
+        model, out = checkpoint(root, layers, args.experts, args.tokenizer), root / f"vault-{layers}"
         cmd = [sys.executable, "-m", "smoe.cli", "quantize", str(model), "-o", str(out), "--calib", str(text),
                "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--device", args.device, "--force", "-q"]
         row = {"layers": layers, "experts_per_layer": args.experts, "device": args.device, "checkpoint_gb": round(sum(
