@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from smoe.convert import calibrate, encoders
-from smoe.convert.gptq_batch import encode_gptq_many
+from smoe.convert.gptq import encode_gptq_batch
 from smoe.devices import resolve_device
 from smoe.errors import SmoeError
 from smoe.format import codec
@@ -314,54 +314,104 @@ def encode_here(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, to
     return (encode_expert(ckpt, expert_map, coder, dev, key) for key in todo)
 
 
-BATCH_EXPERTS = 32  # experts of one layer GPTQ-encoded together on a GPU (their weights and Hessians held at once)
+# Experts GPTQ-encodes together on a GPU (smoe.convert.gptq): their weights, Hessians and fp64 inverse factors are
+# held at once (32 experts of 1536 x 4096 peaked at 20 GiB of GPU memory; scripts/gpu_gptq_bench.py).
+BATCH_EXPERTS = 32
 
 
-def encode_batched(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, todo: list):
-    """The experts of `todo`, GPTQ run for up to BATCH_EXPERTS of one layer at once (smoe.convert.gptq_batch): the
-    EncodedExperts encode_here yields, in order, for a GPU's sake (one column step's kernels cover them all)."""
-    for keys in layer_chunks(todo, BATCH_EXPERTS):
+def encode_batched(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, todo: list,
+                   chunk: int = BATCH_EXPERTS):
+    """The EncodedExperts encode_here yields for `todo`, in its order, from the same reads (each expert's digest fed
+    the same bytes in the same order, the same checks), but each projection of up to `chunk` experts of one layer
+    GPTQ-encoded in one batch: on a GPU its column sweep is then one loop for all of them. Encoders other than gptq
+    go expert by expert."""
+    if coder.encoder != "gptq":
+        yield from (encode_expert(ckpt, expert_map, coder, dev, key) for key in todo)
+        return
+    for keys in layer_chunks(todo, chunk):
         yield from encode_chunk(ckpt, expert_map, coder, dev, keys)
 
 
 def layer_chunks(todo: list, size: int):
-    chunk: list = []
+    """Runs of at most `size` consecutive keys of one layer."""
+    run: list = []
     for key in todo:
-        if chunk and (key[0] != chunk[0][0] or len(chunk) == size):
-            yield chunk
-            chunk = []
-        chunk.append(key)
-    if chunk:
-        yield chunk
+        if run and (key[0] != run[0][0] or len(run) == size):
+            yield run
+            run = []
+        run.append(key)
+    if run:
+        yield run
 
 
 def encode_chunk(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, keys: list) -> list[EncodedExpert]:
-    expected, read = expert_map.expert_shapes(), []
-    for key in keys:
-        digest, inputs = xxhash.xxh3_64(), []
-        for src, w, moment in expert_inputs(ckpt, expert_map, coder, key, digest):
-            name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
-            check_shape(name, src.role, tuple(w.shape), expected)
-            inputs.append((src.role, w.to(dev), moment, name))
-        read.append((inputs, check_finite_all(expert_biases(ckpt, expert_map, key, digest)), digest.hexdigest()))
-    layer, done = keys[0][0], [[] for _ in keys]
-    for r, (role, *_) in enumerate(read[0][0]):
-        bits = coder.depth(layer, role)
-        ws, moments, names = ([inputs[r][i] for inputs, _, _ in read] for i in (1, 2, 3))
-        for k, (codes, scales) in enumerate(encode_gptq_many(ws, moments, bits, names)):
-            done[k].append(QuantisedTensor(role, tuple(ws[k].shape), bits, codes.cpu(), scales.cpu()))
-    return [encoded_from(key, tensors, inputs, biases, source, dev)
-            for key, tensors, (inputs, biases, source) in zip(keys, done, read)]
+    """The experts of `keys` (one layer), a projection of each at a time (one role of the chunk in memory), each
+    expert's read in its own order into its own digest, as encode_expert reads them; experts whose projections
+    differ in roles (no layout seen so far) are encoded one by one."""
+    if len({tuple(src.role for src in expert_map.experts[key]) for key in keys}) > 1:
+        return [encode_expert(ckpt, expert_map, coder, dev, key) for key in keys]
+    digests = [xxhash.xxh3_64() for _ in keys]
+    readers = [expert_inputs(ckpt, expert_map, coder, key, d) for key, d in zip(keys, digests)]
+    done = [Encoded() for _ in keys]
+    for inputs in zip(*readers):
+        for result, (src, w, moment), (bits, codes, scales) in zip(
+                done, inputs, encode_projection(ckpt, expert_map, coder, dev, keys[0][0], inputs)):
+            result.add(src.role, w.to(dev), moment, QuantisedTensor(src.role, tuple(w.shape), bits, codes, scales))
+    return [result.expert(key, check_finite_all(expert_biases(ckpt, expert_map, key, d)), d.hexdigest())
+            for result, key, d in zip(done, keys, digests)]
 
 
-def encoded_from(key, tensors: list[QuantisedTensor], inputs: list, biases, source: str, dev) -> EncodedExpert:
-    snr, weighted, numel = {}, {}, 0
-    for q, (role, w, moment, _) in zip(tensors, inputs):
-        decoded = q.decode().to(dev)
-        snr[role] = codec.snr_db(w, decoded)
-        weighted[role] = codec.weighted_snr_db(w, decoded, moment.to(dev))
-        numel += w.numel()
-    return EncodedExpert(key, tensors, biases, source, snr, weighted, numel)
+def encode_projection(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, layer: int, inputs: list):
+    """[(bits, codes, scales) on the CPU] for one projection (source, weights, second moment) of each expert."""
+    expected = expert_map.expert_shapes()
+    names = [source_name(src) for src, _, _ in inputs]
+    for (src, w, _), name in zip(inputs, names):
+        check_shape(name, src.role, tuple(w.shape), expected)
+    if not batchable(inputs):  # what encode_expert would do, with its errors (no statistics, say)
+        return [cpu(stored_or_encoded(ckpt, coder, src, w.to(dev), moment, layer, name))
+                for (src, w, moment), name in zip(inputs, names)]
+    bits = coder.depth(layer, inputs[0][0].role)
+    ws = torch.stack([w.to(dev) for _, w, _ in inputs])
+    hessians = torch.stack([moment.to(dev, torch.float32) for _, _, moment in inputs])
+    codes, scales = encode_gptq_batch(ws, hessians, bits, names)
+    return [(bits, codes[e].to("cpu", copy=True), scales[e].to("cpu", copy=True)) for e in range(len(inputs))]
+
+
+def batchable(inputs: list) -> bool:
+    """One role and shape for all, each with a full [in, in] second moment."""
+    src0, w0, _ = inputs[0]
+    return all(src.role == src0.role and w.shape == w0.shape and w.dim() == 2 and moment is not None
+               and moment.shape == (w.shape[1], w.shape[1]) for src, w, moment in inputs)
+
+
+def source_name(src) -> str:
+    return f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+
+
+def cpu(encoded: tuple) -> tuple:
+    bits, codes, scales = encoded
+    return bits, codes.cpu(), scales.cpu()
+
+
+class Encoded:
+    """One expert's projections as encoded so far, with the SNRs encode_expert reports."""
+
+    def __init__(self):
+        self.tensors: list[QuantisedTensor] = []
+        self.snr: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.numel = 0
+
+    def add(self, role: str, w: torch.Tensor, moment, q: QuantisedTensor) -> None:
+        decoded = q.decode().to(w.device)
+        self.snr[role] = codec.snr_db(w, decoded)
+        if moment is not None:
+            self.weighted[role] = codec.weighted_snr_db(w, decoded, moment)
+        self.tensors.append(q)
+        self.numel += w.numel()
+
+    def expert(self, key, biases: dict, source: str) -> EncodedExpert:
+        return EncodedExpert(key, self.tensors, biases, source, self.snr, self.weighted, self.numel)
 
 
 def write_experts(ckpt, expert_map: ExpertMap, writer: VaultWriter, coder: Coder, dev: torch.device, progress: bool,
