@@ -34,7 +34,7 @@ GROUPED = {"deepseek_v3": {}, "glm4_moe": {}, "dots1": {}, "exaone_moe": {}, "ne
 GPU = {"qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "dots1", "glm4_moe", "olmoe", "minimax_m2", "qwen2_moe",
        "gpt_oss", "exaone_moe", "hunyuan_v1_moe", "granitemoe", "granitemoeshared", "mistral4", "afmoe", "ernie4_5_moe",
        "lfm2_moe", "jamba", "granitemoehybrid"}
-CPU = GPU
+CPU = GPU | {"qwen3_next", "qwen3_5_moe_text"}  # Qwen3-Next's norms and query-borne gate: the CPU's alone
 
 
 def description_of(family: str, **overrides):

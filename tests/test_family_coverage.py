@@ -15,6 +15,28 @@ def test_a_family_without_a_row_runs_through_the_experts_module_transformers_bui
     assert row.decoder == decoder and row.relative_error <= coverage.TOLERANCE
 
 
+# families without a row whose description the fast decoders cover (their kinds, or the combination transformers
+# gives them, in smoe.source.description's rule): the GPU decoder's gap, None where the GPU's fast decoder covers
+# them too (tests/test_layer_library.py holds one of each mechanism to transformers)
+FAST_WITHOUT_A_ROW = {
+    "qwen3_vl_moe": None, "qwen3_omni_moe_thinker": None, "glm4v_moe": None, "aria": None, "aria_text": None,
+    "deepseek_ocr2": None, "flint": None, "lara_mini": None, "granitemoe_swa": None,
+    "qwen3_5_moe": "norm_offset, attention gate in the query projection",
+    "axk1": "a norm on the MoE block's output", "kolibri1": "experts chosen by logits + correction bias",
+    "kimi_linear": "MLA layers without rotary", "flex_olmo": "no norms on the attention's and the MLP's inputs",
+}
+
+
+def test_families_without_a_row_whose_kinds_the_library_has_are_described_for_the_fast_decoders():
+    from smoe.runtime.weights import fast_decoder_gap
+    from smoe.source.description import describe_model
+    from smoe.testing.tiny_models import tiny_default_config
+
+    for model_type, gpu_gap in FAST_WITHOUT_A_ROW.items():
+        d = describe_model(tiny_default_config(model_type).to_dict())
+        assert (model_type, fast_decoder_gap(d), fast_decoder_gap(d, "cuda")) == (model_type, None, gpu_gap)
+
+
 # what discovery says of each kind of experts it cannot read: a family refused by name, and why
 REFUSALS = {
     "jetmoe": "its JetMoeParallelExperts modules are not fused experts",

@@ -79,12 +79,17 @@ def test_top_k_routing_matches_torch_softmax_and_topk(normalize):
 
 
 
-@pytest.mark.parametrize("kind", list(ROUTING_KINDS))
+# kinds only the CPU's fast decoder runs: Kolibri's choice by logits + correction bias
+CPU_ROUTING_KINDS = {"sigmoid, choice by logits + bias": dict(scoring="sigmoid", normalise=True, correction_bias=True,
+                                                              choice_by_logits=True)}
+
+
+@pytest.mark.parametrize("kind", list(ROUTING_KINDS | CPU_ROUTING_KINDS))
 def test_route_kernel_chooses_and_weighs_as_smoe_moe_route(kind):
     from smoe.moe.routing import route
     from smoe.source.description import Routing
 
-    r = Routing(num_experts=32, top_k=6, **ROUTING_KINDS[kind])
+    r = Routing(num_experts=32, top_k=6, **(ROUTING_KINDS | CPU_ROUTING_KINDS)[kind])
     for seed in range(20):
         logits = vector(32, seed=seed) * 3
         bias = vector(32, seed=100 + seed) * 0.5 if r.correction_bias else None
@@ -92,8 +97,8 @@ def test_route_kernel_chooses_and_weighs_as_smoe_moe_route(kind):
         top_i, top_w = np.zeros(6, dtype=np.int64), np.zeros(8, dtype=np.float32)
         work = np.zeros(kn.route_work_size(32, r.n_group), dtype=np.float32)
         correction = bias.numpy() if bias is not None else np.zeros(0, dtype=np.float32)
-        kn.route(logits.numpy(), correction, r.scoring == "sigmoid", r.n_group, r.topk_group, r.group_score == "top2",
-                 6, r.normalise, r.normalise_eps, r.scale, top_i, top_w, work)
+        kn.route(logits.numpy(), correction, r.scoring == "sigmoid", r.choice_by_logits, r.n_group, r.topk_group,
+                 r.group_score == "top2", 6, r.normalise, r.normalise_eps, r.scale, top_i, top_w, work)
         assert top_i.tolist() == want_i[0].tolist()
         torch.testing.assert_close(torch.from_numpy(top_w[:6]), want_w[0], rtol=1e-5, atol=1e-6)
 

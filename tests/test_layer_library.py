@@ -118,6 +118,59 @@ def test_kinds_made_to_matter_match_transformers_and_the_gpu_covers_them_too(var
     check_fast_against_reference(vault, vaults.dequantised_reference(vault, tmp_path), "codes")
 
 
+# Families without a hand-made tiny model (transformers' default config shrunk, smoe.testing.coverage), one per
+# mechanism the fast CPU decoder gained for them, with values that make it matter: M-RoPE on text in a multimodal
+# checkpoint (the image-text-to-text class's text model); sink logits, windows and
+# NoPE full layers under sigmoid routing (Flint); experts chosen by logits + correction bias and GLM-4's four norms
+# (Kolibri); the MoE block's output norm and MLA without q_proj (AXK1); MLA without rotary between delta-attention
+# mixers (Kimi-Linear); per-layer rotary bases with NoPE layers, sinks and Granite's multipliers (Granite-MoE-SWA);
+# OLMo-2's norms on the branches' outputs only (FlexOlmo). The values: (model_type, text-config values it is built
+# with, the GPU decoder's gap: None where the GPU's fast decoder covers it too).
+DISCOVERED_VARIANTS = {
+    "qwen3_vl_moe-mrope": ("qwen3_vl_moe", {}, None),
+    "flint-window": ("flint", dict(sliding_window=4), None),
+    "kolibri1-window": ("kolibri1", dict(sliding_window=4, norm_topk_prob=True),
+                        "experts chosen by logits + correction bias"),
+    "axk1": ("axk1", {}, "a norm on the MoE block's output"),
+    "kimi_linear": ("kimi_linear", {}, "MLA layers without rotary"),
+    "granitemoe_swa-nope-window": ("granitemoe_swa", dict(sliding_window=4, layer_rope_theta=[0, 10000.0],
+                                                          attention_multiplier=0.2, residual_multiplier=0.5), None),
+    "flex_olmo": ("flex_olmo", {}, "no norms on the attention's and the MLP's inputs"),
+}
+
+
+@pytest.mark.parametrize("variant", DISCOVERED_VARIANTS)
+def test_families_without_a_tiny_model_of_their_own_match_transformers(variant, tmp_path):
+    model_type, values, gpu_gap = DISCOVERED_VARIANTS[variant]
+    model = sharpened(default_model_dir(tmp_path / "model", model_type, **values))
+    vault = vaults.vault_of(model, tmp_path / "vault")
+    sm = OpenedVault(vault, dtype="float32")
+    assert fast_decoder_gap(sm.description) is None and fast_decoder_gap(sm.description, "cuda") == gpu_gap
+    sm.close()
+    check_fast_against_reference(vault, vaults.dequantised_reference(vault, tmp_path), "codes")
+
+
+def default_model_dir(out: Path, model_type: str, seed: int = 3, **text_values) -> Path:
+    """The walk's tiny model of model_type (smoe.testing.coverage), built with text_values in its text config,
+    its correction biases random too (buffers, which smoe.testing.tiny_models.randomise leaves at 0)."""
+    from smoe.testing import coverage
+    from smoe.testing.tiny_models import randomise, save_tiny_tokenizer, tiny_default_config
+
+    config = tiny_default_config(model_type)
+    for key, value in text_values.items():
+        setattr(config.get_text_config(), key, value)
+    torch.manual_seed(seed)
+    model = randomise(coverage.model_class(model_type).from_config(config, dtype=torch.float32), seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
+    model.save_pretrained(out)
+    save_tiny_tokenizer(out, config.get_text_config().vocab_size)
+    return out
+
+
 QUERY_AND_KEY = ("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight", "query_layernorm.weight",
                  "key_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight")
 

@@ -13,8 +13,9 @@ from smoe.errors import SmoeError
 
 def model_trunk(model) -> dict:
     """The embedding, final norm and LM head weights, the rotary module and the decoder layers of a
-    transformers CausalLM."""
+    transformers CausalLM, or of the text model of an image-text-to-text one (its `language_model`)."""
     base = model.model
+    base = getattr(base, "language_model", None) or base
     return {"embed": base.embed_tokens.weight, "final_norm": first(base, FINAL_NORMS).weight,
             "lm_head": model.lm_head.weight, "rotary": first(base, ROTARY, required=False), "layers": list(base.layers)}
 
@@ -39,12 +40,17 @@ def first(owner, names: tuple[str, ...], required: bool = True):
 SHARED_EXPERTS = ("shared_experts", "shared_expert", "shared_mlp")  # where MoE blocks keep their shared experts
 
 
-def layer_tensors(layer, mla: bool, qk_norm: bool, output_gate: bool = False, output_norms: bool = False) -> dict:
+def layer_tensors(layer, mla: bool, qk_norm: bool, output_gate: bool = False, output_norms: bool = False,
+                  moe_output_norm: bool = False) -> dict:
     """One decoder layer's tensors in the common layout (self_attn with q/k/v/o or MLA's projections, an MoE
     block with `gate`, `experts` and optionally shared experts, or a gated dense MLP), under the names of
     smoe.runtime.layers.LayerWeights; `attention` holds GqaWeights' or MlaWeights' (kv_b as stored, 2-D).
-    output_gate: the attention's gate_proj rows follow q, k and v in the fused matrix; output_norms: AFMoE's
-    four norms, post_attention_layernorm on the attention's output and pre_mlp_layernorm on the MLP's input."""
+    output_gate: the attention's gate_proj rows follow q, k and v in the fused matrix; output_norms: four norms,
+    AFMoE's (post_attention_layernorm on the attention's output, pre_mlp_layernorm on the MLP's input) or GLM-4's
+    (post_self_attn_layernorm on the attention's output, post_attention_layernorm on the MLP's input), and
+    post_mlp_layernorm on the MLP's output, or OLMo-2's two (post_attention_layernorm and
+    post_feedforward_layernorm on the outputs, none on the inputs: input_norm and post_norm None);
+    moe_output_norm: the MoE block's post_mlp_layernorm on its output (AXK1's)."""
     mlp = first(layer, MLPS)
     moe = hasattr(mlp, "experts")
     router, router_bias, correction = router_of(mlp) if moe else (None, None, None)
@@ -54,11 +60,21 @@ def layer_tensors(layer, mla: bool, qk_norm: bool, output_gate: bool = False, ou
     shared = next(filter(None, (getattr(o, n, None) for o in owners for n in SHARED_EXPERTS)), None) if moe else None
     shared_gate = getattr(mlp, "shared_expert_gate", None) if moe else None
     weight = lambda name: getattr(layer, name).weight.detach()
-    norms = dict(post_norm=weight("pre_mlp_layernorm"), attention_out_norm=weight("post_attention_layernorm"),
-                 mlp_out_norm=weight("post_mlp_layernorm")) if output_norms else dict(
-        post_norm=first(layer, POST_NORMS).weight.detach())
+    if output_norms and not hasattr(layer, "input_layernorm"):  # OLMo-2's
+        norms = dict(input_norm=None, post_norm=None, attention_out_norm=weight("post_attention_layernorm"),
+                     mlp_out_norm=weight("post_feedforward_layernorm"))
+    elif output_norms:
+        afmoe = hasattr(layer, "pre_mlp_layernorm")
+        norms = dict(post_norm=weight("pre_mlp_layernorm" if afmoe else "post_attention_layernorm"),
+                     attention_out_norm=weight("post_attention_layernorm" if afmoe else "post_self_attn_layernorm"),
+                     mlp_out_norm=weight("post_mlp_layernorm"))
+    else:
+        norms = dict(post_norm=first(layer, POST_NORMS).weight.detach())
+        if moe_output_norm and moe:
+            norms["mlp_out_norm"] = mlp.post_mlp_layernorm.weight.detach()
+    if "input_norm" not in norms:
+        norms["input_norm"] = first(layer, INPUT_NORMS).weight.detach()
     return dict(
-        input_norm=first(layer, INPUT_NORMS).weight.detach(),
         attention=mla_tensors(layer.self_attn) if mla else gqa_tensors(layer.self_attn, qk_norm, output_gate),
         **norms,
         router=router.detach() if moe else None,
@@ -96,10 +112,11 @@ def qk_norms(attn) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mla_tensors(attn) -> dict:
-    weight = lambda m: m.weight.detach() if m is not None else None
-    return dict(q=weight(attn.q_proj), q_a=weight(attn.q_a_proj), q_a_norm=weight(attn.q_a_layernorm),
-                q_b=weight(attn.q_b_proj), kv_a=weight(attn.kv_a_proj_with_mqa), kv_a_norm=weight(attn.kv_a_layernorm),
-                kv_b=weight(attn.kv_b_proj), nope=int(attn.qk_nope_head_dim), o=weight(attn.o_proj),
+    # the query's projection, or its low-rank pair (AXK1's modules have no q_proj at all)
+    weight = lambda name: getattr(attn, name).weight.detach() if getattr(attn, name, None) is not None else None
+    return dict(q=weight("q_proj"), q_a=weight("q_a_proj"), q_a_norm=weight("q_a_layernorm"),
+                q_b=weight("q_b_proj"), kv_a=weight("kv_a_proj_with_mqa"), kv_a_norm=weight("kv_a_layernorm"),
+                kv_b=weight("kv_b_proj"), nope=int(attn.qk_nope_head_dim), o=weight("o_proj"),
                 scale=float(attn.scaling))
 
 

@@ -16,15 +16,16 @@ from smoe.source.description import Routing
 def route(routing: Routing, logits: torch.Tensor, correction_bias: torch.Tensor | None = None):
     """(ids [T, k] int64, weights [T, k] fp32) for router logits [T, E] (router bias already added).
 
-    Scores are softmax or sigmoid of the logits. Experts are chosen by score, plus the correction
-    bias when the kind has one (for the choice only), within the best `topk_group` of `n_group`
-    groups when the kind is group-limited. The weights are the chosen scores, renormalised to sum 1
-    when `normalise`, times `scale`."""
+    Scores are softmax or sigmoid of the logits. Experts are chosen by score (by logit where the kind
+    says `choice_by_logits`), plus the correction bias when the kind has one (for the choice only), within
+    the best `topk_group` of `n_group` groups when the kind is group-limited. The weights are the chosen
+    scores, renormalised to sum 1 when `normalise`, times `scale`."""
     if routing.custom:
         raise ValueError(f"routing {routing.custom!r} is the family's own; only its transformers module computes it")
     logits = logits.float()
     scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(logits)
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    choice = logits if routing.choice_by_logits else scores
+    choice = choice if correction_bias is None else choice + correction_bias.float()
     if routing.n_group > 1:
         choice = group_limited(choice, routing)
     ids = torch.topk(choice, routing.top_k, dim=-1, sorted=True).indices

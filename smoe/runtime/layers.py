@@ -3,12 +3,14 @@ description (smoe.source.description), over one layer's trunk tensors (`LayerWei
 sequence's state (smoe.runtime.kv).
 
 - attention: `gqa` (grouped-query and multi-head; optional q/k RMSNorm before or after rotary, q/k/v and o
-  biases, a sliding window, gpt-oss's sink logits, AFMoE's output gate) or `mla` (DeepSeek's latent attention,
+  biases, a sliding window, gpt-oss's sink logits, an output gate whose rows follow v (AFMoE) or each head's
+  query rows (Qwen3-Next)) or `mla` (DeepSeek's latent attention,
   computed absorbed: the query is taken into the latent space through kv_b's key rows, attention runs over the
   cached latents, and the output leaves through kv_b's value rows, so K and V are never expanded per head);
   rotary in the half-split or interleaved layout, or none on a NoPE layer; Mistral 4's query temperature;
-- around them: Granite's multipliers (embeddings, softmax scale, residual branches, logits) and AFMoE's norms
-  on each branch's output;
+- around them: Granite's multipliers (embeddings, softmax scale, residual branches, logits) and norms on each
+  branch's output (AFMoE's and GLM-4's beside the norms on their inputs, OLMo-2's instead of them); norms
+  that scale by 1 + weight (Qwen3-Next's) take that as their weight (weights.norm_weight);
 - the MoE block: routing through smoe.moe.route (router bias, correction bias, groups, scale), the routed
   experts from the caller (the decoders differ only in where experts come from), plus shared experts;
 - dense layers: a gated SiLU MLP.
@@ -45,6 +47,7 @@ class GqaWeights:
     window: int | None = None  # a sliding layer: each token attends to itself and the window - 1 tokens before it
     rotary: bool = True  # False: a layer without rotary embedding (the description's nope_layers)
     gated: bool = False  # the heads' output times sigmoid of the gate rows' projection (AFMoE)
+    query_gate: bool = False  # the gate's rows follow each head's query rows in q ([q_h; gate_h]: Qwen3-Next)
 
 
 @dataclass
@@ -59,6 +62,7 @@ class MlaWeights:
     nope: int  # the query's and key's width without rotary
     o: torch.Tensor
     scale: float  # the softmax scale (YaRN's mscale included)
+    rotary: bool = True  # False: the rotary key and query parts pass unrotated (Kimi-Linear's MLA)
 
     @property
     def k_up(self) -> torch.Tensor:
@@ -73,9 +77,9 @@ class MlaWeights:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: the attention's input is not normalised (OLMo-2's layout)
     attention: GqaWeights | MlaWeights
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None  # None: nor is the MLP's
     router: torch.Tensor | None  # None: a dense layer
     router_bias: torch.Tensor | None = None  # added to the router's logits (gpt-oss)
     correction: torch.Tensor | None = None  # the routing correction bias (choice only)
@@ -137,11 +141,11 @@ def decoder_layer(d: ModelDescription, w: LayerWeights, x, state: KeyValues | La
     """x [T, hidden] (fp32) after one decoder layer: pre-norm attention, then the MoE block or dense MLP, each
     branch times the residual multiplier."""
     residual = multipliers(d).residual
-    h = rms_norm(x, w.input_norm, step.eps)
+    h = x if w.input_norm is None else rms_norm(x, w.input_norm, step.eps)
     out = (mla_attention(d, w.attention, h, state, step) if isinstance(w.attention, MlaWeights)
            else gqa_attention(d, w.attention, h, state, step))
     x = x + scaled(out if w.attention_out_norm is None else rms_norm(out, w.attention_out_norm, step.eps), residual)
-    h = rms_norm(x, w.post_norm, step.eps)
+    h = x if w.post_norm is None else rms_norm(x, w.post_norm, step.eps)
     out = moe_block(d, w, h, experts) if w.router is not None else dense_mlp(w.dense, h)
     return x + scaled(out if w.mlp_out_norm is None else rms_norm(out, w.mlp_out_norm, step.eps), residual)
 
@@ -258,7 +262,12 @@ def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: St
     a, t = d.attention, h.shape[0]
     hd, end = a.head_dim, step.end
     qkv = matmul(h, w.qkv) if w.qkv_bias is None else matmul(h, w.qkv) + w.qkv_bias
-    q, k, v, gate = qkv.split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd, a.heads * hd * w.gated], dim=-1)
+    if w.query_gate:  # per head its query rows, then its gate's
+        q, k, v = qkv.split([2 * a.heads * hd, a.kv_heads * hd, a.kv_heads * hd], dim=-1)
+        q, gate = q.view(t, a.heads, 2, hd).unbind(2)
+        q, gate = q.reshape(t, -1), gate.reshape(t, -1)
+    else:
+        q, k, v, gate = qkv.split([a.heads * hd, a.kv_heads * hd, a.kv_heads * hd, a.heads * hd * w.gated], dim=-1)
     if a.qk_norm == "full":  # OLMoE's: one norm over all heads, before they are split
         q, k = rms_norm(q, w.q_norm, step.eps), rms_norm(k, w.k_norm, step.eps)
     q, k = q.view(t, a.heads, hd), k.view(t, a.kv_heads, hd)
@@ -289,10 +298,11 @@ def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step
     q = matmul(h, w.q) if w.q is not None else matmul(rms_norm(matmul(h, w.q_a), w.q_a_norm, a.latent_norm_eps), w.q_b)
     q_nope, q_rope = q.view(t, a.heads, nope + a.rope_key_dim).split([nope, a.rope_key_dim], dim=-1)
     latent, k_rope = matmul(h, w.kv_a).split([r, a.rope_key_dim], dim=-1)
-    row = torch.cat([rms_norm(latent, w.kv_a_norm, a.latent_norm_eps),
-                     rotate(k_rope[:, None], step.cos, step.sin, step.interleaved)[:, 0]], dim=-1)
+    if w.rotary:
+        k_rope, q_rope = rotate(k_rope[:, None], step.cos, step.sin, step.interleaved)[:, 0], rotate(
+            q_rope, step.cos, step.sin, step.interleaved)
+    row = torch.cat([rms_norm(latent, w.kv_a_norm, a.latent_norm_eps), k_rope], dim=-1)
     kv.rows.index_copy_(0, step.pos, row.to(kv.rows.dtype))
-    q_rope = rotate(q_rope, step.cos, step.sin, step.interleaved)
     query = torch.cat([bmm(q_nope.transpose(0, 1), w.k_up), q_rope.transpose(0, 1)], dim=-1)  # [heads, T, r + rope]
     temperature = query_temperature(d, step.pos)
     if temperature is not None:  # Mistral 4's: the whole query scaled, so its latent form too

@@ -25,6 +25,7 @@ EXTRAS = {
     "layer_norm": "LayerNorm instead of RMSNorm",
     "norm_offset": "RMSNorm scaled by (1 + weight)",
     "sandwich_norms": "norms after attention and after the MLP as well as before",
+    "post_norms": "norms after attention and after the MLP instead of before",
     "partial_rotary": "rotary embedding over part of each head",
     "interleaved_rotary": "rotary embedding over adjacent pairs instead of the two halves",
     "no_rope_layers": "layers without rotary embedding",
@@ -36,6 +37,7 @@ EXTRAS = {
     "latent_experts": "experts working in a projected latent space",
     "expert_scales": "per-expert output scales",
     "post_expert_norm": "a norm on each expert's output",
+    "moe_output_norm": "a norm on the MoE block's output",
     "router_norm": "a norm or scale on the router's input",
     "dense_mlp_activation": "dense layers with another activation than the experts'",
     "chunked_attention": "attention within fixed chunks",
@@ -63,6 +65,8 @@ class Attention:
     # 1 + beta * log(1 + floor(p / length)); None where the rule does not read it
     query_temperature: tuple[float, int] | None = None
     output_gate: bool = False  # the extra attention_gate as AFMoE computes it: sigmoid(gate_proj h) on each output
+    # the same gate as Qwen3-Next lays it out: its rows in q_proj, after each head's query rows ([q_h; gate_h] per head)
+    query_gate: bool = False
     latent_dim: int = 0  # MLA: width of the compressed K/V latent (kv_lora_rank), what a cache keeps per token
     rope_key_dim: int = 0  # MLA: width of the rotary key all heads share (qk_rope_head_dim), cached beside it
     # MLA: the eps of the query and latent norms. transformers' MLA modules (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash,
@@ -78,6 +82,7 @@ class Routing:
     normalise: bool = True  # the k weights divided by their sum
     normalise_eps: float = 0.0  # added to that sum
     correction_bias: bool = False  # a per-expert bias added to the scores for the choice only
+    choice_by_logits: bool = False  # that bias added to the logits instead: the choice by logits + bias (Kolibri)
     n_group: int = 1  # group-limited choice: experts in n_group groups, only the best topk_group used
     topk_group: int = 1
     group_score: str = "top2"  # a group's score: its best two scores summed ("top2") or its best ("max")
@@ -124,6 +129,10 @@ class ModelDescription:
     # the extra sandwich_norms as AFMoE lays them out: the attention's and the MLP's outputs normalised before
     # they join the residual stream, beside the usual norms of their inputs
     output_norms: bool = False
+    # the extra moe_output_norm as AXK1 computes it: the MoE block's output (routed and shared experts) normalised
+    moe_output_norm: bool = False
+    # False: the extra post_norms as OLMo-2 lays them out, output_norms without norms on the branches' inputs
+    input_norms: bool = True
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -160,7 +169,7 @@ def describe_model(config: dict) -> ModelDescription:
         sinks=facts.pop("sinks", False), mixer_layers=facts.pop("mixer_layers", _typed_layers(c, MIXER_TYPES)),
         latent_dim=facts.pop("latent_dim", 0), rope_key_dim=facts.pop("rope_key_dim", 0),
         nope_layers=facts.pop("nope_layers", ()), query_temperature=facts.pop("query_temperature", None),
-        output_gate=facts.pop("output_gate", False),
+        output_gate=facts.pop("output_gate", False), query_gate=facts.pop("query_gate", False),
     )
     if attention.sliding_window is None:
         attention = replace(attention, sliding_layers=())
@@ -174,6 +183,7 @@ def describe_model(config: dict) -> ModelDescription:
         moe_layers=moe_layers, shared_experts=int(facts.pop("shared_experts", 0)),
         shared_gate=facts.pop("shared_gate", False), extras=tuple(sorted(set(facts.pop("extras", ())))),
         multipliers=facts.pop("multipliers", None), output_norms=facts.pop("output_norms", False),
+        moe_output_norm=facts.pop("moe_output_norm", False), input_norms=facts.pop("input_norms", True),
     )
 
 
@@ -244,11 +254,15 @@ def _qwen2_moe(c, n):
 
 
 def _qwen3_next(c, n, normalise=None):
+    """Gated delta-net mixers between full-attention layers whose output gate rides on q_proj (per head its query
+    rows, then its gate's); every norm scales by 1 + weight; Qwen2-MoE's gated shared expert. Qwen3.5-MoE's
+    multimodal checkpoint adds M-RoPE, plain rotary on text (as _qwen3_vl_moe)."""
     interval = c.get("full_attention_interval", default=4)
     mixers = _typed_layers(c, ("linear_attention",)) or tuple(i for i in range(n) if (i + 1) % interval)
     return dict(routing=dict(normalise=_normalise(c, True) if normalise is None else normalise), qk_norm="head",
                 mixer_layers=mixers, shared_experts=int(bool(c.get("shared_expert_intermediate_size", default=0))),
-                shared_gate=True, extras=("norm_offset", "attention_gate", "partial_rotary"))
+                shared_gate=True, output_gate=True, query_gate=True,
+                extras=("norm_offset", "attention_gate", "partial_rotary"))
 
 
 def _olmoe(c, n):
@@ -467,6 +481,110 @@ def _dbrx(c, n):
                 extras=("layer_norm", *(("clip_qkv",) if c.get("attn_config.clip_qkv") else ())))
 
 
+def _qwen3_vl_moe(c, n):
+    """Qwen3-MoE's layers under a multimodal checkpoint, the router always normalised. Its M-RoPE gives each
+    frequency the position of one of its sections (time, height, width); text alone has the same position in
+    every section, which is plain rotary."""
+    return dict(routing=dict(normalise=True), qk_norm="head")
+
+
+def _glm4v_moe(c, n):
+    """GLM-4.5's layers under a multimodal checkpoint, its M-RoPE plain rotary on text (as _qwen3_vl_moe)."""
+    return _glm4_moe(c, n)
+
+
+def _aria(c, n):
+    """Mixtral's routing (a softmax over the chosen logits is the normalised softmax), Llama's attention, shared
+    experts of hidden_act beside SiLU-gated routed ones."""
+    dense = str(c.get("hidden_act", default="silu"))
+    return dict(routing=dict(normalise=True), experts=dict(activation="silu"),
+                shared_experts=c.get("moe_num_shared_experts", default=2) or 0,
+                extras=("dense_mlp_activation",) if dense != "silu" else ())
+
+
+def _deepseek_ocr2(c, n):
+    """DeepSeek-V2's MoE block (softmax, not normalised, scaled) under Llama's attention."""
+    grouped = c.get("topk_method", default="greedy") == "group_limited_greedy"
+    return dict(routing=dict(normalise=False, scale=_scale(c), **(_groups(c, "max") if grouped else {})),
+                shared_experts=c.get("n_shared_experts", default=2) or 0)
+
+
+def _flint(c, n):
+    """Sink logits on every layer; rotary only on the sliding layers (the full ones, and every layer without a
+    window, have none); sigmoid scores without a correction bias; an ungated shared expert."""
+    window = c.get("sliding_window")
+    sliding = _sliding(c, n) if window else ()
+    nope = tuple(i for i in range(n) if i not in sliding)
+    return dict(routing=dict(scoring="sigmoid", normalise=_normalise(c, True)), qk_norm="head", sinks=True,
+                sliding_layers=sliding, nope_layers=nope,
+                shared_experts=int(bool(c.get("shared_expert_intermediate_size", default=0))),
+                extras=("no_rope_layers",) if nope else ())
+
+
+def _lara_mini(c, n):
+    """Gated delta-net mixers (layer_types' linear_attention) between Qwen3's attention, rotary on the sliding
+    layers only; Flint's MoE block (an ungated shared expert) under softmax routing."""
+    mixers = _typed_layers(c, ("linear_attention",))
+    nope = _typed_layers(c, ("full_attention",))
+    return dict(routing=dict(normalise=_normalise(c, True)), qk_norm="head", mixer_layers=mixers,
+                sliding_layers=_sliding(c, n), nope_layers=nope,
+                shared_experts=int(bool(c.get("shared_expert_intermediate_size", default=0))),
+                extras=("no_rope_layers",) if nope else ())
+
+
+def _axk1(c, n):
+    """DeepSeek-V3's layers, the MoE block's output normalised (its post_mlp_layernorm)."""
+    facts = _deepseek_v3(c, n)
+    return facts | dict(moe_output_norm=True, extras=(*facts.get("extras", ()), "moe_output_norm"))
+
+
+def _kolibri1(c, n):
+    """GLM-4's four norms around Qwen3-MoE's attention; where a window is set, rotary on the sliding layers only
+    (EXAONE-4's NoPE full layers); experts chosen by logits + correction bias, weighted by their sigmoid
+    scores (normalised where norm_topk_prob); an ungated shared expert."""
+    window = c.get("sliding_window")
+    sliding = _sliding(c, n) if window else ()
+    nope = tuple(i for i in range(n) if i not in sliding) if window else ()
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, choice_by_logits=True,
+                             normalise=_normalise(c, False)),
+                qk_norm="head", sliding_layers=sliding, nope_layers=nope, output_norms=True,
+                shared_experts=int(bool(c.get("shared_expert_intermediate_size", default=0))),
+                extras=("sandwich_norms", *(("no_rope_layers",) if nope else ())))
+
+
+def _kimi_linear(c, n):
+    """Delta-attention mixers (layer_types' linear_attention) between MLA layers without rotary (their rotary
+    key passes unrotated), DeepSeek-V3's routing under Kimi's config keys."""
+    mixers = _typed_layers(c, ("linear_attention",))
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=bool(c.get("moe_renormalize",
+                                                                                          default=True)),
+                             normalise_eps=1e-20, scale=_scale(c), n_group=int(c.get("num_expert_group", default=1)),
+                             topk_group=int(c.get("topk_group", default=1))),
+                **_mla(c), mixer_layers=mixers, nope_layers=tuple(i for i in range(n) if i not in mixers),
+                shared_experts=c.get("num_shared_experts", default=1) or 0, extras=("no_rope_layers",))
+
+
+def _granitemoe_swa(c, n):
+    """Granite's multipliers and shared MLP; sink logits on every layer, windows on the sliding ones; per-layer
+    rotary bases (layer_rope_theta): 0 a layer without rotary, any base but the model's one (rope_theta, the
+    table the fast decoders hold) the gap rope_per_layer_type."""
+    facts = _granitemoe(c, n)
+    base = c.get("rope_parameters.rope_theta", "rope_theta")
+    thetas = c.get("layer_rope_theta") or [base] * n
+    nope = tuple(i for i, theta in enumerate(thetas) if not theta)
+    other = any(theta and theta != base for theta in thetas)
+    return facts | dict(sinks=True, sliding_layers=_sliding(c, n), nope_layers=nope,
+                        extras=(*facts["extras"], *(("no_rope_layers",) if nope else ()),
+                                *(("rope_per_layer_type",) if other else ())))
+
+
+def _flex_olmo(c, n):
+    """OLMoE's attention (q/k norm over all heads) and routing in OLMo-2's layer: no norm on the attention's or
+    the MLP's input, one on each of their outputs before it joins the residual stream."""
+    return _olmoe(c, n) | dict(output_norms=True, input_norms=False,
+                               extras=(*_olmoe(c, n).get("extras", ()), "post_norms"))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -478,5 +596,8 @@ _RULES = {
     "nemotron_h": _nemotron_h, "dbrx": _dbrx,
     # families transformers adds, which run without a row in smoe.source.families (smoe.hf.discover)
     "solar_open": _solar_open, "sarvam_moe": _sarvam_moe, "sarvam_mla": _sarvam_mla, "hy_v3": _hy_v3,
-    "mellum": _mellum,
+    "mellum": _mellum, "qwen3_vl_moe": _qwen3_vl_moe, "qwen3_omni_moe_thinker": _standard, "glm4v_moe": _glm4v_moe,
+    "aria": _aria, "aria_text": _aria, "deepseek_ocr2": _deepseek_ocr2, "flint": _flint, "lara_mini": _lara_mini,
+    "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
+    "flex_olmo": _flex_olmo,
 }

@@ -14,8 +14,9 @@ sequence state (smoe.runtime.kv.ModuleLayers); generate --json names those layer
 transformers modules) stays the reference and runs every other family.
 
 One-token steps run compiled (`CompiledStep`, smoe/runtime/cpu/kernels_numba.py): per layer one call for
-attention (GQA with its biases, window, sinks, output gate and norm, or MLA absorbed over the latent rows; a
-layer without rotary gets tables of width 0; the softmax scale carries multipliers and query temperature)
+attention (GQA with its biases, window, sinks, output gate (its rows after v or in the query projection) and
+norms, or MLA absorbed over the latent rows; a layer without rotary gets tables of width 0, one without a norm
+on its input (OLMo-2's) reads x itself; the softmax scale carries multipliers and query temperature)
 and, where the routing is plain softmax, its top-k (any other routing kind: one call to the route kernel);
 then the routed experts straight from their codes (biases and gpt-oss's clamped SwiGLU included) when the
 store prepared them in the "codes" form, else the eager expert path; shared experts and dense layers compiled
@@ -56,7 +57,7 @@ from smoe.runtime.layers import (
     rope_tables,
     rotary_dim,
 )
-from smoe.runtime.weights import layer_weights, library_gap, module_layers, rms_epsilon
+from smoe.runtime.weights import layer_weights, library_gap, module_layers, norm_weight, rms_epsilon
 from smoe.switches import CPU_COMPILED, PREFETCH
 
 # At batch 1 a bf16 matmul costs ~15 us of fixed overhead here against ~3 us in fp32, while a large one
@@ -82,7 +83,7 @@ class FastCpuDecoder(HoldsSequence):
         self.normalize = self.routing.normalise
         trunk = model_trunk(sm.model)
         self.embed = trunk["embed"]
-        self.final_norm = compute_form(trunk["final_norm"])
+        self.final_norm = compute_form(norm_weight(d, trunk["final_norm"]))
         self.lm_head = compute_form(trunk["lm_head"])
         # a layer of a kind the library lacks runs through the family's own module (None here)
         self.modules, by_modules = trunk["layers"], module_layers(d)
@@ -207,9 +208,10 @@ class CompiledLayer:
     dense: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     attention_scale: float = 0.0  # MLA's softmax scale
     window: int = 0  # a sliding GQA layer's window (0: none)
-    rotary: bool = True  # False: a GQA layer without rotary (the kernel gets tables of width 0)
+    rotary: bool = True  # False: a layer without rotary (the kernels get tables of width 0)
     attention_out_norm: np.ndarray | None = None  # the norm on the attention's output (length 0: none)
     mlp_out_norm: np.ndarray | None = None  # the norm on the MLP's or MoE block's output (None: none)
+    query_gate: bool = False  # the output gate's rows follow each head's query rows (Qwen3-Next)
     state: tuple = ()  # views of the sequence state's tensors: (k, v) or (latent rows,)
 
 
@@ -332,17 +334,18 @@ class CompiledStep:
         """x += the layer's attention; h = the experts' input (and the top-k, when fused). A query scaled by
         `temperature` scales its scores, so the softmax scale carries it."""
         dec = self.dec
+        cos, sin = (self.cos, self.sin) if layer.rotary else (self.no_cos, self.no_sin)
         if self.mla:
             kn.mla_attention(self.x, pos, dec.heads, dec.eps, dec.description.attention.latent_norm_eps,
                              layer.input_norm, *layer.attention, layer.post_norm,
-                             *layer.state, self.cos, self.sin, layer.attention_scale * temperature, dec.interleaved,
+                             *layer.state, cos, sin, layer.attention_scale * temperature, dec.interleaved,
                              self.h, self.work, self.wide)
             return
         router = layer.router if self.fused_top_k else self.no_router
-        cos, sin = (self.cos, self.sin) if layer.rotary else (self.no_cos, self.no_sin)
         kn.attention_and_route(self.x, pos, dec.heads, dec.eps, layer.input_norm, *layer.attention, layer.window,
                                layer.attention_out_norm, layer.post_norm, router, layer.router_bias, *layer.state, cos,
-                               sin, dec.interleaved, self.norm_after_rotary, self.softmax_scale * temperature,
+                               sin, dec.interleaved, self.norm_after_rotary, layer.query_gate,
+                               self.softmax_scale * temperature,
                                self.multipliers.residual, dec.top_k, dec.normalize, self.h, self.top_i, self.codes.top_w,
                                self.work, self.wide)
 
@@ -352,7 +355,7 @@ class CompiledStep:
         kn.matvec(layer.router, self.h, logits, self.wide)
         kn.add_bias(logits, layer.router_bias)
         r = self.dec.routing
-        kn.route(logits, layer.correction_scores, r.scoring == "sigmoid", r.n_group, r.topk_group,
+        kn.route(logits, layer.correction_scores, r.scoring == "sigmoid", r.choice_by_logits, r.n_group, r.topk_group,
                  r.group_score == "top2", r.top_k, r.normalise, r.normalise_eps, r.scale, self.top_i,
                  self.codes.top_w, self.route_work)
 
@@ -390,13 +393,14 @@ def compiled_layer(w: LayerWeights, hidden: int) -> CompiledLayer:
                      as_numpy(a.k_norm) if a.k_norm is not None else empty, as_numpy(a.o), vector(a.o_bias),
                      vector(a.sinks))
     return CompiledLayer(
-        as_numpy(w.input_norm), attention, as_numpy(w.post_norm),
+        vector(w.input_norm), attention, vector(w.post_norm),
         as_numpy(w.router) if w.router is not None else nothing, vector(w.router_bias), w.correction,
         vector(w.correction), tuple(map(as_numpy, w.shared)) if w.shared is not None else None,
         vector(w.shared_gate), tuple(map(as_numpy, w.dense)) if w.dense is not None else None,
         a.scale if isinstance(a, MlaWeights) else 0.0, 0 if isinstance(a, MlaWeights) else a.window or 0,
-        isinstance(a, MlaWeights) or a.rotary, vector(w.attention_out_norm),
+        a.rotary, vector(w.attention_out_norm),
         as_numpy(w.mlp_out_norm) if w.mlp_out_norm is not None else None,
+        not isinstance(a, MlaWeights) and a.query_gate,
     )
 
 

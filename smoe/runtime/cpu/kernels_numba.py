@@ -336,11 +336,13 @@ def top_k(logits, k, normalize, top_i, top_w):
 
 
 @jit
-def route(logits, correction, sigmoid, n_group, topk_group, top2, k, normalize, eps, scale, top_i, top_w, work):
+def route(logits, correction, sigmoid, by_logits, n_group, topk_group, top2, k, normalize, eps, scale, top_i, top_w,
+          work):
     """smoe.moe.route for one token, compiled: scores are the softmax or sigmoid of the logits; experts are
-    chosen by score plus `correction` (length 0: none) within the best `topk_group` of `n_group` groups
-    (a group scores its best two summed when `top2`, else its best); the weights are the chosen scores,
-    divided by their sum + eps when `normalize`, times `scale`. Among equal choices the lowest index wins.
+    chosen by score (by logit where `by_logits`) plus `correction` (length 0: none) within the best
+    `topk_group` of `n_group` groups (a group scores its best two summed when `top2`, else its best); the
+    weights are the chosen scores, divided by their sum + eps when `normalize`, times `scale`. Among equal
+    choices the lowest index wins.
     `work`: fp32 scratch of route_work_size(E, n_group) or more."""
     e = logits.shape[0]
     scores, choice, groups = work[:e], work[e : 2 * e], work[2 * e : 2 * e + n_group]
@@ -356,7 +358,7 @@ def route(logits, correction, sigmoid, n_group, topk_group, top2, k, normalize, 
         for i in range(e):
             scores[i] /= total
     for i in range(e):
-        choice[i] = scores[i] + (correction[i] if correction.shape[0] else np.float32(0))
+        choice[i] = (logits[i] if by_logits else scores[i]) + (correction[i] if correction.shape[0] else np.float32(0))
     if n_group > 1:
         size = e // n_group
         for g in range(n_group):
@@ -391,15 +393,17 @@ def route_work_size(experts: int, n_group: int) -> int:
 @jit
 def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, sinks, window,
                         out_norm, post_norm, router, router_bias, k_cache, v_cache, cos, sin, interleaved, norm_after_rotary,
-                        scale, residual, k, normalize, h, top_i, top_w, work, wide):
+                        query_gate, scale, residual, k, normalize, h, top_i, top_w, work, wide):
     """Everything of one layer before its experts, for one token at position `pos`: x += attention,
     h = the experts' (post-norm) input, and the router's top-k (router of shape [0, H]: a dense layer,
     nothing routed). Caches are [kv_heads, positions, hd] fp32; qkv_bias, o_bias, sinks, router_bias of
-    length 0: none; q_norm / k_norm of length 0: none, of length hd: per head (after rotary where
-    norm_after_rotary), longer: over all heads; window > 0: the token attends to itself and the window - 1
-    positions before it; cos / sin of width 0: no rotary. The scores are q k times `scale`. qkv rows past
-    q, k and v: an output gate, the heads' output times their sigmoid (AFMoE). The attention's output, normalised
-    by out_norm where it is not empty, joins x times `residual`.
+    length 0: none; input_norm / post_norm of length 0: none (the branch takes x itself, OLMo-2); q_norm /
+    k_norm of length 0: none, of length hd: per head (after rotary where norm_after_rotary), longer: over all
+    heads; window > 0: the token attends to itself and the window - 1 positions before it; cos / sin of width
+    0: no rotary. The scores are q k times `scale`. qkv rows past q, k and v: an output gate, the heads' output
+    times their sigmoid (AFMoE); with query_gate that gate's rows follow each head's query rows instead
+    ([q_h; gate_h], Qwen3-Next). The attention's output, normalised by out_norm where it is not empty, joins x
+    times `residual`.
     `work`: fp32 scratch of attention_work_size(...) or more."""
     n = x.shape[0]
     kv_heads, positions, hd = k_cache.shape
@@ -413,30 +417,37 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
     logits = work[at : at + router.shape[0]]
     at += router.shape[0]
     out = work[at : at + n]
-    rms_norm(x, input_norm, eps, h)
+    norm_or_copy(x, input_norm, eps, h)
     matvec(qkv, h, proj, wide)
     add_bias(proj, qkv_bias)
+    q_width = 2 * hd if query_gate else hd  # a query head's rows, its gate's included
+    keys = heads * q_width  # where k starts
     full = q_norm.shape[0] > hd  # one norm over all q heads and one over all k heads (OLMoE), else per head
     if full:
         rms_norm(proj[: heads * hd], q_norm, eps, proj[: heads * hd])
-        rms_norm(proj[heads * hd : (heads + kv_heads) * hd], k_norm, eps, proj[heads * hd : (heads + kv_heads) * hd])
+        rms_norm(proj[keys : keys + kv_heads * hd], k_norm, eps, proj[keys : keys + kv_heads * hd])
     per_head = q_norm.shape[0] > 0 and not full
     for head in range(heads + kv_heads):  # q heads then k heads: per-head norm and rotary
-        v = proj[head * hd : (head + 1) * hd]
+        start = head * q_width if head < heads else keys + (head - heads) * hd
+        v = proj[start : start + hd]
         if per_head and not norm_after_rotary:
             rms_norm(v, q_norm if head < heads else k_norm, eps, v)
         _rope(v, cos[pos], sin[pos], interleaved, tmp)
         if per_head and norm_after_rotary:
             rms_norm(v, q_norm if head < heads else k_norm, eps, v)
     for g in range(kv_heads):
-        k_cache[g, pos] = proj[(heads + g) * hd : (heads + g + 1) * hd]
-        v_cache[g, pos] = proj[(heads + kv_heads + g) * hd : (heads + kv_heads + g + 1) * hd]
+        k_cache[g, pos] = proj[keys + g * hd : keys + (g + 1) * hd]
+        v_cache[g, pos] = proj[keys + (kv_heads + g) * hd : keys + (kv_heads + g + 1) * hd]
     group = heads // kv_heads  # GQA: query head i reads kv head i // group
     first = max(0, pos + 1 - window) if window > 0 else 0
     for head in range(heads):
-        attend(proj[head * hd : (head + 1) * hd], k_cache, v_cache, head // group, first, pos + 1, np.float32(scale),
-               sinks, head, scores, attn[head * hd : (head + 1) * hd])
-    gate = (heads + 2 * kv_heads) * hd
+        attend(proj[head * q_width : head * q_width + hd], k_cache, v_cache, head // group, first, pos + 1,
+               np.float32(scale), sinks, head, scores, attn[head * hd : (head + 1) * hd])
+    if query_gate:
+        for head in range(heads):
+            for j in range(hd):
+                attn[head * hd + j] /= np.float32(1) + np.exp(-proj[head * q_width + hd + j])
+    gate = keys + 2 * kv_heads * hd
     if rows > gate:
         for j in range(heads * hd):
             attn[j] /= np.float32(1) + np.exp(-proj[gate + j])
@@ -447,11 +458,21 @@ def attention_and_route(x, pos, heads, eps, input_norm, qkv, qkv_bias, q_norm, k
     r = np.float32(residual)
     for j in range(n):
         x[j] += r * out[j]
-    rms_norm(x, post_norm, eps, h)
+    norm_or_copy(x, post_norm, eps, h)
     if router.shape[0]:
         matvec(router, h, logits, wide)
         add_bias(logits, router_bias)
         top_k(logits, k, normalize, top_i, top_w)
+
+
+@jit
+def norm_or_copy(x, weight, eps, out):
+    """out = rms_norm(x) with weight, or x itself where weight is empty (a branch without an input norm)."""
+    if weight.shape[0]:
+        rms_norm(x, weight, eps, out)
+    else:
+        for j in range(x.shape[0]):
+            out[j] = x[j]
 
 
 @jit
