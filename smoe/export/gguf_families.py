@@ -297,16 +297,22 @@ def _qkvz(layer: str, shape: tuple[int, ...], config: dict) -> list[gguf_mla.Pie
             (f"blk.{layer}.attn_gate.weight", (k_heads * v_width, shape[1]), lambda t: split(t)[3].contiguous())]
 
 
+def _mamba_basics(name: str, config: dict, arch: str) -> None:
+    """What llama.cpp's Mamba layers fix: an inner size of twice the hidden size, a convolution bias, SiLU, no
+    projection biases."""
+    require(config.get("mamba_expand") == 2, f"{name}: llama.cpp's {arch} takes mamba_expand = 2; this model has "
+            f"{config.get('mamba_expand')}")
+    require(config.get("mamba_conv_bias", True), f"{name}: llama.cpp's {arch} adds a convolution bias; this model has "
+            "mamba_conv_bias = false")
+    require(not config.get("mamba_proj_bias", False), f"{name}: llama.cpp's {arch} has no Mamba projection biases")
+    require(config.get("hidden_act", "silu") == "silu", f"{name}: llama.cpp's {arch} takes SiLU; this model has "
+            f"{config.get('hidden_act')}")
+
+
 def _granite_hybrid(name: str, config: dict, desc: ModelDescription) -> None:
     """llama.cpp's granitehybrid runs Mamba2 layers with an inner size of twice the hidden size, a convolution bias,
     SiLU, no projection biases and no limit on the time step."""
-    require(config.get("mamba_expand") == 2, f"{name}: llama.cpp's granitehybrid takes mamba_expand = 2; this model "
-            f"has {config.get('mamba_expand')}")
-    require(config.get("mamba_conv_bias", True), f"{name}: llama.cpp's granitehybrid adds a convolution bias; this "
-            "model has mamba_conv_bias = false")
-    require(not config.get("mamba_proj_bias", False), f"{name}: llama.cpp's granitehybrid has no Mamba projection biases")
-    require(config.get("hidden_act", "silu") == "silu", f"{name}: llama.cpp's granitehybrid takes SiLU; this model has "
-            f"{config.get('hidden_act')}")
+    _mamba_basics(name, config, "granitehybrid")
     # transformers writes infinity as {"__float__": "Infinity"} in config.json
     limit = tuple(float(x["__float__"] if isinstance(x, dict) else x)
                   for x in config.get("time_step_limit") or (0.0, float("inf")))
@@ -347,13 +353,7 @@ def _mamba2_pieces(key: str, shape: tuple[int, ...], config: dict,
 def _jamba(name: str, config: dict, desc: ModelDescription) -> None:
     """llama.cpp's jamba runs Mamba layers with an inner size of twice the hidden size, a convolution bias, SiLU and no
     projection biases, and sizes q and the output projection as the hidden size."""
-    require(config.get("mamba_expand") == 2, f"{name}: llama.cpp's jamba takes mamba_expand = 2; this model has "
-            f"{config.get('mamba_expand')}")
-    require(config.get("mamba_conv_bias", True), f"{name}: llama.cpp's jamba adds a convolution bias; this model has "
-            "mamba_conv_bias = false")
-    require(not config.get("mamba_proj_bias", False), f"{name}: llama.cpp's jamba has no Mamba projection biases")
-    require(config.get("hidden_act", "silu") == "silu", f"{name}: llama.cpp's jamba takes SiLU; this model has "
-            f"{config.get('hidden_act')}")
+    _mamba_basics(name, config, "jamba")
     a = desc.attention
     require(a.heads * a.head_dim == desc.hidden_size, f"{name}: llama.cpp's jamba takes heads that span the hidden "
             f"size; this model has {a.heads} heads of {a.head_dim} for {desc.hidden_size}")
