@@ -294,7 +294,7 @@ def encode_expert(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, 
     expected = expert_map.expert_shapes()
     tensors, digest, snr, weighted, numel = [], xxhash.xxh3_64(), {}, {}, 0
     for src, w, moment in expert_inputs(ckpt, expert_map, coder, key, digest):
-        name = f"{src.name}" + (f"[{src.expert_index}]" if src.expert_index is not None else "")
+        name = source_name(src)
         check_shape(name, src.role, tuple(w.shape), expected)
         w = w.to(dev)
         bits, codes, scales = stored_or_encoded(ckpt, coder, src, w, moment, key[0], name)
