@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from smoe.bench.decode import MODELS, write_model_vault
-from smoe.bench.replay import ReplayDecoder, fill_host_tier
+from smoe.bench.replay import ReplayDecoder
 from smoe.bench.runtime import skewed_routing
 from smoe.runtime.cuda.cache import blob_slot_bytes
 from smoe.runtime.model import OpenedVault
@@ -32,7 +32,7 @@ def main(model: str = "deepseek-v2-lite", layers: int = 27, workdir: str = "/tmp
     dec = ReplayDecoder(sm, torch.device("cuda"), everything * budget // 100, steps + 8, route_replay=routing,
                         host_cache_bytes=everything if budget < 100 else 0)
     if budget < 100:
-        fill_host_tier(dec.cache)
+        dec.cache.fill_host()
     token = 0
     for t in range(32):  # compile, capture, warm
         dec.replay_step = t

@@ -8,7 +8,8 @@
 # TESTS="pytest arguments": the prepare part also runs these tests while the build finishes.
 # MODELS="qwen3-30b-a3b" (default: both), BUDGETS (default 1,0.25,0.1), PREFILL="512,2048" (prompt lengths timed
 # beside llama-bench -p; default none), PROFILE=1: the bench part first runs scripts/gpu_profile_prefill.py.
-# Every decode row is timed under both recorded routings (--routing zipf,uniform). After each model's host-RAM rows
+# Every decode row is timed under both recorded routings (--routing zipf,uniform), a partial budget's host rows with
+# misses read in place and copied (HOST_MISSES, default in-place,copy). After each model's host-RAM rows
 # and llama-bench, its partial budgets again with the experts read cold from the disk (--sources disk: page cache
 # dropped and checked, O_DIRECT; the disk measured as the cache reads it), COLD_TOKENS timed tokens (default 16)
 # after 16 of warm-up, within COLD_TIMEOUT_S (default 150) and before DEADLINE_S seconds of the call (default 590);
@@ -73,7 +74,8 @@ else
     set -- $run
     case " $models " in *" $1 "*) ;; *) continue ;; esac
     timeout 380 python3 -m smoe.cli bench decode --model "$1" --layers "$2" --workdir "$work" --budgets "${BUDGETS:-1,0.25,0.1}" \
-      --prefill "${PREFILL:-}" --sources host --routing zipf,uniform --tokens 64 --warmup 32 --no-baseline \
+      --prefill "${PREFILL:-}" --sources host --routing zipf,uniform --host-misses "${HOST_MISSES:-in-place,copy}" \
+      --tokens 64 --warmup 32 --no-baseline \
       --llama-bench "$bench" --json > "$OUT/$1.json" \
       && python3 -c "import json, sys; from smoe.bench.decode import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$OUT/$1.json"
     # the cold rows: partial budgets only (a full budget reads nothing), in a call of their own so that a slow disk

@@ -28,8 +28,11 @@ CPU_COMPILED = Switch("SMOE_CPU_COMPILED", "1",
                       "0 runs the CPU fast decoder's eager torch ops instead of its compiled (numba) step")
 GPU_INDUCTOR = Switch("SMOE_GPU_INDUCTOR", "1",
                       "0 runs the GPU decoder's attention block eagerly instead of compiled by torch inductor")
+GPU_IN_PLACE = Switch("SMOE_GPU_IN_PLACE", "1",
+                      "0 copies each missed expert into the GPU cache before its layer runs instead of reading it in "
+                      "place from pinned host RAM (when that holds every expert)")
 PREFETCH = Switch("SMOE_PREFETCH", "0",
                   "1 guesses the next layer's experts from the current hidden state and reads them early")
 DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",
                     "a model directory `smoe demo` runs on instead of the shipped models/smoe-demo-6m")
-SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, PREFETCH, DEMO_MODEL)
+SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, PREFETCH, DEMO_MODEL)

@@ -186,28 +186,35 @@ def decode_run(workdir, tiny_vault):
             with contextlib.redirect_stdout(out):
                 rc = cli.main(["bench", "decode", "--workdir", str(workdir), "--budgets", "1,0.25", "--tokens", "8",
                                "--warmup", "8", "--threads", "2", "--no-baseline", "--routing", "zipf,uniform",
-                               "--sources", "host,disk", "--json"])
+                               "--sources", "host,disk", "--host-misses", "in-place,copy", "--json"])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
     return json.loads(out.getvalue())
 
 
-def test_bench_decode_times_every_budget_and_source_under_both_routings(decode_run):
+def test_bench_decode_times_every_budget_source_and_miss_path_under_both_routings(decode_run):
     assert decode_run["routings"] == ["zipf", "uniform"]
-    rows = {(r["budget_fraction"], r["source"], r["routing"]): r for r in decode_run["rows"]}
-    assert sorted(rows) == sorted([(1.0, "host", "zipf"), (1.0, "host", "uniform"), (0.25, "host", "zipf"),
-                                   (0.25, "host", "uniform"), (0.25, "disk", "zipf"), (0.25, "disk", "uniform")])
-    for key in [(0.25, "host"), (0.25, "disk")]:  # replayed routings: the same hits on both sources
-        assert rows[key + ("uniform",)]["hit_rate"] < rows[key + ("zipf",)]["hit_rate"]
+    rows = {(r["budget_fraction"], r["source"], r["routing"], r["misses_read"]): r for r in decode_run["rows"]}
+    assert sorted(rows) == sorted([(1.0, "host", routing, "none") for routing in ("zipf", "uniform")]
+                                  + [(0.25, "host", routing, way) for routing in ("zipf", "uniform")
+                                     for way in ("in place", "copied")]
+                                  + [(0.25, "disk", routing, "copied") for routing in ("zipf", "uniform")])
+    for key in [(0.25, "host"), (0.25, "disk")]:  # replayed routings: fewer hits under uniform routing
+        for way in {k[3] for k in rows if k[:2] == key}:
+            assert rows[key + ("uniform", way)]["hit_rate"] < rows[key + ("zipf", way)]["hit_rate"]
     for r in decode_run["rows"]:  # the fields of before, and the I/O limit of each row's own misses
-        assert {"tok_s", "hit_rate", "limit_tok_s", "of_limit", "copied_bytes_per_token", "disk_bytes_per_token",
-                "host_ms_per_token", "io_limit_tok_s", "of_io_limit"} <= set(r)
-    host, disk = rows[(0.25, "host", "uniform")], rows[(0.25, "disk", "uniform")]
+        assert {"tok_s", "hit_rate", "limit_tok_s", "of_limit", "copied_bytes_per_token", "in_place_bytes_per_token",
+                "disk_bytes_per_token", "host_ms_per_token", "io_limit_tok_s", "of_io_limit"} <= set(r)
+    host, disk = rows[(0.25, "host", "uniform", "copied")], rows[(0.25, "disk", "uniform", "copied")]
+    in_place = rows[(0.25, "host", "uniform", "in place")]
     limits = decode_run["limits"]
     assert host["io_limit_tok_s"] == pytest.approx(limits["pinned_copy_gbps"] * 1e9 / host["copied_bytes_per_token"])
     assert disk["io_limit_tok_s"] == pytest.approx(limits["disk_gbps"] * 1e9 / disk["disk_bytes_per_token"])
-    assert rows[(1.0, "host", "zipf")]["io_limit_tok_s"] is None  # nothing moved
+    moved = in_place["copied_bytes_per_token"] + in_place["in_place_bytes_per_token"]  # both cross the link
+    assert in_place["in_place_bytes_per_token"] > 0 and host["in_place_bytes_per_token"] == 0
+    assert in_place["io_limit_tok_s"] == pytest.approx(limits["pinned_copy_gbps"] * 1e9 / moved)
+    assert rows[(1.0, "host", "zipf", "none")]["io_limit_tok_s"] is None  # nothing moved
     assert limits["disk_read"]["threads"] == 2 and limits["disk_read"]["gbps"] > 0
 
 
@@ -229,7 +236,8 @@ def test_bench_decode_prints_routing_labels_and_disk_limit_shares(decode_run):
     lines = text.splitlines()
     assert "blob each, 2 in flight" in lines[0] and "resident pages after drop" in lines[0]
     rows = lines[1:]
-    assert len(rows) == 6 and sum("uniform" in line for line in rows) == 3 and sum("zipf" in line for line in rows) == 3
+    assert len(rows) == 8 and sum("uniform" in line for line in rows) == 4 and sum("zipf" in line for line in rows) == 4
+    assert sum("(in place)" in line for line in rows) == 2
     disk_rows = [line for line in rows if " disk " in line]
     assert len(disk_rows) == 2 and all("resident pages after drop: " in line for line in disk_rows)
     assert all(("of it)" in line.split("disk limit")[1]) or "not cold" in line for line in disk_rows)

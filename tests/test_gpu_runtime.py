@@ -218,6 +218,91 @@ def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 
 
+# --- misses read in place from host RAM (smoe.runtime.cuda.placement) -----------------------------
+
+
+def table_points_at_each_experts_bytes(dec: GpuDecoder) -> bool:
+    """Every table entry not awaiting its copy holds the offset of that expert's blob (on a CPU device the pool
+    holds the host tier, so both kinds of offset read back from it)."""
+    busy = {key for _, keys in dec.placement.pending for key in keys}
+    table = dec.placement.table.cpu()
+    return all(blob_in_slot(dec.cache, int(table[key]), *key) for key in dec.vault.entries if key not in busy)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_misses_read_in_place_match_the_dequantised_reference_and_account_every_routed_expert(family, tmp_path):
+    vault, reference = tiny_vault_and_reference(tmp_path, family, 4, seed=2)
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    top_k = sm.vault.meta["top_k"]
+    everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, top_k + 1), max_positions=64, host_cache_bytes=everything,
+                     in_place=True)
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    pieces = [ids[:8], *[[t] for t in ids[8:30]], ids[30:]]  # a prompt, one-token steps (five looks), a prompt
+    got = []
+    for piece in pieces:
+        got.append(dec.forward(piece).reshape(len(piece), -1).cpu())
+        assert dec.placement is None if piece is pieces[0] else table_points_at_each_experts_bytes(dec)
+    assert dec.placement is not None and dec.placement.tokens == 22
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], torch.cat(got)) < TOLERANCE
+    before = dec.cache.stats.as_dict()
+    for t in ids[:6]:  # one-token steps only: every routed expert a hit or a read in place, each read its blob's size
+        dec.forward([t])
+    dec.account()
+    after = dec.cache.stats.as_dict()
+    moe_layers = len(sm.vault.meta["moe_layers"])
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    assert hits + misses == 6 * top_k * moe_layers and misses > 0
+    assert after["bytes_in_place"] - before["bytes_in_place"] == misses * sm.vault.entry(*min(sm.vault.entries)).size
+
+
+def test_placement_moves_the_most_routed_experts_into_the_gpu_slots_and_then_only_hits(tiny_vault):
+    import numpy as np
+
+    from smoe.bench.replay import ReplayDecoder
+
+    vault, _ = tiny_vault
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
+    moe, top_k = sm.vault.meta["moe_layers"], sm.vault.meta["top_k"]
+    layers = sm.config.get_text_config().num_hidden_layers
+    experts = 1 + max(e for _, e in sm.vault.entries)
+    favourites = [[(2 * layer + j) % experts for j in range(top_k)] for layer in range(layers)]
+    replay = np.array([favourites] * 24)  # every token routes each layer to the same experts
+    dec = ReplayDecoder(sm, "cpu", min_gpu_budget(sm.vault, len(moe) * top_k), max_positions=32,
+                        host_cache_bytes=everything, route_replay=torch.from_numpy(replay), in_place=True)
+    for step in range(12):  # three looks: the favourites move in
+        dec.replay_step = step
+        dec.forward([step + 2])
+    assert {(layer, e) for layer in moe for e in favourites[layer]} == set(dec.cache.gpu.slots)
+    dec.account()
+    before = dec.cache.stats.as_dict()
+    for step in range(12, 20):
+        dec.replay_step = step
+        dec.forward([step + 2])
+    dec.account()
+    after = dec.cache.stats.as_dict()
+    assert after["misses"] == before["misses"] and after["hits"] - before["hits"] == 8 * len(moe) * top_k
+
+
+@pytest.mark.parametrize("host", ["none", "too small"])
+def test_misses_are_copied_when_no_host_tier_holds_every_expert(host, tiny_vault, tmp_path):
+    if host == "none":
+        vault, reference = tiny_vault
+    else:  # more experts than the host tier's smallest size (its staging ring), a host tier of half of them
+        model = tiny_model_dir(tmp_path, "qwen3_moe", seed=2, architecture={"num_experts": 24})
+        vault = vault_of(model, tmp_path / "vault")
+        reference = dequantised_reference(vault, tmp_path)
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
+    dec = GpuDecoder(sm, "cpu", min_gpu_budget(sm.vault, 3), max_positions=64,
+                     host_cache_bytes=0 if host == "none" else everything // 2, in_place=True)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(4)).tolist()
+    got = decode_in_pieces(dec, ids)
+    assert dec.placement is None and dec.cache.stats.bytes_in_place == 0 and dec.cache.stats.misses > 0
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_a_sequence_past_the_kv_capacity_grows_the_state_in_place(family, tmp_path):
     vault, reference = tiny_vault_and_reference(tmp_path, family, 4, seed=2)
@@ -344,6 +429,26 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 
 
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_cuda_decoder_reading_misses_in_place_matches_the_reference_in_fp32(family, tmp_path):
+    """The kernels read missed experts from pinned host RAM through the whole-token graph; the placement moves
+    experts into the GPU slots between tokens (copies in flight while graphs run)."""
+    vault, reference = kernel_sized_vault(tmp_path, family, 4)
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    with Vault(vault) as v:
+        everything, budget = blob_slot_bytes(v) * len(v.entries), min_gpu_budget(v, v.meta["top_k"] + 1)
+    dec = GpuDecoder(sm, "cuda", budget, max_positions=64, host_cache_bytes=everything, in_place=True)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
+    pieces = [ids[:8], *[[t] for t in ids[8:30]], ids[30:]]
+    got = torch.cat([dec.forward(p).reshape(len(p), -1).cpu() for p in pieces])
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+    dec.account()
+    stats = dec.cache.stats
+    assert dec.placement is not None and dec.whole_token is not None
+    assert stats.bytes_in_place > 0 and stats.hits > 0  # misses read in place, and experts moved into the slots
+
+
 # the hybrids' tiny models with expert widths of 64, so that the Triton kernels and with them the graphs run
 KERNEL_WIDTHS = {"lfm2_moe": dict(moe_intermediate_size=64), "granitemoehybrid": dict(intermediate_size=64),
                  "jamba": dict(intermediate_size=64)}
@@ -435,7 +540,8 @@ def test_bench_decode_without_a_gpu_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("option,named", [(("--sources", "ram"), "--sources 'ram'"),
                                           (("--llama-bench", "/nonexistent/llama-bench"), "not an executable file"),
                                           (("--prefill", "512,x"), "--prefill '512,x'"),
-                                          (("--prefill", "0"), "positive number of tokens")])
+                                          (("--prefill", "0"), "positive number of tokens"),
+                                          (("--host-misses", "zero-copy"), "--host-misses 'zero-copy'")])
 def test_bench_decode_options_are_checked_before_any_work(tmp_path, option, named):
     r = smoe_cli("bench", "decode", "--workdir", tmp_path / "w", "--no-baseline", *option)
     assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -24,6 +24,7 @@ resident in bf16 on the same GPU.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -253,11 +254,13 @@ def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
 
 
 def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, warmup: int, tokens: int,
-               threads: int, device: str = "cuda", routing_name: str = "zipf", direct_io: bool = True) -> dict:
+               threads: int, device: str = "cuda", routing_name: str = "zipf", direct_io: bool = True,
+               misses: str = "in-place") -> dict:
     """Decode with the GPU cache at `budget_fraction` of the experts; misses from the pinned host tier
-    (source "host", filled before timing) or from the disk (source "disk": page cache dropped after the
-    warm-up, O_DIRECT unless direct_io is False; the cold state is part of the row)."""
-    from smoe.bench.replay import ReplayDecoder, fill_host_tier
+    (source "host", filled before timing; misses "in-place": read there by the kernels, "copy": copied into
+    the GPU cache first) or from the disk (source "disk": page cache dropped after the warm-up, O_DIRECT unless
+    direct_io is False; the cold state is part of the row)."""
+    from smoe.bench.replay import ReplayDecoder
     from smoe.runtime.cuda.cache import blob_slot_bytes
 
     vault, device = sm.vault, torch.device(device)
@@ -265,10 +268,10 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
     host = everything if source == "host" and budget_fraction < 1 else 0
     dec = ReplayDecoder(sm, device, int(everything * budget_fraction), warmup + tokens + 8, host_cache_bytes=host,
                         threads=threads, direct_io=source == "disk" and direct_io,
-                        route_replay=torch.from_numpy(routing))
+                        route_replay=torch.from_numpy(routing), in_place=misses == "in-place")
     try:
         if host:
-            fill_host_tier(dec.cache)
+            dec.cache.fill_host()
         token = 0
         for t in range(warmup):
             dec.replay_step = t
@@ -276,6 +279,7 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         cold = {}
         if source == "disk":
             cold = cold_state(direct_io, drop_page_cache(vault.dir / DATA_FILE))
+        dec.account()
         before = dict(dec.cache.stats.as_dict())
         timing0 = dict(dec.timing)
         synchronize(device)
@@ -286,15 +290,18 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         seconds = time.perf_counter() - start
         if source == "disk":  # what the row's own reads left in the page cache (none with O_DIRECT)
             cold["resident_after_row"] = resident_fraction(vault.dir / DATA_FILE)
+        dec.account()
         after = dec.cache.stats.as_dict()
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "host_hits", "bytes_read", "bytes_copied",
-                                                   "wait_seconds")}
+                                                   "bytes_in_place", "wait_seconds")}
         return delta | cold | {
             "budget_fraction": budget_fraction, "source": source, "routing": routing_name, "tokens": tokens,
+            "misses_read": misses_read(dec),
             "tok_s": tokens / seconds, "ms_per_token": 1000 * seconds / tokens,
             "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
             "gpu_read_bytes_per_token": gpu_bytes_per_token(dec, warmup + tokens // 2),
             "copied_bytes_per_token": delta["bytes_copied"] / tokens,
+            "in_place_bytes_per_token": delta["bytes_in_place"] / tokens,
             "disk_bytes_per_token": delta["bytes_read"] / tokens,
             "cache_wait_ms_per_token": 1000 * delta["wait_seconds"] / tokens,
             "whole_token_graph": dec.whole_token is not None, "segment_graphs": dec.segments is not None,
@@ -306,11 +313,18 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
             torch.cuda.empty_cache()
 
 
+def misses_read(dec) -> str:
+    """How a decode row's misses reached the kernels: "in place" (read from pinned host RAM), "copied" (into the GPU
+    cache first), or "none" (every expert resident)."""
+    if dec.placement is not None:
+        return "in place"
+    return "none" if dec.table is not None else "copied"
+
+
 def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: int = 3, device: str = "cuda") -> dict:
     """A prompt of `length` random token ids through the GPU decoder with the cache at `budget_fraction` of the
     experts (misses from the pinned host tier, filled first), the router's own routing; one untimed run (compiles,
     cache fill), then `repeats` timed ones from position 0: their median."""
-    from smoe.bench.replay import fill_host_tier
     from smoe.runtime.cuda.cache import blob_slot_bytes
     from smoe.runtime.cuda.decode import GpuDecoder
 
@@ -322,7 +336,7 @@ def prefill_run(sm, budget_fraction: float, length: int, threads: int, repeats: 
     ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     try:
         if host:
-            fill_host_tier(dec.cache)
+            dec.cache.fill_host()
         rates = prompt_rates(dec, ids, repeats)
         return {"budget_fraction": budget_fraction, "length": length, "tok_s": sorted(rates)[len(rates) // 2],
                 "runs_tok_s": rates}
@@ -426,11 +440,13 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
                  baseline: bool = True, layers: int | None = None, model: str = "qwen3-30b-a3b",
                  sources: tuple[str, ...] = ("host", "disk"), llama_bench: str | None = None,
                  prefill: tuple[int, ...] = (), routings: tuple[str, ...] = ("zipf",), device: str = "cuda",
-                 config: dict | None = None, measure_bytes: int | None = None) -> dict:
+                 config: dict | None = None, measure_bytes: int | None = None,
+                 host_misses: tuple[str, ...] = ("in-place",)) -> dict:
     """Every budget's rows, each source (a full budget: host only) under each recorded routing of `routings`
-    ("zipf", "uniform"). `device` "cpu" runs the same rows on a CPU "device" (no GPU: tests), `config` overrides
-    keys of the model's config (smaller shapes), `measure_bytes` sizes the copies that measure the link and the
-    device memory (default 1 and 2 GiB)."""
+    ("zipf", "uniform"), a partial budget's host rows under each way of `host_misses` ("in-place", "copy").
+    `device` "cpu" runs the same rows on a CPU "device" (no GPU: tests), `config` overrides keys of the model's
+    config (smaller shapes), `measure_bytes` sizes the copies that measure the link and the device memory
+    (default 1 and 2 GiB)."""
     from smoe.runtime.model import OpenedVault
     from smoe.source.description import describe_model
 
@@ -453,8 +469,10 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
     try:
         for fraction in budgets:
             for source in (sources if fraction < 1 else ("host",)):
-                for routing in routings:
-                    r = decode_run(sm, fraction, source, draws[routing], warmup, tokens, threads, device, routing, direct)
+                ways = host_misses if source == "host" and fraction < 1 else ("copy",)
+                for routing, way in itertools.product(routings, ways):
+                    r = decode_run(sm, fraction, source, draws[routing], warmup, tokens, threads, device, routing, direct,
+                                   way)
                     rows.append(with_limits(r, limits))
                     print(format_row(rows[-1]), file=sys.stderr, flush=True)
         prompts = [prefill_run(sm, f, n, threads, device=device) for f in budgets for n in prefill]
@@ -496,7 +514,7 @@ def with_limits(r: dict, limits: dict) -> dict:
     was not) gets no shares: `cold_note` says why."""
     disk = r["source"] == "disk"
     gbps = limits["disk_gbps"] if disk else limits["pinned_copy_gbps"]
-    moved = r["disk_bytes_per_token"] if disk else r["copied_bytes_per_token"]
+    moved = r["disk_bytes_per_token"] if disk else r["copied_bytes_per_token"] + r.get("in_place_bytes_per_token", 0)
     io_s = moved / (gbps * 1e9)
     # HBM: a device copy's read + write bytes per second, the rate a read-only stream gets
     limit_s = io_s + r["gpu_read_bytes_per_token"] / (limits["hbm_gbps"] * 1e9)
@@ -515,7 +533,8 @@ def percent(share: float | None) -> str:
 def format_row(r: dict) -> str:
     line = (f"  budget {100 * r['budget_fraction']:5.1f}%  {r['source']:4s}  {r.get('routing', 'zipf'):7s}  "
             f"{r['tok_s']:7.1f} tok/s  hit {100 * r['hit_rate']:5.1f}%  "
-            f"moved {r['copied_bytes_per_token'] / 1e6:7.1f} MB/tok  "
+            f"moved {(r['copied_bytes_per_token'] + r.get('in_place_bytes_per_token', 0)) / 1e6:7.1f} MB/tok "
+            f"({r.get('misses_read', 'copied')})  "
             f"limit {r['limit_tok_s']:7.1f} tok/s  ({percent(r['of_limit'])} of it)  "
             f"cache wait {r['cache_wait_ms_per_token']:.2f} ms/tok")
     io = r.get("io_limit_tok_s")
@@ -548,7 +567,7 @@ def format_result(result: dict) -> str:
              f"pinned copy {lim['pinned_copy_gbps']:.1f} GB/s, HBM {lim['hbm_gbps']:.0f} GB/s (read+write), {disk_text}"]
     lines += [format_row(r) for r in result["rows"]]
     for run in result.get("llama_cpp", []):
-        ours = {r.get("routing", "zipf"): r["tok_s"] for r in result["rows"]
+        ours = {" ".join((r.get("routing", "zipf"), r.get("misses_read", "copied"))): r["tok_s"] for r in result["rows"]
                 if r["budget_fraction"] == run["budget_fraction"] and r["source"] == "host"}
         ratio = ("" if not ours else f"  (smoe host / llama.cpp = {next(iter(ours.values())) / run['tok_s']:.2f})"
                  if len(ours) == 1 else

@@ -90,12 +90,15 @@ def bench_decode_main(args) -> int:
     routings = tuple(routing.split(","))
     if not set(routings) <= {"zipf", "uniform"} or len(set(routings)) != len(routings):
         raise SmoeError(f"--routing {routing!r}: zipf, uniform or both, separated by a comma")
+    host_misses = tuple(args.host_misses.split(","))
+    if not host_misses or not set(host_misses) <= {"in-place", "copy"} or len(set(host_misses)) != len(host_misses):
+        raise SmoeError(f"--host-misses {args.host_misses!r}: in-place, copy or both, separated by a comma")
     if args.llama_bench and not (os.path.isfile(args.llama_bench) and os.access(args.llama_bench, os.X_OK)):
         raise SmoeError(f"--llama-bench {args.llama_bench}: not an executable file (llama.cpp's llama-bench)")
     result = bench_decode.bench_decode(args.workdir, budgets, args.tokens, args.warmup, args.threads,
                                        baseline=not args.no_baseline, layers=args.layers, model=args.model,
                                        sources=sources, llama_bench=args.llama_bench,
-                                       prefill=prefill, routings=routings)
+                                       prefill=prefill, routings=routings, host_misses=host_misses)
     result["machine"] = machine_description("cuda")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_decode.format_result(result))
     return 0

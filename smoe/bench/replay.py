@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from smoe.runtime.cuda.cache import GpuExpertCache
 from smoe.runtime.cuda.decode import GpuDecoder
 
 
@@ -55,11 +54,3 @@ class ReplayDecoder(GpuDecoder):
         s.set_offsets(self.cache.offsets(i, ids))
         self.timing["cache"] += time.perf_counter() - now
 
-
-def fill_host_tier(cache: GpuExpertCache) -> None:
-    """Read experts into the host tier until it is full ("experts in host RAM")."""
-    keys = sorted(cache.vault.entries)[: len(cache.host)]
-    reads = [cache.reader.submit(cache.read_into, cache.vault.entries[key], cache.host_lru.take(key, set()))
-             for key in keys]
-    for future in reads:
-        future.result()

@@ -523,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--sources", default="host,disk", help="where a partial budget's misses come from: host, disk or "
                     "host,disk (default)")
     bd.add_argument("--routing", default="zipf", help="the recorded routing each row is timed under: zipf (skewed, as real routers; default), uniform (the worst case for a cache) or zipf,uniform")
+    bd.add_argument("--host-misses", default="in-place", help="how a partial budget's misses from host RAM reach the "
+                    "kernels: in-place (read by them over the link, default), copy (copied into the GPU cache first) "
+                    "or in-place,copy")
     bd.add_argument("--llama-bench", metavar="PATH", default=None, help="llama.cpp's llama-bench (a CUDA build): also run "
                     "the model exported to GGUF, resident and with --n-cpu-moe for each partial budget")
     bd.add_argument("--prefill", default="", metavar="N,N", help="also time prompts of these lengths per budget "

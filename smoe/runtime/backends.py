@@ -201,6 +201,7 @@ class CudaBackend:
         return self._decoder
 
     def stats(self) -> dict:
+        self._decoder.account()
         cache = self._decoder.cache
         return cache.stats.as_dict() | {"capacity_bytes": cache.n_slots * cache.slot_bytes}
 

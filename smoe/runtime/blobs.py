@@ -26,8 +26,9 @@ class CacheStats:
 
     hits: experts served without a new read; misses: experts read from the vault (or, on a GPU cache
     with a host tier, copied up from host RAM: host_hits of them). bytes_read counts blob bytes (an
-    O_DIRECT read moves up to alignment - 1 more); bytes_copied host -> GPU. read_seconds is summed
-    over the reading threads, so it can exceed wall time; wait_seconds is the caller's wall time
+    O_DIRECT read moves up to alignment - 1 more); bytes_copied host -> GPU; bytes_in_place: blob bytes
+    the GPU kernels read straight from pinned host RAM (smoe.runtime.cuda.placement). read_seconds is
+    summed over the reading threads, so it can exceed wall time; wait_seconds is the caller's wall time
     blocked on reads.
     """
 
@@ -36,6 +37,7 @@ class CacheStats:
     host_hits: int = 0
     bytes_read: int = 0
     bytes_copied: int = 0
+    bytes_in_place: int = 0
     read_seconds: float = 0.0
     wait_seconds: float = 0.0
     evictions: int = 0

@@ -15,7 +15,12 @@ compute stream waits for them with an event, never the host. A slot is reused on
 that read it is done: a GPU slot's copy waits for the compute stream as it is now (the kernels that
 last read the slot were enqueued before), a host slot's reuse waits for its last copy's event.
 
-On a CPU "device" (tests without a GPU) the same code runs with plain memory and synchronous copies.
+When the host tier holds every expert, misses need not be copied at all: the kernels read them in place
+over the link (offset_of gives either kind of address), and the GPU slots hold the experts moved there by
+smoe.runtime.cuda.placement (place).
+
+On a CPU "device" (tests without a GPU) the same code runs with plain memory and synchronous copies, the
+GPU slots and the host tier in one buffer.
 """
 
 from __future__ import annotations
@@ -88,18 +93,24 @@ class GpuExpertCache:
             raise SmoeError(f"a GPU expert cache of {int(gpu_bytes):,} bytes (--gpu-cache-gb) is smaller than one "
                             f"token's {top_k} experts of a layer: at least {need / 1e9:.4g} GB ({need:,} bytes) is needed")
         self.cuda = self.device.type == "cuda"
-        self.pool = allocate(self.n_slots * self.slot_bytes, self.device, "GPU expert cache", "--gpu-cache-gb")
-        self.gpu = SlotLRU(self.n_slots)
         self.host_tier = host_bytes > 0
         n_host = min(int(host_bytes) // self.slot_bytes, len(vault.entries)) if self.host_tier else 0
         n_host = max(n_host, min(STAGING_SLOTS, len(vault.entries)))
         # host slots start on page boundaries and hold a whole aligned read, for O_DIRECT
         host_slot = align(self.slot_bytes, max(vault.alignment, mmap.PAGESIZE))
-        self.host = allocate(n_host * host_slot, torch.device("cpu"), "host expert cache", "--cache-gb",
-                             pinned=self.cuda).view(n_host, host_slot)
+        gpu_part = self.n_slots * self.slot_bytes
+        if self.cuda:
+            self.pool = allocate(gpu_part, self.device, "GPU expert cache", "--gpu-cache-gb")
+            self.host = allocate(n_host * host_slot, torch.device("cpu"), "host expert cache", "--cache-gb",
+                                 pinned=True).view(n_host, host_slot)
+        else:  # one buffer, GPU slots first: a host slot's offset from the pool's start is valid, as in-place reads need
+            start = align(gpu_part, host_slot)
+            self.pool = allocate(start + n_host * host_slot, self.device, "expert cache", "--gpu-cache-gb")
+            self.host = self.pool[start:].view(n_host, host_slot)
+        self.gpu = SlotLRU(self.n_slots)
         self.host_lru = SlotLRU(n_host)
         # one view per slot, made once: slicing per copy costs more host time than the copy call itself
-        self.gpu_views = list(self.pool.view(self.n_slots, self.slot_bytes).unbind(0))
+        self.gpu_views = list(self.pool[:gpu_part].view(self.n_slots, self.slot_bytes).unbind(0))
         self.host_views = [self.host[i, :self.slot_bytes] for i in range(n_host)]
         self.host_events: list = [None] * n_host  # the last copy out of each host slot
         self.copied_from: list[int] = []  # host slots copied since the last mark_copies
@@ -201,6 +212,59 @@ class GpuExpertCache:
         if event is not None:
             event.synchronize()
             self.host_events[hslot] = None
+
+    # --- every expert in host RAM: misses read in place (smoe.runtime.cuda.placement) -------------
+
+    def holds_all_in_host(self) -> bool:
+        """Whether the host tier has room for every expert of the vault."""
+        return self.host_tier and len(self.host) >= len(self.vault.entries)
+
+    def fill_host(self) -> None:
+        """Read every expert the host tier lacks into it, until it is full ("experts in host RAM")."""
+        keys = [key for key in sorted(self.vault.entries) if key not in self.host_lru.slots]
+        keys = keys[: len(self.host) - len(self.host_lru.slots)]
+        reads = [self.reader.submit(self.read_into, self.vault.entries[key], self.host_lru.take(key, set()))
+                 for key in keys]
+        failure = None
+        for key, future in zip(keys, reads):
+            try:
+                future.result()
+                self.stats.bytes_read += self.vault.entries[key].size
+            except BaseException as err:  # the slot holds nothing valid: forget it, report the first failure
+                self.host_lru.drop(key)
+                failure = failure or err
+        if failure is not None:
+            raise failure
+
+    def offset_of(self, key) -> int:
+        """The byte offset from `pool`'s start at which the kernels find expert `key`: its GPU slot, else its
+        host slot (pinned memory the GPU reads over the link: with unified addressing a host pointer is a device
+        pointer, so the difference of the two addresses is a valid offset). The expert must be in one of them."""
+        slot = self.gpu.slots.get(key)
+        if slot is not None:
+            return slot * self.slot_bytes
+        return self.host_views[self.host_lru.slots[key]].data_ptr() - self.pool.data_ptr()
+
+    def place(self, incoming, outgoing) -> list:
+        """GPU slots for the experts `incoming` (in the host tier), freed from the experts `outgoing` (resident)
+        first; copies on the side stream after the compute stream's work so far (the last reads of the freed
+        slots). Returns the event after the copies (None on a CPU device, where they are done)."""
+        for key in outgoing:
+            self.gpu.drop(key)
+            self.stats.evictions += 1
+        copies = [(self.host_lru.slots[key], self.gpu.take(key, set())) for key in incoming]
+        if self.stream is None:
+            for hslot, gslot in copies:
+                self.copy_up(hslot, gslot)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for hslot, gslot in copies:
+                self.copy_up(hslot, gslot)
+            self.copied_from = []  # host-tier slots of resident experts are never reused: no guard needed
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
 
     # --- reading (runs in the reader threads) ----------------------------------------------------
 

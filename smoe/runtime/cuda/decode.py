@@ -14,7 +14,9 @@ instead of ~30 small kernels. Between segments the host reads layer i's top-k id
 layer that streaming needs: the experts to read depend on them), lets the cache bring misses in
 (copies on a side stream the compute stream waits for) and writes the blob offsets. When the cache
 holds every expert of the model, offsets come from a device table inside the graph and the whole
-token is one graph with no sync but the final read of the logits.
+token is one graph with no sync but the final read of the logits. So it is when pinned host RAM holds
+every expert (a host tier of them all): a missed expert is read in place by the kernels, and the experts
+routed most often are moved into the GPU slots between tokens (smoe.runtime.cuda.placement).
 
 Several tokens at once (prompt prefill, teacher-forced evaluation) run eagerly, layer by layer, with
 the grouped kernel; a layer whose experts do not fit the cache together is done in expert groups.
@@ -49,6 +51,7 @@ from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
 from smoe.runtime.cuda import kernels as kernels_triton
 from smoe.runtime.cuda.cache import GpuExpertCache
+from smoe.runtime.cuda.placement import Placement
 from smoe.runtime.cuda.routing import fused_route
 from smoe.runtime.kv import HoldsSequence, Latents, SequenceState, grown_capacity, sequence_state
 from smoe.runtime.layers import (
@@ -69,7 +72,7 @@ from smoe.runtime.layers import (
     static_step,
 )
 from smoe.runtime.weights import layer_weights, module_layers, rms_epsilon
-from smoe.switches import GPU_INDUCTOR
+from smoe.switches import GPU_IN_PLACE, GPU_INDUCTOR
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
 
@@ -116,7 +119,8 @@ class GpuDecoder(HoldsSequence):
     """forward(ids) -> logits [T, V] (fp32) of the new tokens, continuing the cached sequence."""
 
     def __init__(self, sm, device: torch.device, gpu_cache_bytes: int, max_positions: int, host_cache_bytes: int = 0,
-                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True):
+                 threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True,
+                 in_place: bool | None = None):
         cfg = sm.config.get_text_config()
         self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
         self.description = sm.description
@@ -138,6 +142,9 @@ class GpuDecoder(HoldsSequence):
         self.segments: list | None = None  # captured CUDA graphs, one per segment
         self.whole_token = None  # one graph for the whole token when every expert is resident
         self.table = None  # [layers, experts] blob offsets in the pool (whole-token mode)
+        # misses read in place from pinned host RAM when it holds every expert (smoe.runtime.cuda.placement)
+        self.in_place = GPU_IN_PLACE.on() if in_place is None else in_place
+        self.placement: Placement | None = None
 
     def load(self, sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io) -> None:
         """Trunk, expert cache and KV cache onto the device."""
@@ -221,6 +228,9 @@ class GpuDecoder(HoldsSequence):
         self.reserve(start + t)
         if t == 1:
             return self.step(ids[0])
+        if self.placement is not None:  # the prompt's experts go through the cache's own slots
+            self.placement.account()  # under the residency the steps before it ran with
+            self.placement.settle()
         x = self.embedded(torch.tensor(ids, device=self.device))
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
@@ -230,6 +240,8 @@ class GpuDecoder(HoldsSequence):
             x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, end=start + t, **self.block_args(i))
             x = x + self.mlp(i, h, *self.route(i, logits))
         self.state.length = start + t
+        if self.placement is not None:
+            self.placement.rebuild()
         return self.logits(x)
 
     def module_layer(self, i: int, x, start: int):
@@ -313,10 +325,12 @@ class GpuDecoder(HoldsSequence):
     def step(self, token: int) -> torch.Tensor:
         s = self.static
         s.set_token(token, self.pos)
-        if self.all_resident():
+        if self.whole_token_ready():
             self.run_whole_token()
-            # every routed expert is resident (a module layer's experts are counted by the cache, which it asks)
-            self.cache.stats.hits += self.top_k * sum(self.layers[i] is not None for i in self.layouts)
+            if self.placement is not None:
+                self.placement.after_token()
+            else:  # every routed expert is resident (a module layer's experts are counted by the cache it asks)
+                self.cache.stats.hits += self.top_k * sum(self.layers[i] is not None for i in self.layouts)
         else:
             for seg in range(len(self.layers) + 1):
                 self.run_segment(seg)
@@ -412,10 +426,32 @@ class GpuDecoder(HoldsSequence):
         if self.segments[seg] is not None:
             self.segments[seg].replay()
 
-    # --- every expert resident: one graph per token ----------------------------------------------
+    # --- one graph per token: every expert resident, or read in place ------------------------------
 
-    def all_resident(self) -> bool:
-        return self.table is not None or (self.cache.n_slots >= len(self.vault.entries) and self.preload())
+    def whole_token_ready(self) -> bool:
+        """Whether a token runs as whole-token graphs, its experts' offsets from a device table: every expert
+        resident (preload), or every expert in pinned host RAM and misses read in place (Placement)."""
+        if self.table is None:
+            if self.cache.n_slots >= len(self.vault.entries):
+                self.preload()
+            elif self.reads_in_place():
+                self.cache.fill_host()
+                self.placement = Placement(self.cache, len(self.layers))
+                self.table = self.placement.table
+        return self.table is not None
+
+    def reads_in_place(self) -> bool:
+        """Whether misses are read in place: asked for, the host tier holds every expert, no layer runs through
+        the family's modules (they ask the cache on the host), and the experts run in the Triton kernels, which
+        read any address (on a CPU device the pool holds the host tier: any path reads it)."""
+        kernels = self.graphs or self.device.type == "cpu"
+        return self.in_place and not self.modules and self.cache.holds_all_in_host() and kernels
+
+    @torch.inference_mode()  # the placement's tensors were made under it (in a step)
+    def account(self) -> None:
+        """Bring the cache's stats up to date (misses read in place are counted on the device)."""
+        if self.placement is not None:
+            self.placement.account()
 
     def preload(self) -> bool:
         """Bring every expert into the GPU cache and build the device offset table."""
@@ -437,6 +473,8 @@ class GpuDecoder(HoldsSequence):
         for seg in segments:
             if seg > 0 and self.layers[seg - 1] is not None and self.layers[seg - 1].moe:
                 s.offsets.copy_(self.table[seg - 1][s.top_i[0]])
+                if self.placement is not None:
+                    self.placement.record(seg - 1, s.top_i[0])
             self.segment(seg)
 
     def run_whole_token(self) -> None:
