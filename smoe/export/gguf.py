@@ -28,6 +28,7 @@ from smoe.source.gguf import ARCHITECTURES, EXPERT_TENSORS, Architecture, permut
 
 TRUNK_TYPES = ("bf16", "f16", "f32", "q8_0")
 Q4_1_BLOCK = 32
+QK_ROWS = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
 
 
 # tokenizer.json pre-tokenizer split patterns -> llama.cpp's `tokenizer.ggml.pre` names
@@ -45,11 +46,11 @@ def write_gguf(source: ExportSource, path: Path, trunk_type: str | None = None, 
     `tokenizer=False` writes no vocabulary (tokenizer model "none"): llama.cpp then runs token ids only,
     which is what a benchmark of random weights needs."""
     arch = architecture(source)
-    config = source.vault.config
+    config = gguf_families.config_view(source.model_type, source.vault.config)
     check_config(source, config)
     if trunk_type is not None and trunk_type not in TRUNK_TYPES:
         raise SmoeError(f"unknown trunk type {trunk_type!r} ({', '.join(TRUNK_TYPES)})")
-    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)])
+    writer = gguf.GGUFWriter(None, gguf_families.arch_name(source.model_type, arch))
     writer.add_name(source.dir.name)
     write_hyperparameters(writer, source, config, arch)
     if tokenizer:
@@ -114,6 +115,7 @@ def check_config(source: ExportSource, config: dict) -> None:
 
 def rope_theta(config: dict) -> float:
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Mellum names one per layer type: the full layers' is the base
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
         # HunYuan's NTK-alpha: a fixed base (its rotary's own formula); every other family refuses "dynamic"
@@ -149,7 +151,8 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
         gguf_families.write(writer, source.model_type, config, describe_model(config), source.meta["moe_layers"], shapes)
     writer.add_rope_freq_base(rope_theta(config))
-    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", config.get("norm_eps")))  # LFM2: norm_eps
+    if "layer_norm" not in describe_model(config).extras:  # DBRX's LayerNorm eps is its family's to write
+        writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", config.get("norm_eps")))  # LFM2: norm_eps
     writer.add_vocab_size(config["vocab_size"])
     writer.add_expert_count(source.num_experts)
     writer.add_expert_used_count(source.meta["top_k"])
@@ -283,8 +286,8 @@ def trunk_pieces(model_type: str, key: str, shape: tuple[int, ...], names, confi
     if key.endswith(gguf_families.CONV_KERNELS) and len(shape) == 3:
         squeezed = (shape[0], shape[2])
         return [(name, squeezed, lambda t: t.reshape(squeezed))]
-    if arch.permute_qk and key.endswith(("q_proj.weight", "k_proj.weight")):
-        heads = config["num_attention_heads"] if key.endswith("q_proj.weight") else config["num_key_value_heads"]
+    if arch.permute_qk and key.endswith(QK_ROWS):  # a bias's rows move with its weight's (Granite's)
+        heads = config["num_attention_heads"] if ".q_proj." in key else config["num_key_value_heads"]
         return [(name, shape, lambda t: permute_rope(t, heads))]
     return [(name, shape, lambda t: t)]
 

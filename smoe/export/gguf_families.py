@@ -18,13 +18,17 @@ their sizes, as transformers splits it, and the other names as transformers rena
 
 gpt_oss is llama.cpp's `gpt-oss`: attention sinks (`attn_sinks.weight`), biases on every projection, the
 router and the experts, sliding-window layers as a per-layer pattern, YaRN, and the clamped SwiGLU with
-llama.cpp's fixed alpha 1.702 and limit 7. llama.cpp's own converter writes the released MXFP4 experts
+llama.cpp's fixed alpha 1.702 and limit 7. llama.cpp rounds YaRN's correction range outward to whole
+dimensions (ggml_rope_yarn_corr_dims, transformers' truncate = true); gpt-oss as released says truncate = false, and
+is written all the same, as llama.cpp's converter writes it: 9 of gpt-oss-20b's 32 rotary frequencies then differ
+from transformers', by up to 43%. llama.cpp's own converter writes the released MXFP4 experts
 as they are; the graph takes any expert type, and these are Q4_1 like every family's.
 
 granitemoe (and granitemoeshared) is llama.cpp's `granitemoe`: Granite's four multipliers as the embedding,
-attention, residual and logit scales, rotary over adjacent pairs (q/k rows reordered, as for Mixtral), the
-shared MLP's fused input_linear split into gate and up. hunyuan_v1_moe is `hunyuan-moe`: q/k norms after
-rotary, an ungated shared MLP; its NTK-alpha RoPE ("dynamic" with alpha) is a fixed base, written as one.
+attention, residual and logit scales, rotary over adjacent pairs (q/k rows reordered, as for Mixtral,
+and their biases with them), the shared MLP's fused input_linear split into gate and up. hunyuan_v1_moe is
+`hunyuan-moe`: q/k norms after rotary, an ungated shared MLP; its NTK-alpha RoPE ("dynamic" with alpha) is a
+fixed base, written as one.
 ernie4_5_moe is `ernie4_5-moe`: softmax scores chosen with the correction bias, rotary over adjacent pairs
 as Hugging Face's own. exaone_moe is `exaone-moe` and afmoe is `afmoe`: sliding layers with rotary, full
 ones without; AFMoE adds the output gate, the norms after both branches and muP's embedding scale, all of
@@ -51,16 +55,23 @@ softmax scores left unnormalised; the norms of the time step, B and C as the con
 Its graph fixes an inner size of twice the hidden size, a convolution bias, SiLU, no projection biases, and heads
 that span the hidden size. (DeepSeek-V3's attention under other families' names is smoe.export.gguf_mla's.)
 
+mellum is `mellum` and hy_v3 is `hy_v3`, names the pinned gguf package does not list (llama.cpp's loader reads the
+architecture and tensor names as strings, and every tensor these write has a name in another architecture's table):
+Mellum is Qwen3-MoE's modules with sliding layers, which llama.cpp's graph rotates at the full layers' base (it reads
+rope.freq_base_swa but passes every layer the context's base), so other bases are refused; HY-V3 routes as DeepSeek-V3
+without groups, adds a shared expert without an output gate, takes dense layers where it finds no router, and reads its
+correction bias as blk.N.exp_probs_b, without the .bias suffix. dbrx is `dbrx`: the config's own key names read as
+the common ones (config_view), LayerNorm's eps (transformers' default, as llama.cpp's converter writes it) and the
+q/k/v clamp (0 where clip_qkv is None), softmax weights divided by their sum (another p-norm refused).
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
-transformers' sparsemixer does not. Not written (no row, refused as unsupported), though llama.cpp has an
-architecture for them: dbrx (its config's own key names and LayerNorm eps need their own metadata), mellum and
-hy_v3 (architectures the pinned gguf package does not name; Mellum's sliding layers take their own rotary base),
-nemotron_h (`nemotron_h_moe`: Mamba2 and ungated relu² experts), minimax (`minimax-01`: lightning attention),
-gemma4_text, qwen3_5_moe (`qwen35moe`: its delta-net's projections apart and M-RoPE sections), deepseek_v32
-(`deepseek32`: the sparse-attention indexer, which deepseek2 does not compute), and the families smoe.source.description
-does not describe (the checks above read the description): qwen3_vl_moe, glm4v_moe, cohere2_moe, granitemoe_swa,
-laguna, hy_v4, mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4, dots3_note, step3p7, qwen4_exp,
-minimax_m3_vl.
+transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
+graph for each: nemotron_h (`nemotron_h_moe`: Mamba2 and ungated relu² experts), minimax (`minimax-01`: lightning
+attention), gemma4_text (`gemma4`), qwen3_5_moe (`qwen35moe`: its delta-net's projections apart and M-RoPE sections),
+deepseek_v32 (`deepseek32`: deepseek2's attention with the sparse-attention indexer); and the families
+smoe.source.description does not describe (the checks above read the description): qwen3_vl_moe, glm4v_moe,
+cohere2_moe, granitemoe_swa, laguna, hy_v4, mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4, dots3_note,
+step3p7, qwen4_exp, minimax_m3_vl.
 """
 
 from __future__ import annotations
@@ -121,6 +132,14 @@ class GgufFamily:
     write: Callable[[gguf.GGUFWriter, dict, ModelDescription, list[int]], None] | None = None  # its own metadata
     # the GGUF tensors a trunk tensor becomes where the family's converter rewrites it (else None)
     pieces: Callable[[str, tuple[int, ...], dict, gguf.TensorNameMap], list[gguf_mla.Piece] | None] | None = None
+    # llama.cpp's name of an architecture the pinned gguf package does not list; `arch` is then one it lists whose
+    # tensors name every tensor the family writes (llama.cpp's loader reads the name and the tensors as strings, from
+    # one table of tensor names shared by every architecture)
+    name: str | None = None
+
+    @property
+    def llama_name(self) -> str:
+        return self.name or gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, self.arch.arch)]
 
 
 def _gpt_oss(name: str, config: dict, desc: ModelDescription) -> None:
@@ -376,6 +395,61 @@ def _mamba_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+def _mellum(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's mellum rotates whole heads with plain RoPE, and its sliding layers at the full layers' base: it
+    reads rope.freq_base_swa but its graph passes the context's base to every layer."""
+    rope = gguf_mla.rope_parameters(config)
+    for kind in ("full_attention", "sliding_attention"):
+        params = rope.get(kind, rope)
+        require(params.get("rope_type", "default") == "default" and params.get("partial_rotary_factor", 1.0) == 1.0,
+                f"{name}: llama.cpp's mellum takes plain RoPE over the whole head; this model's {kind} layers take "
+                f"{params}")
+    bases = {kind: rope.get(kind, rope).get("rope_theta") for kind in ("full_attention", "sliding_attention")}
+    require(not desc.attention.sliding_layers or len(set(bases.values())) == 1, f"{name}: llama.cpp's mellum rotates "
+            f"sliding layers at the full layers' base; this model's bases are {bases}")
+
+
+def _hy_v3_pieces(key: str, shape: tuple[int, ...], config: dict,
+                  names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """hy_v3 loads the correction bias as blk.N.exp_probs_b, without the .bias the other graphs read."""
+    if key.endswith("mlp.expert_bias"):
+        return [(f"blk.{key.split('.')[2]}.exp_probs_b", shape, lambda t: t)]
+    return None
+
+
+# DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
+DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
+             "max_position_embeddings": "max_seq_len"}
+DBRX_LAYER_NORM_EPS = 1e-5  # transformers' DBRX builds nn.LayerNorm (bias-free) at its default eps
+
+
+def _dbrx(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's dbrx runs SiLU experts (another p-norm of the weights is a custom routing, refused with it)."""
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's dbrx takes SiLU experts; this model's are "
+            f"{desc.experts.activation}")
+
+
+def _write_dbrx(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """LayerNorm's eps in place of RMSNorm's, and the q/k/v clamp (0: none, as transformers' clip_qkv = None)."""
+    writer.add_layer_norm_eps(DBRX_LAYER_NORM_EPS)
+    writer.add_clamp_kqv(float((config.get("attn_config") or {}).get("clip_qkv") or 0.0))
+
+
+def config_view(name: str, config: dict) -> dict:
+    """The config with the common keys the export reads, where the family names them its own way (DBRX)."""
+    if name != "dbrx":
+        return config
+    attn = config.get("attn_config") or {}
+    return config | {k: config[v] for k, v in DBRX_KEYS.items()} | {
+        "num_key_value_heads": attn.get("kv_n_heads", config["n_heads"]), "rope_theta": attn.get("rope_theta")}
+
+
+def arch_name(name: str, arch: Architecture) -> str:
+    """The architecture name llama.cpp reads for the family."""
+    family = FAMILIES.get(name)
+    return family.llama_name if family else gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)]
+
+
 def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
     return Architecture(arch, permute_qk=permute_qk, expert_width_key=expert_width_key, experts_key=experts_key,
                         readable=False)
@@ -383,6 +457,7 @@ def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_ke
 
 SOFTMAX_UNNORMALISED = dict(scoring="softmax", normalise=False, correction_bias=False, scale=1.0, n_group=1)
 SIGMOID_BIASED = dict(scoring="sigmoid", correction_bias=True)
+SOFTMAX_NORMALISED = SOFTMAX_UNNORMALISED | dict(normalise=True)
 FAMILIES = {
     "glm4_moe": GgufFamily(_arch("GLM4_MOE", "n_routed_experts"), SIGMOID_BIASED, extras=("partial_rotary",),
                            qk_norms=(None, "head"), attention_bias=True, dense_first=True, moe_keys=True,
@@ -447,6 +522,18 @@ FAMILIES = {
     "jamba": GgufFamily(_arch("JAMBA", "num_experts", expert_width_key=False), SOFTMAX_UNNORMALISED,
                         extras=("no_rope_layers",), recurrent_kv=True, any_moe_layers=True, check=_jamba,
                         write=_write_jamba, pieces=_mamba_pieces),
+    # Qwen3-MoE's modules, sliding layers where the config has them (at the full layers' rotary base); tensors named
+    # as qwen3moe's
+    "mellum": GgufFamily(_arch("QWEN3MOE", "num_local_experts"), SOFTMAX_NORMALISED, extras=("rope_per_layer_type",),
+                         qk_norms=("head",), sliding_window=True, check=_mellum, name="mellum"),
+    # sigmoid scores chosen with the correction bias, q/k norms before rotary, a shared expert without an output gate,
+    # dense layers where there is no router; tensors named as dots1's
+    "hy_v3": GgufFamily(_arch("DOTS1", "num_experts"), SIGMOID_BIASED | dict(normalise=True, n_group=1),
+                        qk_norms=("head",), moe_keys=True, shared_width=True, any_moe_layers=True,
+                        pieces=_hy_v3_pieces, name="hy_v3"),
+    # LayerNorm, the fused Wqkv clamped, softmax weights over their sum; the experts' width is feed_forward_length
+    "dbrx": GgufFamily(_arch("DBRX", "moe_num_experts", expert_width_key=False), SOFTMAX_NORMALISED,
+                       extras=("layer_norm", "clip_qkv"), check=_dbrx, write=_write_dbrx),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -461,7 +548,7 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
           expert_width: int) -> None:
     """What the family's llama.cpp graph assumes that this config (and the trunk's `shapes`) could contradict."""
     family = FAMILIES[name]
-    arch = family.arch.arch.lower()
+    arch = family.llama_name
     want, takes = moe_layout(family, config, moe_layers)
     require(moe_layers == want, f"{name}: llama.cpp's {arch} takes {takes}; this model's MoE layers are {moe_layers}")
     unsupported = [e for e in desc.extras if e not in family.extras]

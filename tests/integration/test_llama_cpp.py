@@ -10,18 +10,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
 
+import torch  # noqa: E402
 from export_models import (  # noqa: E402
     agreement,
+    causal_lm,
+    exportable_config,
     exportable_vault,
     figures_line,
     integration_vault,
     prompt_ids,
+    save_byte_level_tokenizer,
     smoe_logits,
     teacher_forced_agreement,
 )
 from llama_cpp import Llama  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from smoe.convert.sculpt import sculpt  # noqa: E402
 from smoe.export.gguf import write_gguf  # noqa: E402
 from smoe.export.source import ExportSource  # noqa: E402
 from smoe.export.writer import export  # noqa: E402
@@ -87,7 +92,36 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # the families only written (smoe.export.gguf_families), on tiny models at their fullest (tests/export_models.py)
 WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots1", "granitemoe", "granitemoeshared",
                 "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe", "qwen3_next",
-                "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4"]
+                "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
+                "mellum", "hy_v3", "dbrx"]
+# the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
+# so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
+# the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
+# DBRX's experts as wide as a Q4_1 block and a q/k/v clamp that bites
+ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                               rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
+                                                for t in ("full_attention", "sliding_attention")}),
+                "hy_v3": dict(num_hidden_layers=3, mlp_layer_types=["sparse", "dense", "sparse"]),
+                "dbrx": dict(ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32},
+                             attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.5})}
+
+
+def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
+    """exportable_vault's vault of `family`, or ALSO_CONFIGS' model with unit-scale norms for the families there."""
+    if family not in ALSO_CONFIGS:
+        return exportable_vault(tmp, family, bits)
+    torch.manual_seed(0)
+    model = causal_lm(family, exportable_config(family, architecture=ALSO_CONFIGS[family]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm = "norm" in name.split(".")[-2]  # q_norm, input_layernorm, DBRX's norm_1 and norm_f
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + is_norm)
+    model_dir, vault = tmp / f"{family}-model", tmp / f"{family}-q{bits}"
+    model.save_pretrained(model_dir)
+    save_byte_level_tokenizer(model_dir)
+    sculpt(model_dir, vault, bits=bits, progress=False)
+    return vault
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "tiny-deepseek_v3", "tiny-deepseek_v2",
@@ -100,7 +134,7 @@ def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_facto
     and softmax (V2); the other tiny models are the families only written: GLM-4.5's partial rotary and
     groups, gpt-oss's sinks, biases, sliding layers and YaRN, and the rest."""
     if family.startswith("tiny-"):
-        vault = exportable_vault(tmp_path, family.removeprefix("tiny-"), 4)
+        vault = tiny_vault(tmp_path, family.removeprefix("tiny-"), 4)
     else:
         vault = integration_vault(tmp_path_factory, family, 4)
     llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True))
@@ -116,7 +150,7 @@ def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_facto
 @pytest.mark.parametrize("family", WRITTEN_ONLY)
 def test_llama_cpp_logits_follow_smoe_for_the_families_only_written(tmp_path, family, bits):
     """Q4_1 experts and the vault's F32 trunk, on the tiny models: the same bounds as the shared models'."""
-    vault = exportable_vault(tmp_path, family, bits)
+    vault = tiny_vault(tmp_path, family, bits)
     llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
     ids = prompt_ids(vault)
     llm.eval(ids)

@@ -1,0 +1,51 @@
+"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3) and of DBRX, and the
+q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
+
+import gguf
+import pytest
+import torch
+from export_models import exportable_config, exportable_vault
+from safetensors.torch import load_file
+
+from smoe.errors import SmoeError
+from smoe.export import gguf_families
+from smoe.export.writer import export
+from smoe.format.vault import TRUNK_FILE
+from smoe.source.description import describe_model
+from smoe.source.gguf import permute_rope
+
+FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+
+
+@pytest.mark.parametrize("family,changes,named", [
+    ("mellum", FULL_BASE_ONLY, "rotates sliding layers at the full layers' base"),
+    ("dbrx", dict(ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32,
+                              "moe_normalize_expert_weights": 2.0}), "'p-norm 2.0'"),
+    ("dbrx", dict(ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32,
+                              "ffn_act_fn": {"name": "gelu"}}), "takes SiLU experts"),
+    ("hy_v3", dict(attention_bias=True), "attention biases"),
+])
+def test_gguf_refuses_what_the_added_graphs_compute_differently(family, changes, named):
+    config = exportable_config(family).to_dict() | changes
+    desc = describe_model(config)
+    with pytest.raises(SmoeError, match=named):
+        gguf_families.check(family, gguf_families.config_view(family, config), desc, list(desc.moe_layers), {}, 32)
+
+
+def test_gguf_mellum_with_one_rotary_base_is_written_as_mellum(tmp_path):
+    vault = exportable_vault(tmp_path, "mellum", 4)
+    reader = gguf.GGUFReader(export(vault, "gguf", tmp_path / "m.gguf"))
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "mellum"
+    assert {"blk.0.attn_q_norm.weight", "blk.1.ffn_gate_exps.weight"} <= {t.name for t in reader.tensors}
+
+
+def test_gguf_q_k_biases_move_with_their_rows_for_adjacent_pair_rope(tmp_path):
+    """llama.cpp's granitemoe ropes adjacent pairs: q/k rows are reordered, and a bias row is part of its row."""
+    vault = exportable_vault(tmp_path, "granitemoeshared", 4)
+    tensors = {t.name: t for t in gguf.GGUFReader(export(vault, "gguf", tmp_path / "m.gguf")).tensors}
+    trunk = load_file(vault / TRUNK_FILE)
+    config = exportable_config("granitemoeshared")
+    for name, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads)):
+        got = torch.from_numpy(tensors[f"blk.1.attn_{name}.bias"].data.copy())
+        assert torch.equal(got, permute_rope(trunk[f"model.layers.1.self_attn.{name}_proj.bias"].float(), heads))
