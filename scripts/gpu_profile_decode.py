@@ -1,8 +1,8 @@
 """Where a GPU decode step spends its time: the synthetic vault of `smoe bench decode --model M` with the GPU
-cache at BUDGET percent of the experts (100: every expert resident, whole-token CUDA graph; less: the misses
-copied from a pinned host tier holding every expert, one graph per layer), 16 steps under torch.profiler, ops
-grouped by name, sorted by GPU time (resident) or by host time (streaming), with the replay's host seconds
-per phase.
+cache at BUDGET percent of the experts (100: every expert resident, whole-token CUDA graph; less: a pinned host
+tier holding every expert, the misses read in place in a whole-token graph, or with SMOE_GPU_IN_PLACE=0 copied,
+one graph per layer), 16 steps under torch.profiler, ops grouped by name, sorted by GPU time (whole-token graphs)
+or by host time (per-layer graphs), with the replay's host seconds per phase.
 
 Usage (a CUDA machine, repository root): python3 scripts/gpu_profile_decode.py [MODEL] [LAYERS] [WORKDIR] [BUDGET]
 """
@@ -52,7 +52,7 @@ def main(model: str = "deepseek-v2-lite", layers: int = 27, workdir: str = "/tmp
             token = int(dec.forward([token]).argmax())
         torch.cuda.synchronize()
     print({k: f"{1000 * (v - timing0[k]) / 16:.3f} ms/token" for k, v in dec.timing.items()})
-    order = "cuda_time_total" if budget >= 100 else "self_cpu_time_total"
+    order = "cuda_time_total" if dec.whole_token is not None else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=90))
 
 
