@@ -1,4 +1,5 @@
-"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3) and of DBRX, and the
+"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3), of DBRX, Qwen3.5-MoE
+and Gemma 4, and the
 q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
 
 import gguf
@@ -24,6 +25,10 @@ FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], slidi
     ("dbrx", dict(ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32,
                               "ffn_act_fn": {"name": "gelu"}}), "takes SiLU experts"),
     ("hy_v3", dict(attention_bias=True), "attention biases"),
+    ("qwen3_5_moe_text", {}, r"M-RoPE sections spanning at most a head \(16\); this model's are \[11, 11, 10, 0\]"),
+    ("qwen3_5_moe_text", dict(head_dim=64, rms_norm_eps=1e-5), "q/k L2-norm eps"),
+    ("gemma4_text", dict(hidden_size_per_layer_input=8), "per-layer embeddings"),
+    ("gemma4_text", dict(per_layer_config={"0": {"head_dim": 32}, "1": {"head_dim": 32}}), "per_layer_config"),
 ])
 def test_gguf_refuses_what_the_added_graphs_compute_differently(family, changes, named):
     config = exportable_config(family).to_dict() | changes

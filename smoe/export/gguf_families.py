@@ -64,14 +64,24 @@ correction bias as blk.N.exp_probs_b, without the .bias suffix. dbrx is `dbrx`: 
 the common ones (config_view), LayerNorm's eps (transformers' default, as llama.cpp's converter writes it) and the
 q/k/v clamp (0 where clip_qkv is None), softmax weights divided by their sum (another p-norm refused).
 
+qwen3_5_moe_text (Qwen3.5-MoE's text model) is `qwen35moe`: qwen3next's layers with the delta-net's projections apart
+(in_proj_qkv, in_proj_z, in_proj_a, in_proj_b), their value heads reordered from grouped by key head to tiled as the
+converter does (ggml broadcasts q and k over the value heads so), and M-RoPE sections (the converter's [11, 11, 10]
+where the config names none; on text every section turns by the one position, so any sections compute plain rotary;
+ggml asserts they span at most a head, and more is refused). gemma4_text (Gemma 4's text model) is `gemma4`: a dense
+MLP beside the experts on every layer, the router on the normalised residual with its input scale
+(ffn_gate_inp.scale) and per-expert scale (ffn_down_exps.scale), the layer scalar, sliding layers of head_dim with plain
+RoPE and full ones of their own width and key/value heads (per_layer_config) with proportional RoPE, written as the
+converter writes it: rope_freqs of 1 on the turned pairs and 1e30 on the others; the final softcap written as 0 where
+the config has none (llama.cpp's default is 30). Per-layer embeddings (the small dense models) are refused.
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each: nemotron_h (`nemotron_h_moe`: Mamba2 and ungated relu² experts), minimax (`minimax-01`: lightning
-attention), gemma4_text (`gemma4`), qwen3_5_moe (`qwen35moe`: its delta-net's projections apart and M-RoPE sections),
-deepseek_v32 (`deepseek32`: deepseek2's attention with the sparse-attention indexer); and the families
-smoe.source.description does not describe (the checks above read the description): qwen3_vl_moe, glm4v_moe,
-cohere2_moe, granitemoe_swa, laguna, hy_v4, mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4, dots3_note,
-step3p7, qwen4_exp, minimax_m3_vl.
+attention), deepseek_v32 (`deepseek32`: deepseek2's attention with the sparse-attention indexer), and the multimodal
+qwen3_5_moe and gemma4 (their text models are written); and the families smoe.source.description does not describe
+(the checks above read the description): qwen3_vl_moe, glm4v_moe, cohere2_moe, granitemoe_swa, laguna, hy_v4,
+mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4, dots3_note, step3p7, qwen4_exp, minimax_m3_vl.
 """
 
 from __future__ import annotations
@@ -105,8 +115,9 @@ AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n
 # attention on the others (its swa pattern), chunks of 8192, the NoPE queries' temperature (floor, scale) and
 # no q/k norm for the 128-expert model (use_kq_norm)
 LLAMA4_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, LLAMA4_NO_NORM_EXPERTS = 4, 8192, (8192, 0.1), 128
-OAI_CLAMP = (1.702, 7.0)
-QWEN3_NEXT_L2_EPS = 1e-6  # transformers' l2norm of the delta-net's q and k  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
+OAI_CLAMP = (1.702, 7.0)  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
+QWEN3_NEXT_L2_EPS = 1e-6  # transformers' l2norm of the delta-net's q and k
+QWEN3_5_MROPE = (11, 11, 10)  # transformers' and llama.cpp's converter's sections where the config names none
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,8 @@ class GgufFamily:
     dense_width_key: str = "intermediate_size"  # the config key of the dense layers' width (feed_forward_length)
     recurrent_kv: bool = False  # head_count_kv per layer, 0 on the layers whose mixer is not attention
     any_moe_layers: bool = False  # the graph builds a layer as MoE where its router is: any layout
+    # full-attention layers of their own head width and key/value heads (global_head_dim, num_global_key_value_heads)
+    global_heads: bool = False
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
     write: Callable[[gguf.GGUFWriter, dict, ModelDescription, list[int]], None] | None = None  # its own metadata
     # the GGUF tensors a trunk tensor becomes where the family's converter rewrites it (else None)
@@ -264,15 +277,19 @@ def _write_lfm2_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescriptio
 
 
 def _qwen3_next(name: str, config: dict, desc: ModelDescription) -> None:
-    """llama.cpp's qwen3next sizes each delta-net state as head_v_dim² with head_v_dim the key heads' width, and
-    builds every layer's shared expert."""
+    _delta_net(name, "qwen3next", config, desc)
+
+
+def _delta_net(name: str, arch: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's qwen3next and qwen35moe size each delta-net state as head_v_dim² with head_v_dim the key heads'
+    width, and build every layer's shared expert."""
     require(config["linear_key_head_dim"] == config["linear_value_head_dim"],
-            f"{name}: llama.cpp's qwen3next takes key and value heads of one width in its delta-net layers; this "
+            f"{name}: llama.cpp's {arch} takes key and value heads of one width in its delta-net layers; this "
             f"model's are {config['linear_key_head_dim']} and {config['linear_value_head_dim']}")
-    require(desc.shared_experts == 1, f"{name}: llama.cpp's qwen3next needs the gated shared expert; this model has "
+    require(desc.shared_experts == 1, f"{name}: llama.cpp's {arch} needs the gated shared expert; this model has "
             "shared_expert_intermediate_size = 0")
     # build_gdn_l2_norm divides q and k by sqrt(sum x² + rms_norm_eps); transformers' l2norm adds a fixed 1e-6
-    require(config.get("rms_norm_eps") == QWEN3_NEXT_L2_EPS, f"{name}: llama.cpp's qwen3next takes the delta-net's "
+    require(config.get("rms_norm_eps") == QWEN3_NEXT_L2_EPS, f"{name}: llama.cpp's {arch} takes the delta-net's "
             f"q/k L2-norm eps from rms_norm_eps, transformers fixes it at {QWEN3_NEXT_L2_EPS}; this model's "
             f"rms_norm_eps is {config.get('rms_norm_eps')}")
 
@@ -314,6 +331,57 @@ def _qkvz(layer: str, shape: tuple[int, ...], config: dict) -> list[gguf_mla.Pie
     qkv_rows = k_heads * (2 * k_dim + v_width)
     return [(f"blk.{layer}.attn_qkv.weight", (qkv_rows, shape[1]), lambda t: torch.cat(split(t)[:3]).contiguous()),
             (f"blk.{layer}.attn_gate.weight", (k_heads * v_width, shape[1]), lambda t: split(t)[3].contiguous())]
+
+
+def _qwen3_5_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    """qwen3next's limits, and M-RoPE sections ggml can hold (it asserts they span at most a head)."""
+    _delta_net(name, "qwen35moe", config, desc)
+    sections, head = mrope_sections(config), config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    require(sum(sections) <= head, f"{name}: llama.cpp's qwen35moe takes M-RoPE sections spanning at most a head "
+            f"({head}); this model's are {sections}")
+
+
+def mrope_sections(config: dict) -> list[int]:
+    """Qwen3.5's M-RoPE sections (t, h, w and a fourth llama.cpp reads), the converter's default where absent; on text
+    every section turns by the one position, so any sections compute plain rotary."""
+    sections = list(gguf_mla.rope_parameters(config).get("mrope_section") or QWEN3_5_MROPE)
+    return (sections + [0] * 4)[:4]
+
+
+def _write_qwen3_5_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    _write_qwen3_next(writer, config, desc, moe_layers)
+    writer.add_rope_dimension_sections(mrope_sections(config))
+
+
+def _qwen3_5_pieces(key: str, shape: tuple[int, ...], config: dict,
+                    names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """What llama.cpp's converter rewrites: the delta-net's value heads from grouped by key head to tiled (v0 of every
+    key head, then v1, ...: ggml broadcasts q and k so), in every tensor that has them; A_log as A = -exp(A_log); dt_bias
+    as ssm_dt's bias; the kernel squeezed; the (1 + w) RMSNorms as 1 + w."""
+    if "linear_attn." not in key:
+        return _qwen3_next_pieces(key, shape, config, names)
+    layer = key.split(".")[2]
+    k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    tiled = lambda t, dim, width: (t.unflatten(dim, (k_heads, v_heads // k_heads, width)).transpose(dim, dim + 1)
+                                   .flatten(dim, dim + 2).contiguous())
+    v_dim, qk_rows = config["linear_value_head_dim"], 2 * k_heads * config["linear_key_head_dim"]
+    tail = lambda t, width: torch.cat([t[:qk_rows], tiled(t[qk_rows:], 0, width)])
+    if key.endswith("in_proj_qkv.weight"):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: tail(t, v_dim))]
+    if key.endswith("conv1d.weight"):  # [channels, 1, width]: q, k channels, then v's
+        squeezed = (shape[0], shape[2])
+        return [(names.get_name(key, try_suffixes=(".weight",)), squeezed, lambda t: tail(t.reshape(squeezed), v_dim))]
+    if key.endswith("in_proj_z.weight"):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: tiled(t, 0, v_dim))]
+    if key.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: tiled(t, 0, 1))]
+    if key.endswith("out_proj.weight"):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: tiled(t, 1, v_dim))]
+    if key.endswith("A_log"):
+        return [(f"blk.{layer}.ssm_a", shape, lambda t: -torch.exp(tiled(t.float(), 0, 1)))]
+    if key.endswith("dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: tiled(t, 0, 1))]
+    return None
 
 
 def _mamba_basics(name: str, config: dict, arch: str) -> None:
@@ -417,6 +485,81 @@ def _hy_v3_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+GEMMA4_ROUTING = "per-expert scales over a normalised router input"
+
+
+def _gemma4(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's gemma4 runs tanh-GELU experts and dense MLPs, plain RoPE on the sliding layers and proportional RoPE
+    (or plain over the whole head) on the full ones; the per-layer embeddings of the small models are not written."""
+    require(desc.experts.activation == "gelu_pytorch_tanh", f"{name}: llama.cpp's gemma4 takes tanh-GELU experts; this "
+            f"model's are {desc.experts.activation}")
+    require(not config.get("hidden_size_per_layer_input"), f"{name}: per-layer embeddings are not exported to GGUF")
+    kinds = {t: {(o.get("head_dim", config["head_dim"]), o.get("num_key_value_heads")) for o, u in
+                 zip(_layer_overrides(config), config["layer_types"]) if u == t} for t in set(config["layer_types"])}
+    require(len(kinds.get("full_attention", ())) <= 1 and kinds.get("sliding_attention", {(config["head_dim"], None)})
+            == {(config["head_dim"], None)}, f"{name}: llama.cpp's gemma4 takes one head width and key/value head count "
+            f"for the full layers and the config's for the sliding ones; this model's per_layer_config has {kinds}")
+    require(not config.get("use_double_wide_mlp"), f"{name}: the double-wide MLPs of shared-KV layers are not exported "
+            "to GGUF")
+    rope = gguf_mla.rope_parameters(config)
+    sliding, full = rope.get("sliding_attention", rope), rope.get("full_attention", rope)
+    require(sliding.get("rope_type", "default") == "default", f"{name}: llama.cpp's gemma4 takes plain RoPE on sliding "
+            f"layers; this model's are {sliding}")
+    require(full.get("rope_type", "default") == "proportional" or full.get("partial_rotary_factor", 1.0) == 1.0,
+            f"{name}: llama.cpp's gemma4 takes proportional RoPE or plain RoPE over the whole head on full layers; this "
+            f"model's are {full}")
+
+
+def _write_gemma4(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The sliding layers' head width, rotary width and base; no shared-KV layers nor per-layer embeddings; the final
+    softcap (0: none, where llama.cpp's default is 30)."""
+    rope = gguf_mla.rope_parameters(config)
+    sliding = rope.get("sliding_attention", rope)
+    writer.add_key_length_swa(config["head_dim"])
+    writer.add_value_length_swa(config["head_dim"])
+    writer.add_rope_dimension_count_swa(int(config["head_dim"] * sliding.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base_swa(float(sliding.get("rope_theta", 10000.0)))
+    writer.add_shared_kv_layers(config.get("num_kv_shared_layers") or 0)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_final_logit_softcapping(float(config.get("final_logit_softcapping") or 0.0))
+
+
+def _gemma4_pieces(key: str, shape: tuple[int, ...], config: dict,
+                   names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The router's input scale and per-expert scale (on the experts' outputs, as ffn_down_exps.scale), the layer
+    scalar; and beside the final norm the full layers' RoPE frequency factors: 1 on the rotated pairs, 1e30 (no turn) on
+    the others, which is proportional RoPE in NeoX order, as llama.cpp's converter writes it."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    if key.endswith("router.scale"):
+        return [(f"blk.{layer}.ffn_gate_inp.scale", shape, lambda t: t)]
+    if key.endswith("router.per_expert_scale"):
+        return [(f"blk.{layer}.ffn_down_exps.scale", shape, lambda t: t)]
+    if key.endswith("layer_scalar"):
+        return [(f"blk.{layer}.layer_output_scale.weight", shape, lambda t: t)]
+    if key == "model.norm.weight":
+        full = gguf_mla.rope_parameters(config)
+        full = full.get("full_attention", full)
+        pairs = _global_head_dim(config) // 2
+        turned = int(pairs * full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else pairs
+        factors = torch.tensor([1.0] * turned + [1e30] * (pairs - turned))
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: t),
+                ("rope_freqs.weight", (pairs,), lambda t: factors)]
+    return None
+
+
+def _layer_overrides(config: dict) -> list[dict]:
+    """Gemma 4's per_layer_config (transformers' from global_head_dim and num_global_key_value_heads), one per layer."""
+    overrides = config.get("per_layer_config") or {}
+    return [overrides.get(str(i), {}) for i in range(config["num_hidden_layers"])]
+
+
+def _global_head_dim(config: dict) -> int:
+    """The full layers' head width (the check holds them to one, as llama.cpp's key_length)."""
+    full = [o.get("head_dim", config["head_dim"]) for o, t in zip(_layer_overrides(config), config["layer_types"])
+            if t == "full_attention"]
+    return full[0] if full else config["head_dim"]
+
+
 # DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
 DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
              "max_position_embeddings": "max_seq_len"}
@@ -512,6 +655,11 @@ FAMILIES = {
     "qwen3_next": GgufFamily(_arch("QWEN3NEXT", "num_experts"), SOFTMAX_UNNORMALISED | dict(normalise=True),
                              extras=("norm_offset", "attention_gate", "partial_rotary"), qk_norms=("head",),
                              shared_gate=True, check=_qwen3_next, write=_write_qwen3_next, pieces=_qwen3_next_pieces),
+    # Qwen3-Next's layers with the delta-net's projections apart, value heads tiled, and M-RoPE sections
+    "qwen3_5_moe_text": GgufFamily(_arch("QWEN35MOE", "num_experts"), SOFTMAX_NORMALISED,
+                                   extras=("norm_offset", "attention_gate", "partial_rotary"), qk_norms=("head",),
+                                   shared_gate=True, check=_qwen3_5_moe, write=_write_qwen3_5_moe,
+                                   pieces=_qwen3_5_pieces),
     # Mamba2 layers beside attention ones, told apart by their 0 key/value heads; Granite's multipliers and
     # q/k rows reordered for rotary over adjacent pairs, as granitemoe's (rotary or not: both rows move alike)
     "granitemoehybrid": GgufFamily(_arch("GRANITE_HYBRID", "num_local_experts", permute_qk=True, expert_width_key=False),
@@ -531,6 +679,12 @@ FAMILIES = {
     "hy_v3": GgufFamily(_arch("DOTS1", "num_experts"), SIGMOID_BIASED | dict(normalise=True, n_group=1),
                         qk_norms=("head",), moe_keys=True, shared_width=True, any_moe_layers=True,
                         pieces=_hy_v3_pieces, name="hy_v3"),
+    # a dense MLP beside the experts on every layer (the description's shared expert), four norms around them, the router
+    # on the normalised residual with its input and per-expert scales; full layers of their own head width
+    "gemma4_text": GgufFamily(_arch("GEMMA4", "num_experts"), SOFTMAX_NORMALISED | dict(custom=GEMMA4_ROUTING),
+                              extras=("sandwich_norms", "partial_rotary", "multipliers"), qk_norms=("head",),
+                              sliding_window=True, shared_width=True, any_moe_layers=True, global_heads=True,
+                              check=_gemma4, write=_write_gemma4, pieces=_gemma4_pieces),
     # LayerNorm, the fused Wqkv clamped, softmax weights over their sum; the experts' width is feed_forward_length
     "dbrx": GgufFamily(_arch("DBRX", "moe_num_experts", expert_width_key=False), SOFTMAX_NORMALISED,
                        extras=("layer_norm", "clip_qkv"), check=_dbrx, write=_write_dbrx),
@@ -601,9 +755,17 @@ def dense_width(name: str, config: dict, expert_width: int) -> int:
 def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]:
     """head_count_kv: one number, or per layer where the graph reads a layer without attention as 0 heads."""
     family = FAMILIES.get(name)
+    if family and family.global_heads:
+        return [o.get("num_key_value_heads", desc.attention.kv_heads) for o in _layer_overrides(config)]
     if family is None or not family.recurrent_kv:
         return desc.attention.kv_heads
     return [0 if i in desc.attention.mixer_layers else desc.attention.kv_heads for i in range(desc.num_layers)]
+
+
+def full_head_dim(name: str, config: dict) -> int | None:
+    """The full-attention layers' head width where the family gives them their own (their rotary turns all of it)."""
+    family = FAMILIES.get(name)
+    return _global_head_dim(config) if family and family.global_heads else None
 
 
 def shared_widths(shapes: dict[str, tuple[int, ...]]) -> set[int]:

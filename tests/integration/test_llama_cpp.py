@@ -93,17 +93,22 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots1", "granitemoe", "granitemoeshared",
                 "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe", "qwen3_next",
                 "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
-                "mellum", "hy_v3", "dbrx"]
+                "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
-# DBRX's experts as wide as a Q4_1 block and a q/k/v clamp that bites
+# DBRX's experts as wide as a Q4_1 block and a q/k/v clamp that bites; Qwen3.5's heads wide enough for the default M-RoPE
+# sections (ggml asserts they span at most a head), two value heads per key head (which the export tiles); Gemma 4's
+# full layer wider than its sliding one, with one key/value head whose keys are its values, and a final softcap that bites
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
                                                 for t in ("full_attention", "sliding_attention")}),
                 "hy_v3": dict(num_hidden_layers=3, mlp_layer_types=["sparse", "dense", "sparse"]),
                 "dbrx": dict(ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32},
-                             attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.5})}
+                             attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.5}),
+                "qwen3_5_moe_text": dict(head_dim=64),
+                "gemma4_text": dict(global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                    final_logit_softcapping=5.0)}
 
 
 def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
