@@ -55,6 +55,12 @@ sculpt(model, root / "v-fanned", encoder="gptq", calib=calib, calib_tokens=256, 
        encode_all=fanout.encoder_on("local", model))
 facts["vault"] = {name: (root / "v-alone" / name).read_bytes() == (root / "v-fanned" / name).read_bytes()
                   for name in ("experts.bin", "index.json")}
+# statistics collected as the encoding reaches each layer (models bigger than memory): each task takes its layer's
+single(lambda: sculpt(model, root / "s-alone", encoder="gptq", calib=calib, calib_tokens=256, progress=False))
+sculpt(model, root / "s-fanned", encoder="gptq", calib=calib, calib_tokens=256, progress=False,
+       encode_all=fanout.encoder_on("local", model))
+facts["streamed"] = {name: (root / "s-alone" / name).read_bytes() == (root / "s-fanned" / name).read_bytes()
+                     for name in ("experts.bin", "index.json")}
 
 # a worker lost on one trial
 def dies_on_layer_one(meter, layer, unit, bits):
@@ -85,6 +91,10 @@ def facts(tmp_path_factory):
 def test_a_sweep_on_a_ray_cluster_equals_the_single_process_sweep(facts):
     """Each worker computes the single-process sweep's own measurement: every KL and so the plan are the same."""
     assert facts["sweep"] == {"trials": 8, "same_table": True, "same_plan": True}
+
+
+def test_statistics_streamed_layer_by_layer_give_the_single_process_vault_on_a_ray_cluster(facts):
+    assert facts["streamed"] == {"experts.bin": True, "index.json": True}
 
 
 def test_a_vault_encoded_on_a_ray_cluster_is_the_single_process_vault(facts):

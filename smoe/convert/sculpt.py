@@ -129,7 +129,7 @@ def write_vault(
     check_disk_space(ckpt, expert_map, max(depths.values()) if depths else bits, output.partial_path(fingerprint))
     partial = output.begin(tag=fingerprint, keep=holds_blobs)
     if encoder in encoders.NEEDS_CALIBRATION and stats is None:
-        stats = calibration(ckpt.dir, calib, calib_tokens, progress, dev, streamed=encode_all is None)
+        stats = calibrate.StreamedStats(ckpt.dir, calib, calib_tokens, progress=progress, device=dev)
 
     writer = VaultWriter(partial, bits, alignment)
     try:
@@ -157,15 +157,6 @@ def write_vault(
 def default_encoding(encoder: str, dev: torch.device):
     """In this process: GPTQ on a GPU a layer's experts at a time, everything else one expert at a time."""
     return encode_batched if encoder == "gptq" and dev.type == "cuda" else encode_here
-
-
-def calibration(model_dir, calib, tokens: int, progress: bool, dev: torch.device, streamed: bool):
-    """The calibration statistics the encoder weighs errors by. Encoded here, layer after layer, they are collected
-    as the encoding reaches each layer (one layer's in memory: models bigger than memory); encoded elsewhere (a
-    fan-out's workers), every layer's are collected first, to be sent along."""
-    if streamed:
-        return calibrate.StreamedStats(model_dir, calib, tokens, progress=progress, device=dev)
-    return calibrate.collect(model_dir, calib, tokens, progress=progress, device=dev)
 
 
 def weights_by_bits(expert_map: ExpertMap, depths: dict | None, bits: int) -> dict[int, int]:

@@ -13,6 +13,7 @@ Ray address.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 from smoe.errors import SmoeError
@@ -49,9 +50,10 @@ def measure_on_cluster(cluster: str, build, args: tuple, measure, todo: list, re
 
 def encoder_on(cluster: str, source):
     """A write_experts `encode_all` that encodes on the cluster's workers: one task per MoE layer (its experts to
-    encode), each worker opening the checkpoint at `source` (the model directory or GGUF file) itself;
-    EncodedExperts come back in the order asked, at most two layers per worker in flight, so the driver holds a
-    few layers' blobs at a time."""
+    encode, and that layer's calibration statistics alone), each worker opening the checkpoint at `source` (the model
+    directory or GGUF file) itself; EncodedExperts come back in the order asked, at most two layers per worker in
+    flight, so the driver holds a few layers' blobs and statistics at a time, whatever the depth (statistics streamed
+    layer by layer, calibrate.StreamedStats, are asked for in layer order, as the tasks are made)."""
     check_cluster(cluster)
 
     def encode_all(ckpt, expert_map, coder, dev, todo: list):
@@ -60,19 +62,28 @@ def encoder_on(cluster: str, source):
         layers = [[key for key in todo if key[0] == layer] for layer in dict.fromkeys(key[0] for key in todo)]
         started = connect(cluster)
         try:
-            shared = ray.put((str(source), expert_map, coder, coder.stats is not None))
+            def task(keys: list):
+                shared = ray.put((str(source), expert_map, layer_coder(coder, keys[0][0]), coder.stats is not None))
+                return encode_layer.remote(shared, keys, encode_expert)
+
             workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
-            pending = [encode_layer.remote(shared, keys, encode_expert) for keys in layers[: 2 * workers]]
+            pending = [task(keys) for keys in layers[: 2 * workers]]
             for i in range(len(layers)):
                 done = result(pending.pop(0), f"encoding layer {layers[i][0][0]}", VAULT_KEPT)
                 if 2 * workers + i < len(layers):
-                    pending.append(encode_layer.remote(shared, layers[2 * workers + i], encode_expert))
+                    pending.append(task(layers[2 * workers + i]))
                 yield from done
         finally:
             if started:
                 ray.shutdown()
 
     return encode_all
+
+
+def layer_coder(coder, layer: int):
+    """The coder a task of `layer` needs: with that layer's statistics only (streamed ones hold a layer at a time)."""
+    at = getattr(coder.stats, "at", None)
+    return coder if at is None else dataclasses.replace(coder, stats=at(layer))
 
 
 def check_cluster(cluster: str) -> None:
