@@ -1,8 +1,10 @@
-"""Where a resident GPU prefill spends its time, and what attending over the prompt's own positions (causal
-SDPA, flash attention for a whole prompt) gains over attending over the whole static cache under a mask (the
-block's form before): the synthetic vault of `smoe bench decode --model M`, every expert resident, prompts of
-each length timed both ways in this process (median of 3 after one untimed run), then one prompt of the last
-length under torch.profiler, kernels grouped by name.
+"""Where a resident GPU prefill spends its time, and what two of its forms gain: attending over the prompt's own
+positions (causal SDPA, flash attention for a whole prompt) over attending over the whole static cache under a mask
+(the block's form before), and each MoE layer's offsets looked up in the device table without a host wait
+(experts_resident) over asking the cache for the layer's distinct experts (experts_by_groups, one wait per layer):
+the synthetic vault of `smoe bench decode --model M`, every expert resident, prompts of each length timed in each
+form in this process, alternating (median of 3 after one untimed run), then one prompt of the last length under
+torch.profiler, kernels grouped by name.
 
 Usage (a CUDA machine, repository root): python3 scripts/gpu_profile_prefill.py [MODEL] [LAYERS] [LENGTHS] [WORKDIR]
 """
@@ -43,9 +45,15 @@ def main(model: str = "qwen3-30b-a3b", layers: int = 8, lengths: str = "512,2048
                                     grown_capacity(0, n, None))
         ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         rates = {}
-        for form, on in (("masked over the cache", True), ("causal over the prompt", False), ("masked again", True)):
-            masked_blocks(on)
+        forms = (("masked over the cache", True, False), ("causal over the prompt", False, False),
+                 ("causal, one wait per layer", False, True), ("causal again", False, False),
+                 ("one wait per layer again", False, True))
+        for form, masked, waits in forms:
+            masked_blocks(masked)
+            if waits:  # the cache asked for each layer's distinct experts
+                dec.experts_chunked = dec.experts_by_groups
             rates[form] = timed(dec, ids)
+            dec.__dict__.pop("experts_chunked", None)
         masked_blocks(False)
         print(f"{model} {layers} layers, prompt {n}: " + ", ".join(f"{k} {v:,.0f} tok/s" for k, v in rates.items()),
               flush=True)

@@ -231,6 +231,8 @@ class GpuDecoder(HoldsSequence):
         if self.placement is not None:  # the prompt's experts go through the cache's own slots
             self.placement.account()  # under the residency the steps before it ran with
             self.placement.settle()
+        elif self.table is None and self.cache.n_slots >= len(self.vault.entries):
+            self.preload()  # every expert resident from the first prompt on: its offsets from the table
         x = self.embedded(torch.tensor(ids, device=self.device))
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
@@ -271,6 +273,22 @@ class GpuDecoder(HoldsSequence):
         return branch(out, w.mlp_out_norm, multipliers(self.description).residual, self.eps)
 
     def experts_chunked(self, i: int, h, top_i, top_w):
+        """The layer's experts for every token: with every expert resident, from the device offset table without a
+        host wait; else in groups of experts that fit the cache's slots together (experts_by_groups)."""
+        if self.table is not None and self.placement is None:
+            return self.experts_resident(i, h, top_i, top_w)
+        return self.experts_by_groups(i, h, top_i, top_w)
+
+    def experts_resident(self, i: int, h, top_i, top_w):
+        """Every (token, slot) pair's blob offset looked up in the offset table on the device; the grouped kernel
+        told the layer's expert count as its run count (an upper bound: it sizes the padded pair list), so nothing
+        waits for the routing: the host runs ahead launching the next layers."""
+        self.cache.stats.hits += top_i.numel()
+        runs = min(self.table.shape[1], top_i.numel())
+        return kernels_triton.experts_forward(self.cache.pool, self.layouts[i], h, self.table[i][top_i], top_w,
+                                              path=self.kernel_path, distinct=runs)
+
+    def experts_by_groups(self, i: int, h, top_i, top_w):
         """The layer's experts for every token, in groups of experts that fit the cache's slots together
         (smoe.moe.dispatch.expert_groups): each expert is read once, and each group runs its
         (token, slot) pairs as rows of one expert each. One host sync: the distinct experts."""
