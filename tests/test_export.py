@@ -976,9 +976,9 @@ def test_gguf_olmoe_with_grouped_query_attention_is_refused_at_export_by_name(tm
 # --- errors and atomic output --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("to,family", [("gguf", "minimax"), ("mlx", "jamba")])
+@pytest.mark.parametrize("to,family", [("gguf", "phimoe"), ("mlx", "jamba")])
 def test_unsupported_family_is_refused_by_name(tmp_path, to, family):
-    tiny_vault(tmp_path, family)  # MiniMax-Text-01's lightning attention: not written to GGUF; Jamba's router in mlx-lm
+    tiny_vault(tmp_path, family)  # PhiMoE's sparsemixer: llama.cpp weighs by a plain softmax; Jamba's router in mlx-lm
     r = smoe_cli("export", tmp_path / "vault", "--to", to, "-o", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.startswith("smoe: error:") and family in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

@@ -1,5 +1,5 @@
-"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3), of DBRX, Qwen3.5-MoE
-and Gemma 4, and the
+"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3), of DBRX, Qwen3.5-MoE,
+Gemma 4, Nemotron-H, MiniMax and DeepSeek-V3.2's indexer, and the
 q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
 
 import gguf
@@ -9,7 +9,7 @@ from export_models import exportable_config, exportable_vault
 from safetensors.torch import load_file
 
 from smoe.errors import SmoeError
-from smoe.export import gguf_families
+from smoe.export import gguf_families, gguf_mla
 from smoe.export.writer import export
 from smoe.format.vault import TRUNK_FILE
 from smoe.source.description import describe_model
@@ -29,6 +29,13 @@ FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], slidi
     ("qwen3_5_moe_text", dict(head_dim=64, rms_norm_eps=1e-5), "q/k L2-norm eps"),
     ("gemma4_text", dict(hidden_size_per_layer_input=8), "per-layer embeddings"),
     ("gemma4_text", dict(per_layer_config={"0": {"head_dim": 32}, "1": {"head_dim": 32}}), "per_layer_config"),
+    ("nemotron_h", dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]),
+     r"layers \[3\] are dense MLPs"),
+    ("nemotron_h", dict(time_step_min=0.01), "does not clamp the Mamba2 time step"),
+    ("nemotron_h", dict(moe_shared_expert_intermediate_size=0), "needs the shared expert"),
+    ("minimax", dict(mlp_alpha_factor=2.0), "scales every residual by one factor"),
+    ("minimax", dict(full_attn_beta_factor=0.5), "scales every residual by one factor"),
+    ("minimax", dict(partial_rotary_factor=0.5), "turns the whole head"),
 ])
 def test_gguf_refuses_what_the_added_graphs_compute_differently(family, changes, named):
     config = exportable_config(family).to_dict() | changes
@@ -54,3 +61,12 @@ def test_gguf_q_k_biases_move_with_their_rows_for_adjacent_pair_rope(tmp_path):
     for name, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads)):
         got = torch.from_numpy(tensors[f"blk.1.attn_{name}.bias"].data.copy())
         assert torch.equal(got, permute_rope(trunk[f"model.layers.1.self_attn.{name}_proj.bias"].float(), heads))
+
+
+@pytest.mark.parametrize("width", [16, 96])
+def test_gguf_refuses_an_indexer_llama_cpp_cannot_rotate(width):
+    """llama.cpp's deepseek32 rotates the indexer's q and k by a Hadamard matrix of a power of two from 64."""
+    config = exportable_config("deepseek_v32").to_dict() | dict(index_head_dim=width)
+    desc = describe_model(config)
+    with pytest.raises(SmoeError, match=f"index_head_dim is {width}"):
+        gguf_mla.check("deepseek_v32", config, desc, list(desc.moe_layers), {}, 32)

@@ -159,7 +159,8 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
     writer.add_expert_used_count(source.meta["top_k"])
     expert_width = source.expert_shape(source.roles[0])[0]
     if arch.expert_width_key:
-        writer.add_feed_forward_length(gguf_families.dense_width(source.model_type, config, expert_width))
+        writer.add_feed_forward_length(gguf_families.dense_width(source.model_type, config, expert_width,
+                                                                 source.meta["moe_layers"]))
         writer.add_expert_feed_forward_length(expert_width)
     else:
         writer.add_feed_forward_length(expert_width)

@@ -74,14 +74,29 @@ MLP beside the experts on every layer, the router on the normalised residual wit
 RoPE and full ones of their own width and key/value heads (per_layer_config) with proportional RoPE, written as the
 converter writes it: rope_freqs of 1 on the turned pairs and 1e30 on the others; the final softcap written as 0 where
 the config has none (llama.cpp's default is 30). Per-layer embeddings (the small dense models) are refused.
+nemotron_h is `nemotron_h_moe`: one mixer per layer, Mamba2, attention without rotary or MoE, told apart as the graph
+does by their key/value heads (0 on all but attention) and feed-forward widths (the experts' on MoE layers, 0 elsewhere);
+the release's backbone names, the converter's rewrites of the Mamba2 tensors (A = -exp(A_log), [heads, 1] A and D, the
+gated norm per group), sigmoid scores chosen with the correction bias and an ungated relu² shared expert, which the graph
+builds on every MoE layer. Its graph builds every feed-forward layer as MoE, so dense MLP layers are refused; it does
+not clamp the time step where transformers clamps it from below at time_step_min: the release's 1e-3 is taken (it moves
+only steps below it, by less than that), a larger one refused.
+minimax is `minimax-01`, a name the pinned gguf package lacks (tensors named as minimax-m2's, the lightning layers' own
+as llama.cpp's table names them): lightning attention layers listed as attention.recurrent_layers beside softmax ones
+with rotary over the whole head (transformers' MiniMax reads no partial factor; one is refused), Mixtral's experts and
+router, the three residual factors as one residual_scale (unequal factors, or branch factors other than 1, refused).
+The decays are not written: the graph computes transformers' rates from the head count and depth, its depth factor
+1 - i / (layers - 1) where transformers divides by layers - 1 + 1e-5 (at most 1e-5 / (layers - 1) apart), the recurrence
+in one block where transformers runs blocks of block_size. Its graph normalises the lightning output at rms_norm_eps
+where transformers builds that norm at 1e-6; written all the same, as llama.cpp's converter writes the release (1e-5):
+on the tiny model the decoded logits then differ by 3.5e-5 of their largest, 2.8e-5 at equal eps.
 
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
-graph for each: nemotron_h (`nemotron_h_moe`: Mamba2 and ungated relu² experts), minimax (`minimax-01`: lightning
-attention), deepseek_v32 (`deepseek32`: deepseek2's attention with the sparse-attention indexer), and the multimodal
-qwen3_5_moe and gemma4 (their text models are written); and the families smoe.source.description does not describe
-(the checks above read the description): qwen3_vl_moe, glm4v_moe, cohere2_moe, granitemoe_swa, laguna, hy_v4,
-mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4, dots3_note, step3p7, qwen4_exp, minimax_m3_vl.
+graph for each: the multimodal qwen3_5_moe and gemma4 (their text models are written); and the families
+smoe.source.description does not describe (the checks above read the description): qwen3_vl_moe, glm4v_moe,
+cohere2_moe, granitemoe_swa, laguna, hy_v4, mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4,
+dots3_note, step3p7, qwen4_exp, minimax_m3_vl.
 """
 
 from __future__ import annotations
@@ -106,9 +121,9 @@ EXPERT_BIAS = ".expert_bias"  # the correction bias of AFMoE (under mlp) and LFM
 GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: gate rows, then up rows
 # depthwise convolution kernels, [channels, 1, width] in transformers: llama.cpp's converter squeezes them to
 # [channels, width] and keeps them F32 (ggml's ssm_conv reads F32)
-CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.weight")
+CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.weight", "mixer.conv1d.weight")
 # matrices llama.cpp reads as F32 whatever the trunk type: the kernels, and Mamba's A and D ([heads, 1])
-F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D")
+F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D")
 SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 # llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
@@ -118,6 +133,16 @@ LLAMA4_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, LLAMA4_NO_NORM_EXPERTS = 4, 8192
 OAI_CLAMP = (1.702, 7.0)  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 QWEN3_NEXT_L2_EPS = 1e-6  # transformers' l2norm of the delta-net's q and k
 QWEN3_5_MROPE = (11, 11, 10)  # transformers' and llama.cpp's converter's sections where the config names none
+# transformers' Nemotron-H clamps the Mamba2 time step from below at time_step_min, llama.cpp does not: the release's
+# 1e-3 moves only steps below it, by less than 1e-3; a larger minimum is refused
+NEMOTRON_H_STEP_MIN = 1e-3
+# MiniMax's residual factors: llama.cpp's minimax-01 scales both residuals of every layer by one residual_scale
+MINIMAX_ALPHAS = ("linear_attn_alpha_factor", "full_attn_alpha_factor", "mlp_alpha_factor")
+MINIMAX_BETAS = ("linear_attn_beta_factor", "full_attn_beta_factor", "mlp_beta_factor")
+# the lightning layers' tensors as llama.cpp's minimax-01 names them; their decays are recomputed, not written
+MINIMAX_LIGHTNING = {"qkv_proj.weight": gguf.MODEL_TENSOR.ATTN_QKV, "output_gate.weight": gguf.MODEL_TENSOR.ATTN_GATE,
+                     "norm.weight": gguf.MODEL_TENSOR.ATTN_NORM_2, "out_proj.weight": gguf.MODEL_TENSOR.ATTN_OUT}
+MINIMAX_DECAYS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
 @dataclass(frozen=True)
@@ -141,6 +166,8 @@ class GgufFamily:
     any_moe_layers: bool = False  # the graph builds a layer as MoE where its router is: any layout
     # full-attention layers of their own head width and key/value heads (global_head_dim, num_global_key_value_heads)
     global_heads: bool = False
+    # feed_forward_length per layer: the experts' width on MoE layers, 0 on the others (Nemotron-H's mixer kinds)
+    ffn_per_layer: bool = False
     check: Callable[[str, dict, ModelDescription], None] | None = None  # the family's own refusals
     write: Callable[[gguf.GGUFWriter, dict, ModelDescription, list[int]], None] | None = None  # its own metadata
     # the GGUF tensors a trunk tensor becomes where the family's converter rewrites it (else None)
@@ -463,6 +490,89 @@ def _mamba_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+def _nemotron_h(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's nemotron_h_moe builds every feed-forward layer as ungated relu² experts beside one ungated shared
+    expert, and Mamba2 layers with SiLU, no projection biases and no clamp on the time step."""
+    kinds = config.get("layers_block_type") or list(config.get("hybrid_override_pattern") or "")
+    dense = [i for i, kind in enumerate(kinds) if kind in ("mlp", "-")]
+    require(not dense, f"{name}: llama.cpp's nemotron_h_moe builds every feed-forward layer as MoE; this model's layers "
+            f"{dense} are dense MLPs")
+    require(desc.experts.activation == "relu2" and not desc.experts.gated, f"{name}: llama.cpp's nemotron_h_moe takes "
+            f"ungated relu² experts; this model's are {desc.experts.activation}")
+    require(desc.shared_experts == 1, f"{name}: llama.cpp's nemotron_h_moe needs the shared expert; this model has "
+            "moe_shared_expert_intermediate_size = 0")
+    require(config.get("mamba_hidden_act", "silu") == "silu" and not config.get("use_bias", False),
+            f"{name}: llama.cpp's nemotron_h_moe takes SiLU Mamba2 layers without projection biases; this model has "
+            f"mamba_hidden_act = {config.get('mamba_hidden_act')}, use_bias = {config.get('use_bias')}")
+    step = config.get("time_step_min", NEMOTRON_H_STEP_MIN)
+    require(step <= NEMOTRON_H_STEP_MIN, f"{name}: llama.cpp's nemotron_h_moe does not clamp the Mamba2 time step, "
+            f"transformers clamps it from below at time_step_min; this model's {step} is above the release's "
+            f"{NEMOTRON_H_STEP_MIN}")
+
+
+def _write_nemotron_h(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The Mamba2 sizes as the converter writes them, and the LayerNorm eps the loader requires (the RMSNorms' too)."""
+    writer.add_ssm_conv_kernel(config["conv_kernel"])
+    writer.add_ssm_state_size(config["ssm_state_size"])
+    writer.add_ssm_group_count(config["n_groups"])
+    writer.add_ssm_inner_size(config["mamba_num_heads"] * config["mamba_head_dim"])
+    writer.add_ssm_time_step_rank(config["mamba_num_heads"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+
+
+def _nemotron_h_pieces(key: str, shape: tuple[int, ...], config: dict,
+                       names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """What llama.cpp's converter rewrites in the mixers: A_log as A = -exp(A_log) and D, both [heads, 1]; dt_bias as
+    ssm_dt's bias; the gated norm's weight as [groups, inner / groups]; the correction bias under its backbone name."""
+    layer = key.split(".")[2] if ".layers." in key else None
+    column = (*shape, 1)
+    if key.endswith(CORRECTION_BIAS):
+        return [(f"blk.{layer}.exp_probs_b.bias", shape, lambda t: t)]
+    if key.endswith("mixer.A_log"):
+        return [(f"blk.{layer}.ssm_a", column, lambda t: -torch.exp(t.float()).reshape(column))]
+    if key.endswith("mixer.D"):
+        return [(f"blk.{layer}.ssm_d", column, lambda t: t.reshape(column))]
+    if key.endswith("mixer.dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: t)]
+    if key.endswith("mixer.norm.weight"):
+        groups = (config["n_groups"], shape[0] // config["n_groups"])
+        return [(f"blk.{layer}.ssm_norm.weight", groups, lambda t: t.reshape(groups))]
+    return None
+
+
+def _minimax(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's minimax-01 scales the normalised input of both residuals of every layer by one residual_scale (the
+    branch by 1); transformers' MiniMax turns the whole head (its rotary reads no partial factor)."""
+    alphas = {k: config.get(k, 1) for k in MINIMAX_ALPHAS}
+    betas = {k: config.get(k, 1) for k in MINIMAX_BETAS}
+    require(len(set(alphas.values())) == 1 and set(betas.values()) == {1}, f"{name}: llama.cpp's minimax-01 scales every "
+            f"residual by one factor and no branch; this model's factors are {alphas | betas}")
+    factor = gguf_mla.rope_parameters(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    require(factor == 1.0, f"{name}: transformers' MiniMax turns the whole head; this model's partial_rotary_factor "
+            f"{factor} would be written as a partial rotary")
+
+
+def _write_minimax(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The residual scale, and which layers are lightning ones (the array, so that any layer_types is written)."""
+    writer.add_residual_scale(float(config.get(MINIMAX_ALPHAS[0], 1)))
+    mixers = set(desc.attention.mixer_layers)
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers", [i in mixers for i in range(desc.num_layers)])
+
+
+def _minimax_pieces(key: str, shape: tuple[int, ...], config: dict,
+                    names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The lightning layers' projections, gate and output norm under minimax-01's names; their decay buffers, which
+    llama.cpp computes from the head count and depth, left out."""
+    if ".self_attn." not in key:
+        return None
+    layer, tail = key.split(".")[2], key.split(".self_attn.")[1]
+    if tail in MINIMAX_DECAYS:
+        return []
+    if tail in MINIMAX_LIGHTNING:
+        return [(gguf.TENSOR_NAMES[MINIMAX_LIGHTNING[tail]].format(bid=int(layer)) + ".weight", shape, lambda t: t)]
+    return None
+
+
 def _mellum(name: str, config: dict, desc: ModelDescription) -> None:
     """llama.cpp's mellum rotates whole heads with plain RoPE, and its sliding layers at the full layers' base: it
     reads rope.freq_base_swa but its graph passes the context's base to every layer."""
@@ -579,7 +689,10 @@ def _write_dbrx(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, m
 
 
 def config_view(name: str, config: dict) -> dict:
-    """The config with the common keys the export reads, where the family names them its own way (DBRX)."""
+    """The config with the common keys the export reads, where the family names them its own way (DBRX, Nemotron-H)."""
+    if name == "nemotron_h":
+        kinds = config.get("layers_block_type") or config.get("hybrid_override_pattern")
+        return config | {"num_hidden_layers": len(kinds), "rms_norm_eps": config["layer_norm_epsilon"]}
     if name != "dbrx":
         return config
     attn = config.get("attn_config") or {}
@@ -590,7 +703,9 @@ def config_view(name: str, config: dict) -> dict:
 def arch_name(name: str, arch: Architecture) -> str:
     """The architecture name llama.cpp reads for the family."""
     family = FAMILIES.get(name)
-    return family.llama_name if family else gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)]
+    if family:
+        return family.llama_name
+    return gguf_mla.INDEXED.get(name) or gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch.arch)]
 
 
 def _arch(arch: str, experts_key: str, permute_qk: bool = False, expert_width_key: bool = True) -> Architecture:
@@ -688,6 +803,17 @@ FAMILIES = {
     # LayerNorm, the fused Wqkv clamped, softmax weights over their sum; the experts' width is feed_forward_length
     "dbrx": GgufFamily(_arch("DBRX", "moe_num_experts", expert_width_key=False), SOFTMAX_NORMALISED,
                        extras=("layer_norm", "clip_qkv"), check=_dbrx, write=_write_dbrx),
+    # Mamba2, attention without rotary and MoE layers, one mixer each, told apart by their key/value heads and
+    # feed-forward widths; sigmoid scores chosen with the correction bias, an ungated relu² shared expert
+    "nemotron_h": GgufFamily(_arch("NEMOTRON_H_MOE", "n_routed_experts"), SIGMOID_BIASED, extras=("no_rope_layers",),
+                             moe_keys=True, shared_width=True, recurrent_kv=True, any_moe_layers=True,
+                             ffn_per_layer=True, check=_nemotron_h, write=_write_nemotron_h,
+                             pieces=_nemotron_h_pieces),
+    # lightning (linear) attention layers beside softmax attention ones, listed as recurrent; Mixtral's experts and
+    # router; tensors named as minimax-m2's, the lightning layers' own named in _minimax_pieces
+    "minimax": GgufFamily(_arch("MINIMAXM2", "num_local_experts", expert_width_key=False), SOFTMAX_NORMALISED,
+                          extras=("multipliers",), check=_minimax, write=_write_minimax, pieces=_minimax_pieces,
+                          name="minimax-01"),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -746,9 +872,11 @@ def moe_layout(family: GgufFamily, config: dict, moe_layers: list[int]) -> tuple
     return list(range(layers)), "every layer MoE"
 
 
-def dense_width(name: str, config: dict, expert_width: int) -> int:
-    """feed_forward_length where the graph reads the experts' width apart: the dense layers' width."""
+def dense_width(name: str, config: dict, expert_width: int, moe_layers: list[int]) -> int | list[int]:
+    """feed_forward_length where the graph reads the experts' width apart: the dense layers' width, or per layer."""
     family = FAMILIES.get(name)
+    if family and family.ffn_per_layer:
+        return [expert_width if i in moe_layers else 0 for i in range(config["num_hidden_layers"])]
     return config.get(family.dense_width_key if family else "intermediate_size", expert_width)
 
 

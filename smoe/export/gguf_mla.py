@@ -20,12 +20,19 @@ the families transformers runs with DeepSeek-V3's attention and router that are 
 converter writes it as deepseek2), sarvam_mla (DeepSeek-V3's modules under its own config), and mistral4 as
 llama.cpp's `mistral4` (deepseek2's loader and graph) with its query temperature 1 + beta · log(1 + floor(position /
 length)), written as the attention.temperature_scale and _length that graph reads (llama.cpp's converter writes
-neither for a Hugging Face checkpoint).
+neither for a Hugging Face checkpoint). deepseek_v32 is llama.cpp's `deepseek32` (a name the pinned gguf package lacks,
+written as a string; its tensors are named as glm-dsa's): deepseek2's attention beside the sparse-attention indexer,
+whose head count, head width and top-k are written and whose tensors keep their names. Its graph scores keys as
+transformers does (ReLU of q·k over half-split rotary, weighted by weights_proj, summed over heads; a positive scale
+and a Hadamard rotation of q and k leave the choice alone) and rotates with a Hadamard matrix of a power of two from
+64: other indexer widths are refused. It keeps the indexer's keys in the K cache's type: the default F16 can flip the
+top-k where two keys score within about 1e-4; with an F32 cache the choice is transformers'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import gguf
 import torch
@@ -35,10 +42,16 @@ from smoe.source.description import ModelDescription
 from smoe.source.gguf import Architecture
 
 ARCH = "DEEPSEEK2"
-ARCHS = (ARCH, "MISTRAL4")  # llama.cpp's mistral4 is deepseek2's loader and graph (down projections in F32)
+# llama.cpp's mistral4 is deepseek2's loader and graph (down projections in F32); GLM_DSA's tensor table names
+# deepseek32's, the indexer's included
+ARCHS = (ARCH, "MISTRAL4", "GLM_DSA")
 ARCHITECTURES = {t: Architecture(arch, permute_qk=False, expert_width_key=True, experts_key="n_routed_experts",
                                  readable=False)
-                 for t, arch in (("glm4_moe_lite", ARCH), ("sarvam_mla", ARCH), ("mistral4", "MISTRAL4"))}
+                 for t, arch in (("glm4_moe_lite", ARCH), ("sarvam_mla", ARCH), ("mistral4", "MISTRAL4"),
+                                 ("deepseek_v32", "GLM_DSA"))}
+# llama.cpp's names of the families written under another architecture's tensor table: deepseek2 with the indexer
+INDEXED = {"deepseek_v32": "deepseek32"}
+INDEXER_ROTATION = 64  # the smallest Hadamard matrix llama.cpp rotates the indexer's q and k by
 # what the description may say that the deepseek2 graph computes: the query temperature from its metadata
 EXTRAS = ("interleaved_rotary", "temperature_tuning")
 # llama.cpp takes a deepseek2 of these depths for V2-Lite (and its kin), which has no q_lora, and does
@@ -52,6 +65,9 @@ CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
 def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int], shapes: dict[str, tuple[int, ...]],
           expert_width: int) -> None:
     """What the deepseek2 graph assumes that this config (and the trunk's `shapes`) could contradict."""
+    if name in INDEXED:
+        _check_indexer(name, config, desc)
+        desc = replace(desc, extras=tuple(e for e in desc.extras if e != "sparse_attention"))
     layers = config["num_hidden_layers"]
     first = moe_layers[0] if moe_layers else layers
     require(moe_layers == list(range(first, layers)),
@@ -79,6 +95,16 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
         require(rope.get("mscale", 1.0) == rope.get("mscale_all_dim", rope.get("mscale", 1.0)),
                 f"{name}: YaRN with mscale {rope.get('mscale')} != mscale_all_dim {rope.get('mscale_all_dim')} is not "
                 "what llama.cpp's deepseek2 computes")
+
+
+def _check_indexer(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's deepseek32 rotates the indexer's q and k by a Hadamard matrix of the largest power of two from 64
+    that divides their width, and asserts the rotary part fits in them: a width that is not such a power is refused."""
+    width = config["index_head_dim"]
+    require("sparse_attention" in desc.extras, f"{name}: llama.cpp's {INDEXED[name]} needs the indexer")
+    require(width >= INDEXER_ROTATION and width & (width - 1) == 0 and config["qk_rope_head_dim"] <= width,
+            f"{name}: llama.cpp's {INDEXED[name]} rotates the indexer heads by a Hadamard matrix of a power of two from "
+            f"{INDEXER_ROTATION}; this model's index_head_dim is {width}")
 
 
 def check_shared_experts(name: str, arch: str, shapes: dict[str, tuple[int, ...]], expert_width: int,
@@ -113,6 +139,10 @@ def write_attention(writer: gguf.GGUFWriter, config: dict, desc: ModelDescriptio
         beta, length = desc.attention.query_temperature
         writer.add_attn_temperature_scale(beta)
         writer.add_attn_temperature_length(length)
+    if "sparse_attention" in desc.extras:
+        writer.add_indexer_head_count(config["index_n_heads"])
+        writer.add_indexer_key_length(config["index_head_dim"])
+        writer.add_indexer_top_k(config["index_topk"])
 
 
 def write_yarn(writer: gguf.GGUFWriter, rope: dict) -> None:
