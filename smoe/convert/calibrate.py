@@ -11,6 +11,11 @@ Experts that calibration routes few tokens to would get a noisy H; every H is th
 with a neutral prior worth PRIOR_TOKENS tokens: for gate/up the second moment of all tokens that
 enter the layer (the same hidden states, unrouted), for down an isotropic matrix of the layer's
 mean activation energy.
+
+Collected with a `balance` above 0, the statistics also hold each expert's down input over every token entering
+the layer, routed or not (llm-compressor's rule: every calibration token passes through every expert, for
+the statistics only); `balance` b then gives H = (1 - b)·routed + b·every-token. The default, 0, is the
+routed H: the every-token one measured worse (QUALITY.md, "Better bits where they matter").
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class CalibrationStats:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
     layer_sums: dict[int, torch.Tensor] = field(default_factory=dict)  # all tokens entering the layer: [n, n]
     layer_tokens: dict[int, int] = field(default_factory=dict)
+    unrouted: dict[int, torch.Tensor] = field(default_factory=dict)  # down inputs of every token, each expert: [E, n, n]
+    balance: float = 0.0  # share of the every-token second moment in second_moment (needs `unrouted`)
 
     @property
     def layers(self) -> list[int]:
@@ -69,8 +76,19 @@ class CalibrationStats:
         """E[x xᵀ] of the input of `role` (gate, up, down or an INPUTS name) for one expert, with the prior, fp32."""
         which = ROLE_INPUT.get(role, role)
         n = float(self.counts[layer][expert])
-        total = self.sums[layer][which][expert] + PRIOR_TOKENS * self.prior(layer, which)
-        return (total / (n + PRIOR_TOKENS)).to(torch.float32)
+        routed = (self.sums[layer][which][expert] + PRIOR_TOKENS * self.prior(layer, which)) / (n + PRIOR_TOKENS)
+        if not self.balance:
+            return routed.to(torch.float32)
+        return ((1 - self.balance) * routed + self.balance * self.every_token(layer, expert, which)).to(torch.float32)
+
+    def every_token(self, layer: int, expert: int, which: str) -> torch.Tensor:
+        """E[x xᵀ] of the input `which` over every token entering the layer, as if all were routed to `expert`."""
+        if which == "gate_up":
+            return self.layer_sums[layer] / max(self.layer_tokens[layer], 1)
+        if layer not in self.unrouted:
+            raise SmoeError("balanced calibration needs statistics collected with a balance above 0 (every token's "
+                            "down inputs through every expert)")
+        return self.unrouted[layer][expert] / max(self.layer_tokens[layer], 1)
 
     def importance(self, layer: int, expert: int, role: str) -> torch.Tensor:
         """Per input channel E[x_j²]: the diagonal of `second_moment`."""
@@ -87,12 +105,14 @@ class CalibrationStats:
 
     def to(self, device: str | torch.device) -> CalibrationStats:
         moved = lambda d: {k: v.to(device) if isinstance(v, torch.Tensor) else moved(v) for k, v in d.items()}
-        return replace(self, sums=moved(self.sums), counts=moved(self.counts), layer_sums=moved(self.layer_sums))
+        return replace(self, sums=moved(self.sums), counts=moved(self.counts), layer_sums=moved(self.layer_sums),
+                       unrouted=moved(self.unrouted))
 
     def merge(self, other: CalibrationStats) -> CalibrationStats:
         """These statistics and another's, of other layers, together."""
         return replace(self, sums=self.sums | other.sums, counts=self.counts | other.counts,
-                       layer_sums=self.layer_sums | other.layer_sums, layer_tokens=self.layer_tokens | other.layer_tokens)
+                       layer_sums=self.layer_sums | other.layer_sums, layer_tokens=self.layer_tokens | other.layer_tokens,
+                       unrouted=self.unrouted | other.unrouted)
 
     def save(self, path: Path, source: str = "") -> None:
         """Written under a temporary name, then renamed: a run stopped midway leaves no half file. `source`:
@@ -168,8 +188,7 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights, observe=N
     def run(e, x):
         if observe:
             observe(e, "gate_up", x)
-        h = expert_linear(module, "gate_up", e, x)
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        h = down_input(module, e, x)
         if observe:
             observe(e, "down", h)
         y = expert_linear(module, "down", e, h)
@@ -179,11 +198,21 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights, observe=N
     return routed_sum(hidden_states, top_k_index, top_k_weights, fetch, num_experts=module.num_experts)
 
 
+def down_input(module, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """What `down` of one expert sees for inputs x: the gated activation of gate/up."""
+    h = expert_linear(module, "gate_up", expert, x)
+    return module._apply_gate(h) if module.has_gate else module.act_fn(h)
+
+
 def calibration_experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """The registered implementation: a recorder attached to the module sees every input."""
     recorder = getattr(module, "smoe_recorder", None)
     if recorder is not None:
         recorder.layer_input(module.smoe_layer, hidden_states)
+        if recorder.every_token:  # for the statistics only: the layer's output stays the routed one
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            for e in range(module.num_experts):
+                recorder.add_unrouted(module.smoe_layer, e, down_input(module, e, x))
     observe = (lambda e, which, x: recorder.add(module.smoe_layer, e, which, x)) if recorder else None
     return experts_forward(module, hidden_states, top_k_index, top_k_weights, observe)
 
@@ -192,8 +221,8 @@ register(IMPLEMENTATION, calibration_experts_forward)
 
 
 class Recorder:
-    def __init__(self, stats: CalibrationStats, sizes: dict[str, int]):
-        self.stats, self.sizes = stats, sizes
+    def __init__(self, stats: CalibrationStats, sizes: dict[str, int], every_token: bool = False):
+        self.stats, self.sizes, self.every_token = stats, sizes, every_token
 
     def _layer(self, layer: int, device: torch.device) -> None:
         s = self.stats
@@ -204,6 +233,9 @@ class Recorder:
             s.layer_sums[layer] = torch.zeros(self.sizes["gate_up"], self.sizes["gate_up"], dtype=torch.float64,
                                               device=device)
             s.layer_tokens[layer] = 0
+            if self.every_token:
+                n = self.sizes["down"]
+                s.unrouted[layer] = torch.zeros(s.num_experts, n, n, dtype=torch.float64, device=device)
 
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
         self._layer(layer, x.device)
@@ -216,6 +248,10 @@ class Recorder:
         self.stats.sums[layer][which][expert] += x.t() @ x
         if which == "gate_up":
             self.stats.counts[layer][expert] += x.shape[0]
+
+    def add_unrouted(self, layer: int, expert: int, x: torch.Tensor) -> None:
+        x = x.double()
+        self.stats.unrouted[layer][expert] += x.t() @ x
 
 
 def experts_modules(model) -> dict[int, torch.nn.Module]:
@@ -239,17 +275,20 @@ def load_source_model(model_dir, implementation: str | None = None):
 
 
 def collect_layers(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
-                   device: str | torch.device = "cpu") -> Iterator[CalibrationStats]:
+                   device: str | torch.device = "cpu", balance: float = 0.0) -> Iterator[CalibrationStats]:
     """The calibration windows through the source model, run one decoder layer at a time (smoe.hf.layerwise:
     memory holds one layer and the windows' hidden states, whatever the depth); yields each MoE layer's raw
-    second-moment sums, on the CPU, as a CalibrationStats of that layer alone, once the layer has run."""
+    second-moment sums, on the CPU, as a CalibrationStats of that layer alone, once the layer has run.
+    `balance` > 0 also collects every token's down inputs through every expert, and blends them in that share."""
+    if not 0 <= balance <= 1:
+        raise SmoeError(f"calibration balance {balance} is not between 0 and 1")
     chunks = calibration_windows(model_dir, text_path, tokens)
     runner = LayerByLayer(model_dir, chunks, IMPLEMENTATION, device)
     modules = experts_modules(runner.model)
     some = next(iter(modules.values()))
     header = {"num_experts": some.num_experts, "tokens": sum(w.shape[1] for w in chunks),
-              "text_hash": file_hash(text_path)}
-    recorder = Recorder(CalibrationStats(**header), experts_input_sizes(some))
+              "text_hash": file_hash(text_path), "balance": balance}
+    recorder = Recorder(CalibrationStats(**header), experts_input_sizes(some), every_token=balance > 0)
     for module in modules.values():
         module.smoe_recorder = recorder
     counts = {}
@@ -265,10 +304,10 @@ def collect_layers(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress:
 
 
 def collect(model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
-            device: str | torch.device = "cpu") -> CalibrationStats:
+            device: str | torch.device = "cpu", balance: float = 0.0) -> CalibrationStats:
     """Every MoE layer's raw second-moment sums, held together (StreamedStats holds one layer at a time)."""
     stats = None
-    for one in collect_layers(model_dir, text_path, tokens, progress, warn, device):
+    for one in collect_layers(model_dir, text_path, tokens, progress, warn, device, balance):
         stats = one if stats is None else stats.merge(one)
     return stats
 
@@ -279,8 +318,8 @@ class StreamedStats:
     the sculptor encodes them). Memory: one layer's sums, whatever the depth."""
 
     def __init__(self, model_dir, text_path, tokens: int = DEFAULT_TOKENS, progress: bool = True, warn=None,
-                 device: str | torch.device = "cpu"):
-        self.ahead = collect_layers(model_dir, text_path, tokens, progress, warn, device)
+                 device: str | torch.device = "cpu", balance: float = 0.0):
+        self.ahead = collect_layers(model_dir, text_path, tokens, progress, warn, device, balance)
         self.held: CalibrationStats | None = None
 
     def second_moment(self, layer: int, expert: int, role: str) -> torch.Tensor:
