@@ -181,8 +181,17 @@ def prompt_ids(vault: Path, tokens: int = 128) -> list[int]:
     from smoe.testing.tiny_models import TOKENIZER_TEXT
 
     corpus = SHARED / "corpus" / "valid.txt.gz"
-    text = gzip.open(corpus, "rt").read(40_000)[20_000:] if corpus.exists() else TOKENIZER_TEXT * 8
+    text = gzip.open(corpus, "rt").read(40_000)[20_000:] if corpus.exists() else shuffled_prose(TOKENIZER_TEXT, 8)
     return AutoTokenizer.from_pretrained(vault)(text)["input_ids"][:tokens]
+
+
+def shuffled_prose(text: str, copies: int) -> str:
+    """`copies` seeded shuffles of text's words: prose-like and not periodic (a text repeated word for word makes
+    the tiny random models' attention and routing repeat, and near-ties with them)."""
+    import random
+
+    words, rng = text.split(), random.Random(0)
+    return " ".join(" ".join(rng.sample(words, len(words))) for _ in range(copies))
 
 
 def smoe_logits(vault: Path, ids: list[int]):

@@ -1,6 +1,6 @@
 """GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3), of DBRX, Qwen3.5-MoE,
-Gemma 4, Nemotron-H, MiniMax and DeepSeek-V3.2's indexer, and the
-q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
+Gemma 4, Nemotron-H, MiniMax, Qwen3-VL-MoE's text model, Kimi-Linear, Granite-MoE-SWA and DeepSeek-V3.2's indexer,
+and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
 
 import gguf
 import pytest
@@ -27,6 +27,12 @@ FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], slidi
     ("hy_v3", dict(attention_bias=True), "attention biases"),
     ("qwen3_5_moe_text", {}, r"M-RoPE sections spanning at most a head \(16\); this model's are \[11, 11, 10, 0\]"),
     ("qwen3_5_moe_text", dict(head_dim=64, rms_norm_eps=1e-5), "q/k L2-norm eps"),
+    ("granitemoe_swa", dict(layer_rope_theta=[1e4, 5e5]), "does not compute rope_per_layer_type"),
+    ("granitemoe_swa", dict(sliding_window=None), "needs sliding-window layers"),
+    ("kimi_linear", dict(linear_num_heads=2), "as many delta-attention heads as attention heads"),
+    ("kimi_linear", dict(moe_renormalize=False), "routes with normalise = True"),
+    ("qwen3_vl_moe", {}, r"qwen3vlmoe takes M-RoPE sections spanning at most a head \(16\); this model's are "
+     r"\[24, 20, 20, 0\]"),
     ("gemma4_text", dict(hidden_size_per_layer_input=8), "per-layer embeddings"),
     ("gemma4_text", dict(per_layer_config={"0": {"head_dim": 32}, "1": {"head_dim": 32}}), "per_layer_config"),
     ("nemotron_h", dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"]),

@@ -142,6 +142,9 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
     if arch.arch in gguf_mla.ARCHS:
         gguf_mla.write_attention(writer, config, describe_model(config))
         gguf_mla.write_moe(writer, describe_model(config), source.meta["moe_layers"], config["num_hidden_layers"])
+    elif gguf_families.has_mla(source.model_type):  # Kimi-Linear's MLA layers beside its delta-attention ones
+        desc = describe_model(config)
+        gguf_mla.write_attention(writer, config, desc, gguf_families.kv_heads(source.model_type, config, desc))
     else:
         writer.add_head_count_kv(gguf_families.kv_heads(source.model_type, config, describe_model(config)))
         full = gguf_families.full_head_dim(source.model_type, config)  # Gemma 4's global heads (proportional RoPE)

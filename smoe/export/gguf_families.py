@@ -91,12 +91,37 @@ in one block where transformers runs blocks of block_size. Its graph normalises 
 where transformers builds that norm at 1e-6; written all the same, as llama.cpp's converter writes the release (1e-5):
 on the tiny model the decoded logits then differ by 3.5e-5 of their largest, 2.8e-5 at equal eps.
 
+A multimodal checkpoint's vault holds its text model beside the vision (and audio) towers, its config a text_config:
+the text model is written from the text_config and the tensors under model.language_model., the towers are left out
+(llama.cpp reads them from its own mmproj file, which llama.cpp's converter writes from the checkpoint). So are the
+multimodal Qwen3.5-MoE's and Gemma 4's, whose vaults smoe names by their text models (qwen3_5_moe_text, gemma4_text).
+qwen3_vl_moe is `qwen3vlmoe`: Qwen3-MoE's layers with M-RoPE over whole heads (transformers' [24, 20, 20] where the
+config names none; plain rotary on text, sections spanning more than a head refused as for qwen35moe) and the count of
+deepstack layers, to which text tokens add zeros. glm4v_moe (GLM-4.5V) is glm4moe, GLM-4.5's row with the M-RoPE
+sections (transformers' [8, 12, 12] where the config names none), which switch llama.cpp's graph from NeoX rotary to
+M-RoPE, the same on text.
+
+kimi_linear is `kimi-linear`: delta-attention (KDA) layers, told apart by their 0 key/value heads, beside MLA layers
+without rotary, written as deepseek2's (smoe.export.gguf_mla: one key/value head of the latent, kv_b split); the
+converter's rewrites (A = -exp(A_log), dt_bias as ssm_dt's bias, the [channels, 1, width] kernels in F32), DeepSeek-V3's
+routing with groups, a leading dense MLP and shared experts; model_max_length as the context length. Its graph takes the
+delta-attention's q/k L2-norm eps from rms_norm_eps where transformers fixes 1e-6; written all the same (as llama.cpp's
+converter writes the release): on the tiny model at rms_norm_eps 1e-5 the decoded logits differ by 4.9e-4 of their
+largest, 6.7e-5 at equal eps.
+
+granitemoe_swa is `granite_swa`, a name the pinned gguf package lacks (tensors named as granitemoe's): granitemoe's row
+with sink logits, sliding-window layers (which its loader requires) and layers without rotary (layer_rope_theta 0) as
+the converter's rope_pattern; its shared MLP's input_linear kept fused as ffn_up_shexp, as the converter writes it. Its
+graph turns every rotary layer at one base: other per-layer bases are refused (rope_per_layer_type).
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
-graph for each: the multimodal qwen3_5_moe and gemma4 (their text models are written); and the families
-smoe.source.description does not describe (the checks above read the description): qwen3_vl_moe, glm4v_moe,
-cohere2_moe, granitemoe_swa, laguna, hy_v4, mimo_v2_flash, kimi_linear, glm_moe_dsa, glm5_next, deepseek_v4,
-dots3_note, step3p7, qwen4_exp, minimax_m3_vl.
+graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
+does not describe, so that the checks above have nothing to read: cohere2_moe (`cohere2moe`), laguna (`laguna`), hy_v4
+(`hy_v4`), mimo_v2_flash (`mimo2`), glm_moe_dsa (`glm-dsa`: DeepSeek-V3.2's with rotary over adjacent pairs in the
+indexer and indexer layers that reuse the previous one's choice), glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`),
+dots3_note (`dots3note`), step3p7 (`step35`, the converter's for Step3p5 and Step3p7), qwen4_exp (`qwen4exp`) and
+minimax_m3_vl (`minimax-m3`).
 """
 
 from __future__ import annotations
@@ -122,8 +147,10 @@ GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: ga
 # depthwise convolution kernels, [channels, 1, width] in transformers: llama.cpp's converter squeezes them to
 # [channels, width] and keeps them F32 (ggml's ssm_conv reads F32)
 CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.weight", "mixer.conv1d.weight")
+# Kimi's delta-attention kernels, [channels, 1, width] as llama.cpp's kimi-linear reads them
+KIMI_CONV_KERNELS = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")
 # matrices llama.cpp reads as F32 whatever the trunk type: the kernels, and Mamba's A and D ([heads, 1])
-F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D")
+F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D", *KIMI_CONV_KERNELS, "self_attn.A_log")
 SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 # llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
@@ -133,6 +160,9 @@ LLAMA4_EVERY, LLAMA4_CHUNK, LLAMA4_TEMPERATURE, LLAMA4_NO_NORM_EXPERTS = 4, 8192
 OAI_CLAMP = (1.702, 7.0)  # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 QWEN3_NEXT_L2_EPS = 1e-6  # transformers' l2norm of the delta-net's q and k
 QWEN3_5_MROPE = (11, 11, 10)  # transformers' and llama.cpp's converter's sections where the config names none
+QWEN3_VL_MROPE = (24, 20, 20)  # transformers' Qwen3-VL sections where the config names none
+GLM4V_MROPE = (8, 12, 12)  # transformers' GLM-4.5V sections where the config names none
+TEXT_PREFIX = "model.language_model."  # a multimodal checkpoint's text model, beside its towers
 # transformers' Nemotron-H clamps the Mamba2 time step from below at time_step_min, llama.cpp does not: the release's
 # 1e-3 moves only steps below it, by less than 1e-3; a larger minimum is refused
 NEMOTRON_H_STEP_MIN = 1e-3
@@ -176,6 +206,8 @@ class GgufFamily:
     # tensors name every tensor the family writes (llama.cpp's loader reads the name and the tensors as strings, from
     # one table of tensor names shared by every architecture)
     name: str | None = None
+    # DeepSeek's MLA attention written as deepseek2's (smoe.export.gguf_mla): one K/V head of the latent, kv_b split
+    mla: bool = False
 
     @property
     def llama_name(self) -> str:
@@ -363,15 +395,21 @@ def _qkvz(layer: str, shape: tuple[int, ...], config: dict) -> list[gguf_mla.Pie
 def _qwen3_5_moe(name: str, config: dict, desc: ModelDescription) -> None:
     """qwen3next's limits, and M-RoPE sections ggml can hold (it asserts they span at most a head)."""
     _delta_net(name, "qwen35moe", config, desc)
-    sections, head = mrope_sections(config), config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    require(sum(sections) <= head, f"{name}: llama.cpp's qwen35moe takes M-RoPE sections spanning at most a head "
+    _mrope_in_a_head(name, "qwen35moe", config, QWEN3_5_MROPE)
+
+
+def _mrope_in_a_head(name: str, arch: str, config: dict, default: tuple[int, ...]) -> None:
+    """ggml asserts that M-RoPE sections span at most a head."""
+    sections = mrope_sections(config, default)
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    require(sum(sections) <= head, f"{name}: llama.cpp's {arch} takes M-RoPE sections spanning at most a head "
             f"({head}); this model's are {sections}")
 
 
-def mrope_sections(config: dict) -> list[int]:
-    """Qwen3.5's M-RoPE sections (t, h, w and a fourth llama.cpp reads), the converter's default where absent; on text
-    every section turns by the one position, so any sections compute plain rotary."""
-    sections = list(gguf_mla.rope_parameters(config).get("mrope_section") or QWEN3_5_MROPE)
+def mrope_sections(config: dict, default: tuple[int, ...] = QWEN3_5_MROPE) -> list[int]:
+    """M-RoPE sections (t, h, w and a fourth llama.cpp reads), the family's default where absent; on text every
+    section turns by the one position, so any sections compute plain rotary."""
+    sections = list(gguf_mla.rope_parameters(config).get("mrope_section") or default)
     return (sections + [0] * 4)[:4]
 
 
@@ -573,6 +611,81 @@ def _minimax_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+def _qwen3_vl_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    _mrope_in_a_head(name, "qwen3vlmoe", config, QWEN3_VL_MROPE)
+
+
+def _write_qwen3_vl_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The M-RoPE sections and the count of layers that add the vision tower's deepstack features, as the converter
+    writes them (text tokens add zeros there)."""
+    writer.add_rope_dimension_sections(mrope_sections(config, QWEN3_VL_MROPE))
+    writer.add_num_deepstack_layers(len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or []))
+
+
+def _glm4v_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    _glm4_moe(name, config, desc)
+    _mrope_in_a_head(name, "glm4moe", config, GLM4V_MROPE)
+
+
+def _write_glm4v_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The M-RoPE sections, which switch llama.cpp's glm4moe from NeoX rotary to M-RoPE (the same on text)."""
+    writer.add_rope_dimension_sections(mrope_sections(config, GLM4V_MROPE))
+
+
+def _kimi_linear(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's kimi-linear runs as many delta-attention heads as MLA ones, and its short convolutions with SiLU (the
+    router's weights always normalised: the row's routing)."""
+    require(config["linear_num_heads"] == config["num_attention_heads"], f"{name}: llama.cpp's kimi-linear takes as many "
+            f"delta-attention heads as attention heads; this model has {config['linear_num_heads']} and "
+            f"{config['num_attention_heads']}")
+    require(config.get("hidden_act", "silu") == "silu", f"{name}: llama.cpp's kimi-linear convolves with SiLU; this "
+            f"model has {config.get('hidden_act')}")
+
+
+def _write_kimi_linear(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_kda_head_dim(config["linear_head_dim"])
+
+
+def _kimi_linear_pieces(key: str, shape: tuple[int, ...], config: dict,
+                        names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """What llama.cpp's converter rewrites: kv_b split as deepseek2's, A_log as A = -exp(A_log), dt_bias as ssm_dt's
+    bias; the leading dense MLP, which Kimi names as its MoE block, under the dense names."""
+    if (split := gguf_mla.pieces(key, shape, config)) is not None:
+        return split
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    if key.endswith("self_attn.A_log"):
+        return [(f"blk.{layer}.ssm_a", shape, lambda t: -torch.exp(t.float()))]
+    if key.endswith("self_attn.dt_bias"):
+        return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: t)]
+    if re.search(r"\.block_sparse_moe\.(gate|up|down)_proj\.weight$", key):
+        return [(names.get_name(key.replace("block_sparse_moe", "mlp"), try_suffixes=(".weight",)), shape, lambda t: t)]
+    return None
+
+
+def _granite_swa(name: str, config: dict, desc: ModelDescription) -> None:
+    require(bool(desc.attention.sliding_layers), f"{name}: llama.cpp's granite_swa needs sliding-window layers (it "
+            "reads their pattern)")
+
+
+def _write_granite_swa(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """Granite's multipliers, and which layers turn by rotary (the converter's rope_pattern)."""
+    _write_granite(writer, config, desc, moe_layers)
+    nope = set(desc.attention.nope_layers)
+    writer.add_array(f"{writer.arch}.attention.rope_pattern", [i not in nope for i in range(desc.num_layers)])
+
+
+def _granite_swa_pieces(key: str, shape: tuple[int, ...], config: dict,
+                        names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The shared MLP's input_linear kept fused as ffn_up_shexp (gate rows, then up rows: llama.cpp's SwiGLU halves); the
+    router, block_sparse_moe.router, as ffn_gate_inp."""
+    tensor = {GRANITE_SHARED_IN: gguf.MODEL_TENSOR.FFN_UP_SHEXP, "block_sparse_moe.router.weight": gguf.MODEL_TENSOR.FFN_GATE_INP}
+    for suffix, name in tensor.items():
+        if key.endswith(suffix):
+            return [(f"{gguf.TENSOR_NAMES[name].format(bid=int(key.split('.')[2]))}.weight", shape, lambda t: t)]
+    return None
+
+
 def _mellum(name: str, config: dict, desc: ModelDescription) -> None:
     """llama.cpp's mellum rotates whole heads with plain RoPE, and its sliding layers at the full layers' base: it
     reads rope.freq_base_swa but its graph passes the context's base to every layer."""
@@ -689,7 +802,12 @@ def _write_dbrx(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, m
 
 
 def config_view(name: str, config: dict) -> dict:
-    """The config with the common keys the export reads, where the family names them its own way (DBRX, Nemotron-H)."""
+    """The config with the common keys the export reads, where the family names them its own way (DBRX, Nemotron-H,
+    Kimi-Linear, a multimodal checkpoint's text_config)."""
+    if name in FAMILIES and isinstance(config.get("text_config"), dict):  # a multimodal checkpoint's vault
+        return config | config["text_config"] | {"model_type": config["model_type"]}
+    if name == "kimi_linear":  # its context length is model_max_length, as the converter reads it
+        return config | {"max_position_embeddings": config["model_max_length"]}
     if name == "nemotron_h":
         kinds = config.get("layers_block_type") or config.get("hybrid_override_pattern")
         return config | {"num_hidden_layers": len(kinds), "rms_norm_eps": config["layer_norm_epsilon"]}
@@ -814,6 +932,24 @@ FAMILIES = {
     "minimax": GgufFamily(_arch("MINIMAXM2", "num_local_experts", expert_width_key=False), SOFTMAX_NORMALISED,
                           extras=("multipliers",), check=_minimax, write=_write_minimax, pieces=_minimax_pieces,
                           name="minimax-01"),
+    # Qwen3-VL-MoE's text model: Qwen3-MoE's layers, M-RoPE (plain rotary on text) over whole heads
+    "qwen3_vl_moe": GgufFamily(_arch("QWEN3VLMOE", "num_experts"), SOFTMAX_NORMALISED, qk_norms=("head",),
+                               check=_qwen3_vl_moe, write=_write_qwen3_vl_moe),
+    # GLM-4.5V's text model: GLM-4.5's layers, M-RoPE (NeoX rotary on text) over the first half of each head
+    "glm4v_moe": GgufFamily(_arch("GLM4_MOE", "n_routed_experts"), SIGMOID_BIASED, extras=("partial_rotary",),
+                            qk_norms=(None, "head"), attention_bias=True, dense_first=True, moe_keys=True,
+                            check=_glm4v_moe, write=_write_glm4v_moe),
+    # Granite's MoE with sink logits, sliding-window layers and layers without rotary (rope_pattern); tensors named as
+    # granitemoe's, q/k rows reordered as its
+    "granitemoe_swa": GgufFamily(_arch("GRANITE_MOE", "num_local_experts", permute_qk=True, expert_width_key=False),
+                                 SOFTMAX_NORMALISED, extras=("multipliers", "no_rope_layers"), attention_bias=True,
+                                 sliding_window=True, shared_width=True, check=_granite_swa, write=_write_granite_swa,
+                                 pieces=_granite_swa_pieces, name="granite_swa"),
+    # delta-attention (KDA) layers, told apart by their 0 key/value heads, beside MLA ones without rotary; DeepSeek-V3's
+    # routing, a leading dense MLP and shared experts
+    "kimi_linear": GgufFamily(_arch("KIMI_LINEAR", "num_experts"), SIGMOID_BIASED | dict(normalise=True),
+                              extras=("no_rope_layers",), dense_first=True, moe_keys=True, recurrent_kv=True, mla=True,
+                              check=_kimi_linear, write=_write_kimi_linear, pieces=_kimi_linear_pieces),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -887,7 +1023,13 @@ def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]
         return [o.get("num_key_value_heads", desc.attention.kv_heads) for o in _layer_overrides(config)]
     if family is None or not family.recurrent_kv:
         return desc.attention.kv_heads
-    return [0 if i in desc.attention.mixer_layers else desc.attention.kv_heads for i in range(desc.num_layers)]
+    heads = 1 if family.mla else desc.attention.kv_heads  # MLA: one head of the latent
+    return [0 if i in desc.attention.mixer_layers else heads for i in range(desc.num_layers)]
+
+
+def has_mla(name: str) -> bool:
+    """Whether the family's attention is DeepSeek's MLA, written as deepseek2's (GgufFamily.mla)."""
+    return name in FAMILIES and FAMILIES[name].mla
 
 
 def full_head_dim(name: str, config: dict) -> int | None:
@@ -918,13 +1060,29 @@ def write(writer: gguf.GGUFWriter, name: str, config: dict, desc: ModelDescripti
         sliding = set(desc.attention.sliding_layers)
         writer.add_sliding_window(desc.attention.sliding_window)
         writer.add_sliding_window_pattern([i in sliding for i in range(config["num_hidden_layers"])])
-    gguf_mla.write_yarn(writer, gguf_mla.rope_parameters(config))
+    if not family.mla:  # gguf_mla.write_attention writes it
+        gguf_mla.write_yarn(writer, gguf_mla.rope_parameters(config))
 
 
 def pieces(name: str, key: str, shape: tuple[int, ...], config: dict,
            names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
-    """The GGUF tensor a trunk tensor becomes where these architectures name it their own way (else None)."""
+    """The GGUF tensor a trunk tensor becomes where these architectures name it their own way (else None); a multimodal
+    checkpoint's text model under the text-only names, its vision tower left out (llama.cpp's mmproj file)."""
     family = FAMILIES.get(name)
+    if not (family and "text_config" in config):  # config_view's of a multimodal checkpoint's vault keeps text_config
+        return _pieces(family, key, shape, config, names)
+    if not key.startswith((TEXT_PREFIX, "lm_head.")):
+        return []
+    key = key.replace(TEXT_PREFIX, "model.", 1)
+    if (split := _pieces(family, key, shape, config, names)) is not None:
+        return split
+    tensor = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    require(tensor is not None, f"trunk tensor {key}: no llama.cpp name for it in {family.llama_name}")
+    return [(tensor, shape, lambda t: t)]
+
+
+def _pieces(family: GgufFamily | None, key: str, shape: tuple[int, ...], config: dict,
+            names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
     if family and family.pieces and (split := family.pieces(key, shape, config, names)) is not None:
         return split
     layer = key.split(".")[2] if key.startswith("model.layers.") else None

@@ -27,6 +27,8 @@ transformers does (ReLU of q·k over half-split rotary, weighted by weights_proj
 and a Hadamard rotation of q and k leave the choice alone) and rotates with a Hadamard matrix of a power of two from
 64: other indexer widths are refused. It keeps the indexer's keys in the K cache's type: the default F16 can flip the
 top-k where two keys score within about 1e-4; with an F32 cache the choice is transformers'.
+kimi_linear's MLA layers (smoe.export.gguf_families) are written by write_attention and pieces too, with key/value heads
+per layer (0 on its delta-attention layers).
 """
 
 from __future__ import annotations
@@ -122,11 +124,13 @@ def rope_parameters(config: dict) -> dict:
     return config.get("rope_parameters") or config.get("rope_scaling") or {}
 
 
-def write_attention(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription) -> None:
-    """One K/V head of the latent plus the rotary key; the real head sizes under the `_mla` keys; Mistral 4's query
-    temperature 1 + beta · log(1 + floor(position / length)), which llama.cpp reads as scale and length."""
+def write_attention(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription,
+                    kv_heads: int | list[int] = 1) -> None:
+    """One K/V head of the latent plus the rotary key (`kv_heads` per layer where some layers are not attention); the
+    real head sizes under the `_mla` keys; Mistral 4's query temperature 1 + beta · log(1 + floor(position / length)),
+    which llama.cpp reads as scale and length."""
     latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
-    writer.add_head_count_kv(1)
+    writer.add_head_count_kv(kv_heads)
     writer.add_q_lora_rank(config.get("q_lora_rank") or 0)  # 0: q is one projection
     writer.add_kv_lora_rank(latent)
     writer.add_key_length(latent + rope)

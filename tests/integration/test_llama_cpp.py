@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_mod
 
 import torch  # noqa: E402
 from export_models import (  # noqa: E402
+    VOCAB,
     agreement,
     causal_lm,
     exportable_config,
@@ -24,12 +25,13 @@ from export_models import (  # noqa: E402
     teacher_forced_agreement,
 )
 from llama_cpp import Llama  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoModelForImageTextToText, AutoTokenizer  # noqa: E402
 
 from smoe.convert.sculpt import sculpt  # noqa: E402
 from smoe.export.gguf import write_gguf  # noqa: E402
 from smoe.export.source import ExportSource  # noqa: E402
 from smoe.export.writer import export  # noqa: E402
+from smoe.testing.tiny_models import TINY_CONFIGS, tiny_default_config  # noqa: E402
 
 # llama.cpp multiplies Q4_1 weights with activations it rounds to 8 bits (Q8_1) per 32 values, and a
 # BF16 trunk with BF16 activations: logits differ by a few hundredths typically, and a near-tie of
@@ -101,7 +103,8 @@ F32_CACHE = {"tiny-deepseek_v32"}
 WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots1", "granitemoe", "granitemoeshared",
                 "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe", "qwen3_next",
                 "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
-                "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax"]
+                "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
+                "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -112,7 +115,11 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # llama.cpp's smallest Hadamard rotation, 8 of them so that few keys score an exact 0 (ReLU ties); Nemotron-H's Mamba2
 # in two groups (its gated norm per group), 8 experts in 4 groups of which 2 are used, a routed scale; MiniMax's
 # lightning layers on either side of a softmax one (each its own decay rate), blocks of 16 (transformers' chunked
-# form, one block in llama.cpp), its residual factors away from 1, rms_norm_eps 1e-5 as released
+# form, one block in llama.cpp), its residual factors away from 1, rms_norm_eps 1e-5 as released; the multimodal
+# checkpoints' text models (Qwen3-VL's heads wide enough for its default M-RoPE sections, GLM-4.5V's correction bias
+# drawn, Gemma 4's as gemma4_text's); Kimi-Linear's experts in 2 groups of which 1 is used, rms_norm_eps 1e-5 (its
+# graph's delta-attention L2-norm eps, where transformers fixes 1e-6); Granite-MoE-SWA's sliding layers narrower than
+# the prompt, one without rotary, grouped key/value heads, a shared MLP and multipliers away from 1
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
                                                 for t in ("full_attention", "sliding_attention")}),
@@ -126,7 +133,30 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                 "nemotron_h": dict(n_groups=2, n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5),
                 "minimax": dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
                                                                   "linear_attention"],
-                                **{f"{t}_alpha_factor": 3.5 for t in ("linear_attn", "full_attn", "mlp")})}
+                                **{f"{t}_alpha_factor": 3.5 for t in ("linear_attn", "full_attn", "mlp")}),
+                "qwen3_vl_moe": dict(head_dim=64), "glm4v_moe": {}, "qwen3_5_moe": dict(head_dim=64),
+                "gemma4": {k: v for k, v in TINY_CONFIGS["gemma4_text"].items() if k != "moe_intermediate_size"}
+                | dict(global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+                       final_logit_softcapping=5.0),
+                "kimi_linear": dict(num_expert_group=2, topk_group=1),
+                "granitemoe_swa": dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention",
+                                                                         "sliding_attention"],
+                                       layer_rope_theta=[1e4, 1e4, 0.0], sliding_window=16, num_key_value_heads=2,
+                                       shared_intermediate_size=32, embedding_multiplier=2.0, logits_scaling=3.0,
+                                       residual_multiplier=0.5, attention_multiplier=0.2)}
+# multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
+# model's values
+MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4"}
+BIASED_BUFFERS = {"glm4v_moe", "kimi_linear"}
+
+
+def multimodal_model(family: str):
+    """transformers' default config of `family` shrunk, its text model's experts 32 wide, as exportable_config's."""
+    config = tiny_default_config(family)
+    text = {k: v for k, v in config.text_config.to_dict().items() if k != "per_layer_config"}  # derived: remade
+    config.text_config = type(config.text_config)(**text | ALSO_CONFIGS[family] | dict(vocab_size=VOCAB,
+                                                                                        moe_intermediate_size=32))
+    return AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
 
 
 def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
@@ -134,12 +164,18 @@ def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
     if family not in ALSO_CONFIGS:
         return exportable_vault(tmp, family, bits)
     torch.manual_seed(0)
-    model = causal_lm(family, exportable_config(family, architecture=ALSO_CONFIGS[family]))
+    if family in MULTIMODAL:
+        model = multimodal_model(family)
+    else:
+        model = causal_lm(family, exportable_config(family, architecture=ALSO_CONFIGS[family]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_norm = "norm" in name.split(".")[-2]  # q_norm, input_layernorm, DBRX's norm_1 and norm_f
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + is_norm)
+        for name, buffer in model.named_buffers():  # a correction bias that is a buffer, left 0 by from_config
+            if family in BIASED_BUFFERS and name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     model_dir, vault = tmp / f"{family}-model", tmp / f"{family}-q{bits}"
     model.save_pretrained(model_dir)
     save_byte_level_tokenizer(model_dir)
