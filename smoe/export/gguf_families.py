@@ -489,15 +489,21 @@ def _mamba2_pieces(key: str, shape: tuple[int, ...], config: dict,
     """What llama.cpp's Mamba2 converter rewrites: A_log as A = -exp(A_log) and D, both [heads, 1]; dt_bias as
     ssm_dt's bias; the gated norm's weight as [groups, inner / groups], one row per group it normalises."""
     layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    return _mamba2_rewrites(key, shape, layer, "mamba.", config.get("mamba_n_groups", 1))
+
+
+def _mamba2_rewrites(key: str, shape: tuple[int, ...], layer, module: str, n_groups: int) -> list | None:
+    """The Mamba2 rewrites of _mamba2_pieces for a mixer module named `module` (Granite's "mamba.", Nemotron-H's
+    "mixer.") with n_groups norm groups; None for any other tensor."""
     column = (*shape, 1)
-    if key.endswith("mamba.A_log"):
+    if key.endswith(module + "A_log"):
         return [(f"blk.{layer}.ssm_a", column, lambda t: -torch.exp(t.float()).reshape(column))]
-    if key.endswith("mamba.D"):
+    if key.endswith(module + "D"):
         return [(f"blk.{layer}.ssm_d", column, lambda t: t.reshape(column))]
-    if key.endswith("mamba.dt_bias"):
+    if key.endswith(module + "dt_bias"):
         return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: t)]
-    if key.endswith("mamba.norm.weight"):
-        groups = (config["mamba_n_groups"], shape[0] // config["mamba_n_groups"])
+    if key.endswith(module + "norm.weight"):
+        groups = (n_groups, shape[0] // n_groups)
         return [(f"blk.{layer}.ssm_norm.weight", groups, lambda t: t.reshape(groups))]
     return None
 
@@ -563,19 +569,9 @@ def _nemotron_h_pieces(key: str, shape: tuple[int, ...], config: dict,
     """What llama.cpp's converter rewrites in the mixers: A_log as A = -exp(A_log) and D, both [heads, 1]; dt_bias as
     ssm_dt's bias; the gated norm's weight as [groups, inner / groups]; the correction bias under its backbone name."""
     layer = key.split(".")[2] if ".layers." in key else None
-    column = (*shape, 1)
     if key.endswith(CORRECTION_BIAS):
         return [(f"blk.{layer}.exp_probs_b.bias", shape, lambda t: t)]
-    if key.endswith("mixer.A_log"):
-        return [(f"blk.{layer}.ssm_a", column, lambda t: -torch.exp(t.float()).reshape(column))]
-    if key.endswith("mixer.D"):
-        return [(f"blk.{layer}.ssm_d", column, lambda t: t.reshape(column))]
-    if key.endswith("mixer.dt_bias"):
-        return [(f"blk.{layer}.ssm_dt.bias", shape, lambda t: t)]
-    if key.endswith("mixer.norm.weight"):
-        groups = (config["n_groups"], shape[0] // config["n_groups"])
-        return [(f"blk.{layer}.ssm_norm.weight", groups, lambda t: t.reshape(groups))]
-    return None
+    return _mamba2_rewrites(key, shape, layer, "mixer.", config.get("n_groups", 1))
 
 
 def _minimax(name: str, config: dict, desc: ModelDescription) -> None:
