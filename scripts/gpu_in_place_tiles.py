@@ -9,13 +9,12 @@ Usage (a CUDA machine, repository root): python3 scripts/gpu_in_place_tiles.py [
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from smoe.bench.decode import MODELS, write_model_vault
-from smoe.bench.replay import ReplayDecoder
+from smoe.bench.replay import ReplayDecoder, replay
 from smoe.bench.runtime import skewed_routing
 from smoe.runtime.cuda import kernels
 from smoe.runtime.cuda.cache import blob_slot_bytes
@@ -40,17 +39,8 @@ def rate(sm, budget: int, routing, tiles) -> float:
                         host_cache_bytes=everything, in_place=True)
     try:
         dec.cache.fill_host()
-        token = 0
-        for t in range(32):
-            dec.replay_step = t
-            token = int(dec.forward([token]).argmax())
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for t in range(32, 64):
-            dec.replay_step = t
-            token = int(dec.forward([token]).argmax())
-        torch.cuda.synchronize()
-        return 32 / (time.perf_counter() - start)
+        token, _ = replay(dec, range(32))
+        return 32 / replay(dec, range(32, 64), token)[1]
     finally:
         kernels.decode_config = original
         dec.close()

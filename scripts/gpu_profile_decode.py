@@ -8,13 +8,12 @@ Usage (a CUDA machine, repository root): python3 scripts/gpu_profile_decode.py [
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from smoe.bench.decode import MODELS, write_model_vault
-from smoe.bench.replay import ReplayDecoder
+from smoe.bench.replay import ReplayDecoder, replay
 from smoe.bench.runtime import skewed_routing
 from smoe.runtime.cuda.cache import blob_slot_bytes
 from smoe.runtime.model import OpenedVault
@@ -33,17 +32,9 @@ def main(model: str = "deepseek-v2-lite", layers: int = 27, workdir: str = "/tmp
                         host_cache_bytes=everything if budget < 100 else 0)
     if budget < 100:
         dec.cache.fill_host()
-    token = 0
-    for t in range(32):  # compile, capture, warm
-        dec.replay_step = t
-        token = int(dec.forward([token]).argmax())
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for t in range(32, 48):
-        dec.replay_step = t
-        token = int(dec.forward([token]).argmax())
-    torch.cuda.synchronize()
-    print(f"{model} {layers} layers, GPU cache {budget}%: {16 / (time.perf_counter() - start):.1f} tok/s, "
+    token, _ = replay(dec, range(32))  # compile, capture, warm
+    token, seconds = replay(dec, range(32, 48), token)
+    print(f"{model} {layers} layers, GPU cache {budget}%: {16 / seconds:.1f} tok/s, "
           f"whole-token graph {dec.whole_token is not None}")
     timing0 = dict(dec.timing)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:

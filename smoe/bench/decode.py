@@ -260,7 +260,7 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
     (source "host", filled before timing; misses "in-place": read there by the kernels, "copy": copied into
     the GPU cache first) or from the disk (source "disk": page cache dropped after the warm-up, O_DIRECT unless
     direct_io is False; the cold state is part of the row)."""
-    from smoe.bench.replay import ReplayDecoder
+    from smoe.bench.replay import ReplayDecoder, replay
     from smoe.runtime.cuda.cache import blob_slot_bytes
 
     vault, device = sm.vault, torch.device(device)
@@ -272,22 +272,14 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
     try:
         if host:
             dec.cache.fill_host()
-        token = 0
-        for t in range(warmup):
-            dec.replay_step = t
-            token = int(dec.forward([token]).argmax())
+        token, _ = replay(dec, range(warmup))
         cold = {}
         if source == "disk":
             cold = cold_state(direct_io, drop_page_cache(vault.dir / DATA_FILE))
         dec.account()
         before = dict(dec.cache.stats.as_dict())
         timing0 = dict(dec.timing)
-        synchronize(device)
-        start = time.perf_counter()
-        for t in range(warmup, warmup + tokens):
-            dec.replay_step = t
-            token = int(dec.forward([token]).argmax())
-        seconds = time.perf_counter() - start
+        token, seconds = replay(dec, range(warmup, warmup + tokens), token)
         if source == "disk":  # what the row's own reads left in the page cache (none with O_DIRECT)
             cold["resident_after_row"] = resident_fraction(vault.dir / DATA_FILE)
         dec.account()

@@ -54,3 +54,15 @@ class ReplayDecoder(GpuDecoder):
         s.set_offsets(self.cache.offsets(i, ids))
         self.timing["cache"] += time.perf_counter() - now
 
+
+def replay(dec: ReplayDecoder, steps: range, token: int = 0) -> tuple[int, float]:
+    """Greedy one-token steps at the recorded routing's `steps`, from `token`: (the last token, wall seconds from a
+    synchronised start to a synchronised end)."""
+    synchronize = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    for t in steps:
+        dec.replay_step = t
+        token = int(dec.forward([token]).argmax())
+    synchronize()
+    return token, time.perf_counter() - start
