@@ -119,6 +119,30 @@ def test_corrupt_blob_fails_naming_layer_and_expert_and_is_not_cached(tiny_vault
         cache.close()
 
 
+def test_filling_the_host_tier_with_a_corrupt_blob_fails_naming_it_and_keeps_only_good_blobs(tiny_vault, tmp_path):
+    """What reading misses in place starts with: every expert into the host tier, each blob checked."""
+    import shutil
+
+    vault_dir, _ = tiny_vault
+    bad = tmp_path / "bad"
+    shutil.copytree(vault_dir, bad)
+    with Vault(bad) as v:
+        layer = v.meta["moe_layers"][0]
+        entry = v.entry(layer, 1)
+    with open(bad / DATA_FILE, "r+b") as f:
+        f.seek(entry.offset + 10)
+        byte = f.read(1)
+        f.seek(entry.offset + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with Vault(bad) as v:
+        cache = GpuExpertCache(v, 4 * blob_slot_bytes(v), "cpu", top_k=2, host_bytes=blob_slot_bytes(v) * len(v.entries))
+        for _ in range(2):  # asked again, it fails again: the bad blob was not kept
+            with pytest.raises(SmoeError, match=f"layer {layer} expert 1: checksum mismatch"):
+                cache.fill_host()
+            assert (layer, 1) not in cache.host_lru.slots and len(cache.host_lru.slots) == len(v.entries) - 1
+        cache.close()
+
+
 def test_direct_io_reads_the_same_bytes(tiny_vault):
     vault_dir, _ = tiny_vault
     with Vault(vault_dir) as v:
