@@ -31,8 +31,11 @@ GPU_INDUCTOR = Switch("SMOE_GPU_INDUCTOR", "1",
 GPU_IN_PLACE = Switch("SMOE_GPU_IN_PLACE", "1",
                       "0 copies each missed expert into the GPU cache before its layer runs instead of reading it in "
                       "place from pinned host RAM (when that holds every expert)")
+GPU_PROMPT_GRAPHS = Switch("SMOE_GPU_PROMPT_GRAPHS", "1",
+                           "0 runs a prompt's layers eagerly on the GPU instead of padded to a captured length and "
+                           "replayed as a CUDA graph (when every expert is resident)")
 PREFETCH = Switch("SMOE_PREFETCH", "0",
                   "1 guesses the next layer's experts from the current hidden state and reads them early")
 DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",
                     "a model directory `smoe demo` runs on instead of the shipped models/smoe-demo-6m")
-SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, PREFETCH, DEMO_MODEL)
+SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, GPU_PROMPT_GRAPHS, PREFETCH, DEMO_MODEL)

@@ -228,18 +228,41 @@ def test_prefill_wider_than_the_cache_runs_in_expert_groups(tiny_vault):
     assert dec.cache.stats.misses == len(sm.vault.entries)  # group by group: every expert read exactly once
 
 
+def resident_decoder(vault, device: str) -> GpuDecoder:
+    """A GPU decoder (fp32) whose cache holds every expert of `vault`."""
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    return GpuDecoder(sm, device, blob_slot_bytes(sm.vault) * len(sm.vault.entries), max_positions=64)
+
+
 def test_decoder_with_every_expert_resident_uses_the_offset_table(tiny_vault):
     vault, reference = tiny_vault
-    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
-    with Vault(vault) as v:
-        everything = blob_slot_bytes(v) * len(v.entries)
-    dec = GpuDecoder(sm, "cpu", everything, max_positions=64)
+    dec = resident_decoder(vault, "cpu")
     ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(4)).tolist()
     got = decode_in_pieces(dec, ids)
     assert dec.table is not None
     reads = dec.cache.stats.misses
     assert reads == len(dec.vault.entries)  # each expert read once, up front
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+def prompts_then_pieces_match_the_reference(dec: GpuDecoder, reference) -> None:
+    """Two sequences in turn, each a prompt that starts it (padded to a captured length: its first run eager and
+    captured, its second replayed where graphs run), steps and a continued prompt, match the reference."""
+    for seed in (4, 5):
+        dec.reset()
+        ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(seed)).tolist()
+        got = decode_in_pieces(dec, ids)
+        assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+def test_a_resident_prompt_padded_to_a_captured_length_matches_the_reference_and_counts_only_its_tokens(tiny_vault):
+    vault, reference = tiny_vault
+    dec = resident_decoder(vault, "cpu")
+    dec.forward(list(range(3, 23)))
+    assert list(dec.prompts) == [32]  # 20 tokens padded to 32
+    meta = dec.vault.meta
+    assert dec.cache.stats.hits == 20 * meta["top_k"] * len(meta["moe_layers"])  # the padding's experts not counted
+    prompts_then_pieces_match_the_reference(dec, reference)
 
 
 # --- misses read in place from host RAM (smoe.runtime.cuda.placement) -----------------------------
@@ -451,6 +474,15 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
     # the single-token steps after the first replayed captured graphs
     assert (dec.whole_token if resident else dec.segments) is not None
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_cuda_resident_prompts_replayed_from_their_captured_graphs_match_the_reference_in_fp32(family, tmp_path):
+    vault, reference = kernel_sized_vault(tmp_path, family, 4)
+    dec = resident_decoder(vault, "cuda")
+    prompts_then_pieces_match_the_reference(dec, reference)
+    assert dec.prompts[32].graph is not None  # the second sequence's prompt of 20 tokens replayed it
 
 
 @needs_cuda

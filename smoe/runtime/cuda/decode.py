@@ -18,8 +18,14 @@ token is one graph with no sync but the final read of the logits. So it is when 
 every expert (a host tier of them all): a missed expert is read in place by the kernels, and the experts
 routed most often are moved into the GPU slots between tokens (smoe.runtime.cuda.placement).
 
-Several tokens at once (prompt prefill, teacher-forced evaluation) run eagerly, layer by layer, with
-the grouped kernel; a layer whose experts do not fit the cache together is done in expert groups.
+Several tokens at once (prompt prefill, teacher-forced evaluation) run layer by layer with the grouped
+kernel; a layer whose experts do not fit the cache together is done in expert groups. With every expert
+resident nothing in a prompt's layers waits for the host (offsets from the device table), so a prompt that
+starts a sequence runs as a CUDA graph too: padded to the next of PROMPT_LENGTHS (the padding comes after
+the prompt, so causal attention keeps it out of the prompt's positions, and the KV entries it leaves lie
+past the sequence's end, where later tokens overwrite them), captured on the first prompt of that length and
+replayed after. A prompt's ~30 eager ops a layer otherwise cost the host more than the GPU spends on them.
+Other prompts (a continued sequence, experts streamed, past the longest length) run eagerly.
 
 A layer of a kind the layer library lacks (linear attention, a state-space or convolution mixer: the
 description's mixer_layers, as on the fast CPU decoder) runs through the family's own transformers module,
@@ -72,9 +78,11 @@ from smoe.runtime.layers import (
     static_step,
 )
 from smoe.runtime.weights import layer_weights, module_layers, rms_epsilon
-from smoe.switches import GPU_IN_PLACE, GPU_INDUCTOR
+from smoe.switches import GPU_IN_PLACE, GPU_INDUCTOR, GPU_PROMPT_GRAPHS
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
+# the lengths a prompt is padded to and captured at (at most a third of a prompt's work is padding)
+PROMPT_LENGTHS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 class GpuLayer:
@@ -120,7 +128,7 @@ class GpuDecoder(HoldsSequence):
 
     def __init__(self, sm, device: torch.device, gpu_cache_bytes: int, max_positions: int, host_cache_bytes: int = 0,
                  threads: int = 16, direct_io: bool = False, kernel_path: str = "auto", graphs: bool = True,
-                 in_place: bool | None = None):
+                 in_place: bool | None = None, prompt_graphs: bool | None = None):
         cfg = sm.config.get_text_config()
         self.vault, self.device, self.dtype = sm.vault, torch.device(device), sm.dtype
         self.description = sm.description
@@ -145,6 +153,10 @@ class GpuDecoder(HoldsSequence):
         # misses read in place from pinned host RAM when it holds every expert (smoe.runtime.cuda.placement)
         self.in_place = GPU_IN_PLACE.on() if in_place is None else in_place
         self.placement: Placement | None = None
+        # prompts that start a sequence with every expert resident, padded and captured (PROMPT_LENGTHS)
+        self.prompt_graphs = GPU_PROMPT_GRAPHS.on() if prompt_graphs is None else prompt_graphs
+        self.prompts: dict[int, PromptGraph] = {}  # by padded length
+        self.prompt_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # one pool: run one at a time
 
     def load(self, sm, gpu_cache_bytes, max_positions, host_cache_bytes, threads, direct_io) -> None:
         """Trunk, expert cache and KV cache onto the device."""
@@ -204,7 +216,7 @@ class GpuDecoder(HoldsSequence):
         before = self.state
         super().use(state)
         if self.state is not before:
-            self.segments = self.whole_token = None
+            self.drop_graphs()
         if self.positions.shape[0] != self.state.capacity:  # the attention masks span the state's positions
             self.rope_for_capacity()
 
@@ -218,9 +230,14 @@ class GpuDecoder(HoldsSequence):
         except torch.OutOfMemoryError:
             raise SmoeError(f"out of GPU memory growing the KV cache to {positions} positions") from None
         self.rope_for_capacity()
-        self.segments = self.whole_token = None
+        self.drop_graphs()
 
-    # --- many tokens: eager, grouped kernel ------------------------------------------------------
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they read the state's tensors as they were): captured again when next run."""
+        self.segments = self.whole_token = None
+        self.prompts = {}
+
+    # --- many tokens: the grouped kernel, eager or a captured prompt -------------------------------
 
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> torch.Tensor:
@@ -233,7 +250,20 @@ class GpuDecoder(HoldsSequence):
             self.placement.settle()
         elif self.table is None and self.cache.n_slots >= len(self.vault.entries):
             self.preload()  # every expert resident from the first prompt on: its offsets from the table
-        x = self.embedded(torch.tensor(ids, device=self.device))
+        length = self.prompt_length(start, t)
+        if length is None:
+            x = self.prompt_layers(torch.tensor(ids, device=self.device), start)
+        else:
+            x = self.prompt_captured(ids, length)
+        self.state.length = start + t
+        if self.placement is not None:
+            self.placement.rebuild()
+        return self.logits(x)
+
+    def prompt_layers(self, ids, start: int):
+        """The residual [T, hidden] (fp32) after every layer, for tokens `ids` (a device tensor) after `start`."""
+        t = ids.shape[0]
+        x = self.embedded(ids)
         pos = torch.arange(start, start + t, device=self.device)
         for i, w in enumerate(self.layers):
             if w is None:
@@ -241,10 +271,38 @@ class GpuDecoder(HoldsSequence):
                 continue
             x, h, logits = EAGER_BLOCKS["mla" if w.mla else "gqa"](x, None, pos, end=start + t, **self.block_args(i))
             x = x + self.mlp(i, h, *self.route(i, logits))
-        self.state.length = start + t
-        if self.placement is not None:
-            self.placement.rebuild()
-        return self.logits(x)
+        return x
+
+    def prompt_length(self, start: int, t: int) -> int | None:
+        """The length a prompt of t tokens after `start` runs padded to (PROMPT_LENGTHS), or None: it runs as it is.
+        Padded where it starts a sequence, every expert is resident (no host wait in its layers) and no layer runs
+        through the family's modules; captured where graphs run (on a CPU device, the tests', padded only)."""
+        if not self.prompt_graphs or start != 0 or self.modules or self.table is None or self.placement is not None:
+            return None
+        if not (self.graphs or self.device.type == "cpu"):
+            return None
+        length = next((n for n in PROMPT_LENGTHS if n >= t), None)
+        return length if length is not None and length <= self.state.capacity else None
+
+    def prompt_captured(self, ids: list[int], length: int):
+        """The prompt's residual after every layer, [T, hidden]: the prompt padded to `length` through that length's
+        graph, captured after the first such prompt has run eagerly (compiling and warming up). The LM head runs
+        after, on the prompt's own rows only. The padding's routed experts are not counted as the cache's hits."""
+        padded = torch.tensor(ids + [0] * (length - len(ids)), device=self.device)
+        hits = self.cache.stats.hits
+        run = self.prompts.get(length)
+        if run is None:
+            run = self.prompts[length] = PromptGraph(padded, self.prompt_layers(padded, 0))
+            if self.graphs:
+                run.capture(lambda: run.x.copy_(self.prompt_layers(run.ids, 0)), self.device, self.prompt_pool)
+        else:
+            run.ids.copy_(padded)
+            if run.graph is not None:
+                run.graph.replay()
+            else:  # its capture failed: eagerly
+                run.x.copy_(self.prompt_layers(run.ids, 0))
+        self.cache.stats.hits = hits + len(ids) * self.top_k * len(self.layouts)
+        return run.x[: len(ids)]
 
     def module_layer(self, i: int, x, start: int):
         """x [T, H] (fp32) after layer i as the family's own module computes it (its experts from the GPU expert
@@ -658,13 +716,29 @@ class StaticBuffers:
         self.upload(self.offsets, offsets, 2)
 
 
-def capture(fn, device):
-    """fn captured as a CUDA graph (capturing runs nothing; fn has run eagerly before)."""
+def capture(fn, device, pool=None):
+    """fn captured as a CUDA graph (capturing runs nothing; fn has run eagerly before), its memory from `pool`
+    where given (graphs that share one must not run at the same time)."""
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph
+
+
+class PromptGraph:
+    """A padded prompt's static token ids and final residual, and the graph that maps one to the other (None
+    until captured, or where capturing failed: then the prompt runs eagerly on the same buffers)."""
+
+    def __init__(self, ids: torch.Tensor, x: torch.Tensor):
+        self.ids, self.x, self.graph = ids, x, None
+
+    def capture(self, fn, device, pool) -> None:
+        try:
+            self.graph = capture(fn, device, pool)
+        except RuntimeError as err:  # an op that cannot be captured must not stop the prompt: eager from now on
+            kernels_triton.warn_once(f"capturing a prompt's layers failed ({err}); running prompts eagerly")
+            self.graph = None
 
 
 def layer_layout(vault, layer: int) -> kernels_triton.ExpertLayout:

@@ -608,18 +608,20 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def sort_pairs(offsets: torch.Tensor, bt: int, capacity: int):
+def sort_pairs(offsets: torch.Tensor, bt: int, capacity: int, runs: int):
     """(token, expert) pairs sorted by expert, each expert's run padded to whole blocks of bt.
     Returns per padded position the original pair id (n_pairs for padding) and per block the
-    expert's blob unit (-1 past the end)."""
+    expert's blob unit (-1 past the end). `runs` bounds the number of distinct experts: the runs'
+    lengths are counted into that many bins on the device, so nothing waits for the host and a CUDA
+    graph can hold the call (a prompt's captured layers)."""
     n_pairs = offsets.numel()
     units = (offsets.reshape(-1) // SLOT_ALIGNMENT).to(torch.int64)
     sorted_units, order = torch.sort(units, stable=True)
     first = torch.ones(n_pairs, dtype=torch.bool, device=units.device)
     first[1:] = sorted_units[1:] != sorted_units[:-1]
     run = torch.cumsum(first.to(torch.int64), 0) - 1  # run index of each sorted pair
-    starts = torch.nonzero(first).reshape(-1)  # first sorted position of each run
-    counts = torch.diff(starts, append=torch.tensor([n_pairs], device=units.device))
+    counts = torch.zeros(runs, dtype=torch.int64, device=units.device).index_add_(0, run, torch.ones_like(run))
+    starts = torch.cumsum(counts, 0) - counts  # first sorted position of each run
     padded = (counts + bt - 1) // bt * bt
     pad_start = torch.cumsum(padded, 0) - padded
     pos = pad_start[run] + torch.arange(n_pairs, device=units.device) - starts[run]
@@ -640,7 +642,7 @@ def grouped_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.
     runs = distinct if distinct is not None else int(torch.unique(offsets).numel())
     bt = tokens_per_block(n_pairs, runs)
     capacity = bucket(n_pairs + runs * (bt - 1), PAIR_BUCKET_MIN)
-    pair_id, block_units = sort_pairs(offsets, bt, capacity)
+    pair_id, block_units = sort_pairs(offsets, bt, capacity, runs)
     # tensor-core tiles in the activation dtype; fp32 for fp32 activations, and under Triton's
     # interpreter, whose bf16 tl.dot is wrong (triton 3.6)
     dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) and not INTERPRETED else torch.float32
