@@ -1,6 +1,7 @@
-"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3), of DBRX, Qwen3.5-MoE,
-Gemma 4, Nemotron-H, MiniMax, Qwen3-VL-MoE's text model, Kimi-Linear, Granite-MoE-SWA and DeepSeek-V3.2's indexer,
-and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
+"""GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3, cohere2moe), of DBRX,
+Qwen3.5-MoE, Gemma 4, Nemotron-H, MiniMax, Qwen3-VL-MoE's text model, Kimi-Linear, Granite-MoE-SWA, MiMo-V2-Flash and
+DeepSeek-V3.2's indexer, and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes
+differently is refused by name."""
 
 import gguf
 import pytest
@@ -16,6 +17,18 @@ from smoe.source.description import describe_model
 from smoe.source.gguf import permute_rope
 
 FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+
+
+def mimo_rope(full: float | None, sliding: float | None) -> dict:
+    """MiMo-V2-Flash's rotary parameters per layer type, with these partial factors (None: named nowhere)."""
+    kinds = {"full_attention": (5e6, full), "sliding_attention": (1e4, sliding)}
+    return {t: {"rope_type": "default", "rope_theta": theta, **({"partial_rotary_factor": f} if f else {})}
+            for t, (theta, f) in kinds.items()}
+
+
+# a leading dense layer that is a full one: Cohere2-MoE rotates it only where prefix_dense_sliding_window_pattern is 1
+COHERE2_DENSE_FULL = dict(mlp_layer_types=["dense", "sparse", "sparse"],
+                          layer_types=["full_attention", "sliding_attention", "full_attention"])
 
 
 @pytest.mark.parametrize("family,changes,named", [
@@ -42,6 +55,20 @@ FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], slidi
     ("minimax", dict(mlp_alpha_factor=2.0), "scales every residual by one factor"),
     ("minimax", dict(full_attn_beta_factor=0.5), "scales every residual by one factor"),
     ("minimax", dict(partial_rotary_factor=0.5), "turns the whole head"),
+    ("cohere2_moe", dict(num_shared_experts=1, shared_expert_combination_strategy="sum"), "averages the shared experts"),
+    ("cohere2_moe", COHERE2_DENSE_FULL | dict(prefix_dense_sliding_window_pattern=2),
+     r"layers without rotary are \(0, 2\), not \(2,\)"),
+    ("cohere2_moe", dict(sliding_window=None), "needs sliding-window layers"),
+    ("cohere2_moe", dict(hidden_act="gelu"), "takes SiLU experts"),
+    ("cohere2_moe", dict(attention_bias=True), "attention biases"),
+    ("cohere2_moe", dict(logit_scale=0.0), "reads a logit_scale of 0 as none"),
+    ("cohere2_moe", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "dense layers only before the MoE ones"),
+    ("mimo_v2_flash", dict(layer_types=["full_attention"] * 2), "needs sliding-window layers"),
+    ("mimo_v2_flash", dict(rope_parameters=mimo_rope(0.5, 0.334)), "turns one rotary width on every layer"),
+    ("mimo_v2_flash", dict(rope_parameters=mimo_rope(None, None)), "turns one rotary width on every layer"),
+    ("mimo_v2_flash", dict(routed_scaling_factor=2.0), "routes with scale = 1.0"),
+    ("mimo_v2_flash", dict(n_group=2, topk_group=1), "routes with n_group = 1"),
+    ("mimo_v2_flash", dict(attention_bias=True), "attention biases"),
 ])
 def test_gguf_refuses_what_the_added_graphs_compute_differently(family, changes, named):
     config = exportable_config(family).to_dict() | changes

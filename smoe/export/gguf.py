@@ -129,8 +129,10 @@ def head_dim(config: dict) -> int:
 
 
 def rotary_dim(config: dict) -> int:
-    """The part of each head the rotary embedding turns (GLM-4.5: the first half)."""
+    """The part of each head the rotary embedding turns (GLM-4.5: the first half; the full layers' part where the
+    parameters are per layer type)."""
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
     return int(head_dim(config) * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
 
 
@@ -149,7 +151,7 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         writer.add_head_count_kv(gguf_families.kv_heads(source.model_type, config, describe_model(config)))
         full = gguf_families.full_head_dim(source.model_type, config)  # Gemma 4's global heads (proportional RoPE)
         writer.add_key_length(full or head_dim(config))
-        writer.add_value_length(full or head_dim(config))
+        writer.add_value_length(full or gguf_families.value_width(source.model_type, config) or head_dim(config))
         writer.add_rope_dimension_count(full or rotary_dim(config))
     if source.model_type in gguf_families.FAMILIES:
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}

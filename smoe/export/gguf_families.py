@@ -114,14 +114,24 @@ with sink logits, sliding-window layers (which its loader requires) and layers w
 the converter's rope_pattern; its shared MLP's input_linear kept fused as ffn_up_shexp, as the converter writes it. Its
 graph turns every rotary layer at one base: other per-layer bases are refused (rope_per_layer_type).
 
+cohere2_moe is `cohere2moe`, a name the pinned gguf package lacks (tensors named as glm4moe's): attention and the MLP
+side by side on one norm (LayerNorm, or RMSNorm where rms_norm_eps is set: llama.cpp takes the norm whose eps it finds),
+rotary over adjacent pairs on the sliding layers and the leading dense ones only (transformers' force_rope with
+prefix_dense_sliding_window_pattern 1; another pattern that leaves a dense layer unturned is refused), shared experts
+averaged with the routed ones (the graph's fixed 0.5; "sum" refused), softmax or sigmoid scores written from the
+description (the converter writes none, and llama.cpp's default is sigmoid), the logit scale. mimo_v2_flash is `mimo2`:
+DeepSeek-V3's routing without groups, scale or shared experts (the graph reads none of them), sliding layers with twice
+the key/value heads (head_count_kv per layer), sink logits (saved as attention_sink_bias) and their own rotary base,
+values of v_head_dim scaled by attention.value_scale, dense layers where there is no router; one rotary width for
+both layer types (other partial factors refused).
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
-does not describe, so that the checks above have nothing to read: cohere2_moe (`cohere2moe`), laguna (`laguna`), hy_v4
-(`hy_v4`), mimo_v2_flash (`mimo2`), glm_moe_dsa (`glm-dsa`: DeepSeek-V3.2's with rotary over adjacent pairs in the
-indexer and indexer layers that reuse the previous one's choice), glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`),
-dots3_note (`dots3note`), step3p7 (`step35`, the converter's for Step3p5 and Step3p7), qwen4_exp (`qwen4exp`) and
-minimax_m3_vl (`minimax-m3`).
+does not describe, so that the checks above have nothing to read: laguna (`laguna`), hy_v4 (`hy_v4`), glm_moe_dsa
+(`glm-dsa`: DeepSeek-V3.2's with rotary over adjacent pairs in the indexer and indexer layers that reuse the previous
+one's choice), glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`), dots3_note (`dots3note`), step3p7 (`step35`, the
+converter's for Step3p5 and Step3p7), qwen4_exp (`qwen4exp`) and minimax_m3_vl (`minimax-m3`).
 """
 
 from __future__ import annotations
@@ -208,6 +218,8 @@ class GgufFamily:
     name: str | None = None
     # DeepSeek's MLA attention written as deepseek2's (smoe.export.gguf_mla): one K/V head of the latent, kv_b split
     mla: bool = False
+    sliding_kv_factor: int = 1  # the sliding layers' key/value heads, times the config's (head_count_kv per layer)
+    value_width_key: str | None = None  # the config key of the value heads' width, where it is not head_dim
 
     @property
     def llama_name(self) -> str:
@@ -779,6 +791,63 @@ def _global_head_dim(config: dict) -> int:
     return full[0] if full else config["head_dim"]
 
 
+def _cohere2_moe(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's cohere2moe rotates the sliding layers and the leading dense ones and no other, averages the shared
+    experts with the routed ones, and runs SiLU experts; it reads the sliding pattern, which a model needs to have."""
+    a = desc.attention
+    require(bool(a.sliding_layers), f"{name}: llama.cpp's cohere2moe needs sliding-window layers (it reads their "
+            "window and pattern)")
+    lead = min(desc.moe_layers, default=desc.num_layers)
+    unturned = tuple(i for i in range(desc.num_layers) if i not in set(a.sliding_layers) and i >= lead)
+    require(a.nope_layers == unturned, f"{name}: llama.cpp's cohere2moe rotates the sliding layers and the leading "
+            f"dense ones; this model's layers without rotary are {a.nope_layers}, not {unturned}")
+    require(not desc.shared_experts or "shared_average" in desc.extras, f"{name}: llama.cpp's cohere2moe averages the "
+            f"shared experts with the routed ones; this model's shared_expert_combination_strategy is "
+            f"{config.get('shared_expert_combination_strategy')!r}")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's cohere2moe takes SiLU experts; this model's are "
+            f"{desc.experts.activation}")
+    require(desc.multipliers.logits != float("inf"), f"{name}: llama.cpp's cohere2moe reads a logit_scale of 0 as none")
+
+
+def _write_cohere2_moe(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The logit scale, and LayerNorm's eps where the model has no RMSNorm (llama.cpp takes the norm whose eps it
+    finds)."""
+    writer.add_logit_scale(float(config.get("logit_scale", 1.0)))
+    if "layer_norm" in desc.extras:
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+
+
+def _mimo_v2_flash(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's mimo2 turns every layer by one plain rotary width (the sliding layers at their own base) and reads
+    the sliding pattern, which a model needs to have; it runs SiLU experts."""
+    require(bool(desc.attention.sliding_layers), f"{name}: llama.cpp's mimo2 needs sliding-window layers (it reads "
+            "their window and pattern)")
+    rope = gguf_mla.rope_parameters(config)
+    kinds = {t: rope.get(t) or {} for t in ("full_attention", "sliding_attention")}
+    factors = {t: p.get("partial_rotary_factor") for t, p in kinds.items()}
+    require(None not in factors.values() and len(set(factors.values())) == 1, f"{name}: llama.cpp's mimo2 turns one "
+            f"rotary width on every layer; this model's partial_rotary_factor per layer type is {factors}")
+    types = {t: p.get("rope_type", "default") for t, p in kinds.items()}
+    require(set(types.values()) == {"default"}, f"{name}: RoPE scaling {types} is not exported to GGUF")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's mimo2 takes SiLU experts; this model's are "
+            f"{desc.experts.activation}")
+
+
+def _write_mimo_v2_flash(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The sliding layers' rotary base and the value scale (llama.cpp takes 1 as none)."""
+    writer.add_rope_freq_base_swa(float(gguf_mla.rope_parameters(config)["sliding_attention"]["rope_theta"]))
+    writer.add_float32(f"{writer.arch}.attention.value_scale", float(config.get("attention_value_scale") or 1.0))
+
+
+def _mimo_v2_flash_pieces(key: str, shape: tuple[int, ...], config: dict,
+                          names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The sink logits under their release name (attention_sink_bias, as transformers saves them) as attn_sinks.weight."""
+    if key.endswith("self_attn.attention_sink_bias"):
+        return [(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_SINKS].format(bid=int(key.split('.')[2]))}.weight", shape,
+                 lambda t: t)]
+    return None
+
+
 # DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
 DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
              "max_position_embeddings": "max_seq_len"}
@@ -946,6 +1015,22 @@ FAMILIES = {
     "kimi_linear": GgufFamily(_arch("KIMI_LINEAR", "num_experts"), SIGMOID_BIASED | dict(normalise=True),
                               extras=("no_rope_layers",), dense_first=True, moe_keys=True, recurrent_kv=True, mla=True,
                               check=_kimi_linear, write=_write_kimi_linear, pieces=_kimi_linear_pieces),
+    # attention and the MLP side by side on one norm, rotary over adjacent pairs on the sliding and leading dense layers
+    # only, shared experts averaged with the routed ones, the logits scaled; tensors named as glm4moe's
+    "cohere2_moe": GgufFamily(_arch("GLM4_MOE", "num_experts"), dict(correction_bias=False, n_group=1),
+                              extras=("parallel_block", "interleaved_rotary", "multipliers", "layer_norm",
+                                      "no_rope_layers", "shared_average"),
+                              dense_first=True, sliding_window=True, moe_keys=True, shared_width=True,
+                              dense_width_key="prefix_dense_intermediate_size", check=_cohere2_moe,
+                              write=_write_cohere2_moe, name="cohere2moe"),
+    # DeepSeek-V3's routing without groups, scale or shared experts; sliding layers with twice the key/value heads, sink
+    # logits and their own rotary base; values of their own width, scaled; dense layers where there is no router
+    "mimo_v2_flash": GgufFamily(_arch("MIMO2", "n_routed_experts"), SIGMOID_BIASED | dict(normalise=True, scale=1.0,
+                                n_group=1), extras=("partial_rotary", "rope_per_layer_type", "sliding_kv_heads",
+                                                    "sliding_sinks", "value_head_dim", "value_scale"),
+                                sliding_window=True, any_moe_layers=True, sliding_kv_factor=2,
+                                value_width_key="v_head_dim", check=_mimo_v2_flash, write=_write_mimo_v2_flash,
+                                pieces=_mimo_v2_flash_pieces),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -1009,18 +1094,27 @@ def dense_width(name: str, config: dict, expert_width: int, moe_layers: list[int
     family = FAMILIES.get(name)
     if family and family.ffn_per_layer:
         return [expert_width if i in moe_layers else 0 for i in range(config["num_hidden_layers"])]
-    return config.get(family.dense_width_key if family else "intermediate_size", expert_width)
+    return config.get(family.dense_width_key if family else "intermediate_size") or expert_width
 
 
 def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]:
     """head_count_kv: one number, or per layer where the graph reads a layer without attention as 0 heads."""
     family = FAMILIES.get(name)
+    if family and family.sliding_kv_factor != 1:
+        sliding = set(desc.attention.sliding_layers)
+        return [desc.attention.kv_heads * (family.sliding_kv_factor if i in sliding else 1) for i in range(desc.num_layers)]
     if family and family.global_heads:
         return [o.get("num_key_value_heads", desc.attention.kv_heads) for o in _layer_overrides(config)]
     if family is None or not family.recurrent_kv:
         return desc.attention.kv_heads
     heads = 1 if family.mla else desc.attention.kv_heads  # MLA: one head of the latent
     return [0 if i in desc.attention.mixer_layers else heads for i in range(desc.num_layers)]
+
+
+def value_width(name: str, config: dict) -> int | None:
+    """The value heads' width where the family's differs from head_dim (value_length), else None."""
+    family = FAMILIES.get(name)
+    return config.get(family.value_width_key) if family and family.value_width_key else None
 
 
 def has_mla(name: str) -> bool:

@@ -43,6 +43,12 @@ EXTRAS = {
     "chunked_attention": "attention within fixed chunks",
     "sparse_attention": "an indexer choosing the keys each query attends to",
     "rope_per_layer_type": "another rotary base on sliding layers than on full ones",
+    "parallel_block": "attention and the MLP side by side on one norm, both added to the residual",
+    "shared_average": "the shared experts' output averaged with the routed ones' instead of added",
+    "sliding_kv_heads": "sliding layers with their own count of key/value heads",
+    "sliding_sinks": "sink logits on the sliding layers only",
+    "value_head_dim": "value heads of another width than query and key heads",
+    "value_scale": "values scaled",
     "undescribed": "a family this description does not cover",
 }
 
@@ -585,6 +591,45 @@ def _flex_olmo(c, n):
                                extras=(*_olmoe(c, n).get("extras", ()), "post_norms"))
 
 
+def _cohere2_moe(c, n):
+    """Attention and the MLP side by side on one norm (LayerNorm unless rms_norm_eps is set); rotary over adjacent
+    pairs on the sliding layers, and on the dense prefix where prefix_dense_sliding_window_pattern is 1, none on the
+    other layers; the router's top-k logits through a softmax (the normalised softmax) or their sigmoids; shared
+    experts averaged with the routed ones or added; the logits times logit_scale."""
+    dense = [i for i in range(n) if i not in set(config_moe_layers(c.configs, n))]
+    window = c.get("sliding_window")
+    forced = set(dense) if c.get("prefix_dense_sliding_window_pattern", default=1) == 1 else set()
+    roped = set(_sliding(c, n) if window else ()) | forced
+    nope = tuple(i for i in range(n) if i not in roped)
+    sigmoid = c.get("expert_selection_fn", default="softmax") == "sigmoid"
+    shared = int(c.get("num_shared_experts", default=0) or 0)
+    average = shared and c.get("shared_expert_combination_strategy", default="average") == "average"
+    return dict(routing=dict(scoring="sigmoid", normalise=_normalise(c, True)) if sigmoid else dict(normalise=True),
+                sliding_layers=_sliding(c, n), nope_layers=nope, shared_experts=shared,
+                multipliers=Multipliers(logits=1 / scale if (scale := float(c.get("logit_scale", default=1.0)))
+                                        else float("inf")),
+                extras=("parallel_block", "interleaved_rotary", "multipliers",
+                        *(("layer_norm",) if c.get("rms_norm_eps") is None else ()),
+                        *(("no_rope_layers",) if nope else ()), *(("shared_average",) if average else ())))
+
+
+def _mimo_v2_flash(c, n):
+    """DeepSeek-V3's routing without shared experts; layers typed sliding with twice the key/value heads, sink logits
+    and their own rotary parameters; values of v_head_dim, times attention_value_scale; rotary over part of each head
+    (transformers' default factor 0.334 where a layer type names none)."""
+    typed = _typed_layers(c, ("sliding_attention",))
+    kinds = {(c.get(f"rope_parameters.{t}.rope_type", default="default"), c.get(f"rope_parameters.{t}.rope_theta"),
+              c.get(f"rope_parameters.{t}.partial_rotary_factor", default=0.334))
+             for t in ("full_attention", "sliding_attention")}
+    head_dim = int(c.get("head_dim", default=0) or 0)
+    scale = c.get("attention_value_scale")
+    return dict(routing=_sigmoid_biased(c), sliding_layers=_sliding(c, n),
+                extras=("partial_rotary", *(("sliding_kv_heads", "sliding_sinks") if typed else ()),
+                        *(("rope_per_layer_type",) if typed and len(kinds) > 1 else ()),
+                        *(("value_head_dim",) if c.get("v_head_dim", default=head_dim) != head_dim else ()),
+                        *(("value_scale",) if scale is not None and scale != 1.0 else ())))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -599,5 +644,5 @@ _RULES = {
     "mellum": _mellum, "qwen3_vl_moe": _qwen3_vl_moe, "qwen3_omni_moe_thinker": _standard, "glm4v_moe": _glm4v_moe,
     "aria": _aria, "aria_text": _aria, "deepseek_ocr2": _deepseek_ocr2, "flint": _flint, "lara_mini": _lara_mini,
     "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
-    "flex_olmo": _flex_olmo,
+    "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash,
 }

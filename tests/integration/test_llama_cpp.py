@@ -108,7 +108,8 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
                 "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "afmoe", "llama4_text", "lfm2_moe", "qwen3_next",
                 "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
                 "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
-                "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4"]
+                "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4", "cohere2_moe",
+                "mimo_v2_flash"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -123,7 +124,12 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # checkpoints' text models (Qwen3-VL's heads wide enough for its default M-RoPE sections, GLM-4.5V's correction bias
 # drawn, Gemma 4's as gemma4_text's); Kimi-Linear's experts in 2 groups of which 1 is used, rms_norm_eps 1e-5 (its
 # graph's delta-attention L2-norm eps, where transformers fixes 1e-6); Granite-MoE-SWA's sliding layers narrower than
-# the prompt, one without rotary, grouped key/value heads, a shared MLP and multipliers away from 1
+# the prompt, one without rotary, grouped key/value heads, a shared MLP and multipliers away from 1; Cohere2-MoE's
+# leading dense layer (full, rotated) of its own width, sliding layers narrower than the prompt and a full one without
+# rotary, a shared expert averaged in, sigmoid scores normalised (the release's) and a logit scale away from 1;
+# MiMo-V2-Flash's leading dense layer, sliding layers narrower than the prompt (their own rotary base, twice the
+# key/value heads, sink logits) between full ones, values narrower than the heads and scaled, its correction bias drawn,
+# heads wide enough that the rotary part (0.334 of each) is a whole number of pairs
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
                                                 for t in ("full_attention", "sliding_attention")}),
@@ -147,11 +153,20 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                                                          "sliding_attention"],
                                        layer_rope_theta=[1e4, 1e4, 0.0], sliding_window=16, num_key_value_heads=2,
                                        shared_intermediate_size=32, embedding_multiplier=2.0, logits_scaling=3.0,
-                                       residual_multiplier=0.5, attention_multiplier=0.2)}
+                                       residual_multiplier=0.5, attention_multiplier=0.2),
+                "cohere2_moe": dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention",
+                                                                      "sliding_attention", "full_attention"],
+                                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=16,
+                                    prefix_dense_intermediate_size=64, num_shared_experts=1,
+                                    expert_selection_fn="sigmoid", logit_scale=4.0),
+                "mimo_v2_flash": dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention",
+                                                                        "sliding_attention", "full_attention"],
+                                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=16,
+                                      head_dim=48, v_head_dim=32, n_routed_experts=8)}
 # multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
 # model's values
 MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4"}
-BIASED_BUFFERS = {"glm4v_moe", "kimi_linear"}
+BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash"}
 
 
 def multimodal_model(family: str):

@@ -1,0 +1,84 @@
+"""The descriptions of families smoe runs through transformers' own modules, held to those modules: the routing
+`route` computes from them, the layers they say turn by rotary, and the gaps they leave the fast decoders."""
+
+import pytest
+import torch
+
+from smoe.moe.routing import route
+from smoe.runtime.weights import fast_decoder_gap
+from smoe.source.description import describe_model
+from smoe.testing.tiny_models import tiny_default_config
+
+# Cohere2-MoE with a leading dense layer and a shared expert, its full layers rotated only where dense
+COHERE2 = dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                 "full_attention"],
+               mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_shared_experts=1)
+
+
+def cohere2_config(**changes):
+    from transformers import Cohere2MoeConfig
+
+    return Cohere2MoeConfig(**tiny_default_config("cohere2_moe").to_dict() | COHERE2 | changes)
+
+
+@pytest.mark.parametrize("changes", [dict(expert_selection_fn="softmax"),
+                                     dict(expert_selection_fn="sigmoid", norm_topk_prob=True),
+                                     dict(expert_selection_fn="sigmoid", norm_topk_prob=False)])
+def test_cohere2_moe_route_picks_the_experts_and_weights_of_its_router(changes):
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeTopKRouter
+
+    config = cohere2_config(**changes)
+    router = Cohere2MoeTopKRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    x = torch.randn(64, config.hidden_size, generator=generator)
+    logits, want_w, want_ids = router(x)
+    ids, weights = route(describe_model(config.to_dict()).routing, logits)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("pattern", [1, 2])
+def test_cohere2_moe_layers_without_rotary_are_those_its_attention_leaves_unturned(pattern):
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeAttention
+
+    config = cohere2_config(prefix_dense_sliding_window_pattern=pattern)
+    turned = [i for i in range(4) if (a := Cohere2MoeAttention(config, i)).sliding_window is not None or a.force_rope]
+    d = describe_model(config.to_dict())
+    assert d.attention.nope_layers == tuple(i for i in range(4) if i not in turned) == ((0, 3) if pattern == 2 else (3,))
+
+
+def test_cohere2_moe_keeps_to_the_generic_decoder_for_its_parallel_block_and_averaged_shared_expert():
+    d = describe_model(cohere2_config(rms_norm_eps=1e-5).to_dict())
+    assert fast_decoder_gap(d) == fast_decoder_gap(d, "cuda") == "parallel_block, shared_average"
+    assert d.shared_experts == 1 and d.multipliers.logits == 16.0  # logits times logit_scale 0.0625
+
+
+def test_mimo_v2_flash_route_picks_the_experts_and_weights_of_its_router():
+    from transformers import MiMoV2FlashConfig
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashTopkRouter
+
+    config = MiMoV2FlashConfig(**tiny_default_config("mimo_v2_flash").to_dict() | dict(routed_scaling_factor=2.5))
+    router = MiMoV2FlashTopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
+    x = torch.randn(64, config.hidden_size, generator=generator)
+    logits, want_w, want_ids = router(x)
+    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
+def test_mimo_v2_flash_keeps_to_the_generic_decoder_for_what_its_sliding_layers_and_values_add():
+    from transformers import MiMoV2FlashConfig
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashAttention
+
+    config = MiMoV2FlashConfig(**tiny_default_config("mimo_v2_flash").to_dict() | dict(v_head_dim=8))
+    sliding = MiMoV2FlashAttention(config, 1)
+    assert sliding.k_proj.out_features == 2 * config.num_key_value_heads * config.head_dim and sliding.sinks is not None
+    d = describe_model(config.to_dict())
+    assert d.attention.sliding_layers == (1,) and not d.attention.sinks
+    gaps = "rope_per_layer_type, sliding_kv_heads, sliding_sinks, value_head_dim, value_scale"
+    assert fast_decoder_gap(d) == fast_decoder_gap(d, "cuda") == gaps
