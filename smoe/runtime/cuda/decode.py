@@ -320,13 +320,13 @@ class GpuDecoder(HoldsSequence):
 
     def mlp(self, i: int, h, top_i, top_w, one=None):
         """Layer i's MLP branch as it joins the residual stream: its routed experts (one token: from the segment's
-        offsets) plus its shared experts, or its dense MLP; then the norm on its output and the residual
+        offsets `one`) plus its shared experts, or its dense MLP; then the norm on its output and the residual
         multiplier where the model has them (branch)."""
         w = self.layers[i]
         if not w.moe:
             out = dense_mlp(w.dense, h)
         else:
-            out = self.experts_one(i, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
+            out = self.experts_one(i, h, top_w, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
             out = out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
         return branch(out, w.mlp_out_norm, multipliers(self.description).residual, self.eps)
 
@@ -428,31 +428,43 @@ class GpuDecoder(HoldsSequence):
         self.static.set_offsets(self.cache.offsets(i, ids))
 
     def segment(self, seg: int) -> None:
-        """experts of layer seg-1, then attention and routing of layer seg (or the LM head). Where layer seg-1
-        is one the family's own module runs, the residual holds its whole output (nothing to add); where layer
-        seg is, the segment ends with the residual it starts from."""
+        """Segment seg on the static buffers (segment_on), which the host reads and writes between segments."""
+        s = self.static
+        out = self.segment_on(seg, s.x, s.h, s.top_w, s.offsets)
+        if out is None:
+            return
+        x, h, top_i, top_w = out
+        if x is not s.x:
+            s.x.copy_(x)
+        if h is not s.h:
+            s.h.copy_(h)
+        if top_i is not None:  # layer seg routes
+            s.top_i.copy_(top_i)
+            s.top_w.copy_(top_w)
+
+    def segment_on(self, seg: int, x, h, top_w, offsets):
+        """Experts of layer seg-1, then attention and routing of layer seg (or the LM head, into the static logits:
+        None). x: the residual before layer seg-1's MLP branch; h, top_w, offsets: that layer's expert input,
+        weights and blob offsets. Returns the next segment's (x, h, top_i, top_w). Where layer seg-1 is one the
+        family's own module runs, the residual holds its whole output (nothing to add); where layer seg is, the
+        segment ends with the residual it starts from, plus layer seg-1's branch."""
         s = self.static
         if seg == 0:
-            s.x.copy_(self.embedded(s.token))
-            added = None
+            x, added = self.embedded(s.token), None
         elif self.layers[seg - 1] is None:
             added = None
         else:
-            added = self.mlp(seg - 1, s.h, None, None, one=s.offsets)
+            added = self.mlp(seg - 1, h, None, top_w, one=offsets)
         if seg == len(self.layers):
-            s.logits.copy_(self.logits(s.x if added is None else s.x + added))
-            return
+            s.logits.copy_(self.logits(x if added is None else x + added))
+            return None
         if self.layers[seg] is None:
-            if added is not None:
-                s.x.copy_(s.x + added)
-            return
-        x, h, logits = self.run_block(self.layers[seg], s.x, added, s.pos, self.block_args(seg))
-        s.x.copy_(x)
-        s.h.copy_(h)
-        if logits is not None:
-            top_i, top_w = self.route(seg, logits)
-            s.top_i.copy_(self.routed(seg, top_i))
-            s.top_w.copy_(top_w)
+            return (x if added is None else x + added), h, None, top_w
+        x, h, logits = self.run_block(self.layers[seg], x, added, s.pos, self.block_args(seg))
+        if logits is None:  # a dense layer
+            return x, h, None, top_w
+        top_i, top_w = self.route(seg, logits)
+        return x, h, self.routed(seg, top_i), top_w
 
     def route(self, i: int, logits):
         """Layer i's (top-k ids, weights) from its router's logits (None, None for a dense layer): one Triton
@@ -476,15 +488,14 @@ class GpuDecoder(HoldsSequence):
             self.blocks[kind] = EAGER_BLOCKS[kind]
             return self.blocks[kind](x, added, pos, **args)
 
-    def experts_one(self, i: int, offsets):
-        s = self.static
+    def experts_one(self, i: int, h, top_w, offsets):
+        """Layer i's routed experts for one token: h [1, hidden], top_w [1, k], offsets [k] of their blobs."""
         layout = self.layouts[i]
         # straight to the decode kernels where they run: experts_forward checks the offsets' alignment
         # on the host, a sync that a captured graph cannot hold (the cache's slots are aligned by design)
         if self.device.type == "cuda" and self.kernel_path != "reference" and layout.unsupported() is None:
-            return kernels_triton.decode_forward(self.cache.pool, layout, s.h, offsets, s.top_w[0])
-        return kernels_triton.experts_forward(self.cache.pool, layout, s.h, offsets[None], s.top_w,
-                                              path=self.kernel_path)
+            return kernels_triton.decode_forward(self.cache.pool, layout, h, offsets, top_w[0])
+        return kernels_triton.experts_forward(self.cache.pool, layout, h, offsets[None], top_w, path=self.kernel_path)
 
     def idle(self, seg: int) -> bool:
         """Whether segment seg does nothing: it lies between two layers the family's own modules run."""
@@ -545,13 +556,22 @@ class GpuDecoder(HoldsSequence):
         return [range(start, end + 1) for start, end in zip([0, *(e + 1 for e in ends[:-1])], ends)]
 
     def whole_token_body(self, segments: range) -> None:
+        """A stretch of segments, each handing its tensors straight to the next (no static buffer between them:
+        the host reads nothing inside a stretch); it starts from the static residual (the module layer's before
+        it) and leaves its residual there for the module layer after it, or writes the logits."""
         s = self.static
+        x, h, top_i, top_w = s.x, s.h, s.top_i, s.top_w
         for seg in segments:
+            offsets = None
             if seg > 0 and self.layers[seg - 1] is not None and self.layers[seg - 1].moe:
-                s.offsets.copy_(self.table[seg - 1][s.top_i[0]])
+                offsets = self.table[seg - 1][top_i[0]]
                 if self.placement is not None:
-                    self.placement.record(seg - 1, s.top_i[0])
-            self.segment(seg)
+                    self.placement.record(seg - 1, top_i[0])
+            out = self.segment_on(seg, x, h, top_w, offsets)
+            if out is None:  # the LM head
+                return
+            x, h, top_i, top_w = out
+        s.x.copy_(x)
 
     def run_whole_token(self) -> None:
         """The token's stretches, each one graph (every segment of the token when no layer runs through the
