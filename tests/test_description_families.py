@@ -82,3 +82,80 @@ def test_mimo_v2_flash_keeps_to_the_generic_decoder_for_what_its_sliding_layers_
     assert d.attention.sliding_layers == (1,) and not d.attention.sinks
     gaps = "rope_per_layer_type, sliding_kv_heads, sliding_sinks, value_head_dim, value_scale"
     assert fast_decoder_gap(d) == fast_decoder_gap(d, "cuda") == gaps
+
+
+def glm_moe_dsa_config(**changes):
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig(**tiny_default_config("glm_moe_dsa").to_dict() | changes)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(n_routed_experts=8, n_group=4, topk_group=2, norm_topk_prob=False)])
+def test_glm_moe_dsa_route_picks_the_experts_and_weights_of_its_router(changes):
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+    config = glm_moe_dsa_config(**changes)
+    router = GlmMoeDsaTopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
+    x = torch.randn(64, config.hidden_size, generator=generator)
+    logits, want_w, want_ids = router(x)
+    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
+@pytest.mark.parametrize("types", [["full"] * 3, ["full", "shared", "full"]])
+def test_glm_moe_dsa_names_shared_indexer_layers_where_its_attention_reuses_a_choice(types):
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaAttention
+
+    config = glm_moe_dsa_config(indexer_types=types)
+    shared = any(GlmMoeDsaAttention(config, i).skip_topk for i in range(3))
+    d = describe_model(config.to_dict())
+    assert ("shared_indexer" in d.extras) == shared == ("shared" in types)
+    gaps = f"indexer_interleaved_rotary, {'shared_indexer, ' if shared else ''}sparse_attention"
+    assert d.attention.kind == "mla" and fast_decoder_gap(d) == fast_decoder_gap(d, "cuda") == gaps
+
+
+def laguna_config(**changes):
+    from transformers import LagunaConfig
+
+    return LagunaConfig(**tiny_default_config("laguna").to_dict() | changes)
+
+
+def test_laguna_route_picks_the_experts_and_weights_of_its_router():
+    from transformers.models.laguna.modeling_laguna import LagunaTopKRouter
+
+    config = laguna_config(num_experts=8)
+    router = LagunaTopKRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
+    x = torch.randn(64, config.hidden_size, generator=generator)
+    logits, want_w, want_ids = router(x)
+    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
+def test_laguna_routed_scale_and_a_soft_capped_router_are_read():
+    """The block scales the routed experts' output (the weights, for route) by moe_routed_scaling_factor; a router
+    whose logits are soft-capped is left to its own module."""
+    assert describe_model(laguna_config(moe_routed_scaling_factor=2.5).to_dict()).routing.scale == 2.5
+    assert describe_model(laguna_config(moe_router_logit_softcapping=30.0).to_dict()).routing.custom is not None
+
+
+def test_laguna_keeps_to_the_generic_decoder_for_its_gate_heads_per_layer_and_rotary_per_layer_type():
+    from transformers.models.laguna.modeling_laguna import LagunaDecoderLayer
+
+    config = laguna_config(layer_types=["full_attention", "sliding_attention"], num_attention_heads_per_layer=[4, 8],
+                           sliding_window=16)
+    heads = [LagunaDecoderLayer(config, i).self_attn.q_proj.out_features // config.head_dim for i in range(2)]
+    d = describe_model(config.to_dict())
+    assert heads == [4, 8] and d.attention.heads == 4 and d.attention.sliding_layers == (1,)
+    gaps = "heads_per_layer, rope_per_layer_type, softplus_gate"
+    assert fast_decoder_gap(d) == fast_decoder_gap(d, "cuda") == gaps
+    assert "partial_rotary" in d.extras  # the full layers turn half of each head

@@ -1,14 +1,15 @@
 """GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3, cohere2moe), of DBRX,
 Qwen3.5-MoE, Gemma 4, Nemotron-H, MiniMax, Qwen3-VL-MoE's text model, Kimi-Linear, Granite-MoE-SWA, MiMo-V2-Flash and
-DeepSeek-V3.2's indexer, and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes
-differently is refused by name."""
+the indexers of DeepSeek-V3.2 and GLM-5 (glm_moe_dsa), Laguna, and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each
+llama.cpp graph computes differently is refused by name."""
 
 import gguf
 import pytest
 import torch
-from export_models import exportable_config, exportable_vault
+from export_models import exportable_config, exportable_vault, save_exportable_model
 from safetensors.torch import load_file
 
+from smoe.convert.sculpt import sculpt
 from smoe.errors import SmoeError
 from smoe.export import gguf_families, gguf_mla
 from smoe.export.writer import export
@@ -26,6 +27,10 @@ def mimo_rope(full: float | None, sliding: float | None) -> dict:
             for t, (theta, f) in kinds.items()}
 
 
+# Laguna's full layers with YaRN, its sliding ones plain
+LAGUNA_YARN = {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "partial_rotary_factor": 0.5, "factor": 4.0,
+                                  "original_max_position_embeddings": 64},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}
 # a leading dense layer that is a full one: Cohere2-MoE rotates it only where prefix_dense_sliding_window_pattern is 1
 COHERE2_DENSE_FULL = dict(mlp_layer_types=["dense", "sparse", "sparse"],
                           layer_types=["full_attention", "sliding_attention", "full_attention"])
@@ -69,6 +74,11 @@ COHERE2_DENSE_FULL = dict(mlp_layer_types=["dense", "sparse", "sparse"],
     ("mimo_v2_flash", dict(routed_scaling_factor=2.0), "routes with scale = 1.0"),
     ("mimo_v2_flash", dict(n_group=2, topk_group=1), "routes with n_group = 1"),
     ("mimo_v2_flash", dict(attention_bias=True), "attention biases"),
+    ("laguna", dict(moe_router_logit_softcapping=30.0), "router has 'router logits soft-capped'"),
+    ("laguna", dict(rope_parameters=LAGUNA_YARN), "RoPE scaling {'full_attention': 'yarn'"),
+    ("laguna", dict(hidden_act="gelu"), "takes SiLU experts"),
+    ("laguna", dict(attention_bias=True), "attention biases"),
+    ("laguna", dict(mlp_layer_types=["sparse", "dense"]), "dense layers only before the MoE ones"),
 ])
 def test_gguf_refuses_what_the_added_graphs_compute_differently(family, changes, named):
     config = exportable_config(family).to_dict() | changes
@@ -96,10 +106,44 @@ def test_gguf_q_k_biases_move_with_their_rows_for_adjacent_pair_rope(tmp_path):
         assert torch.equal(got, permute_rope(trunk[f"model.layers.1.self_attn.{name}_proj.bias"].float(), heads))
 
 
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
 @pytest.mark.parametrize("width", [16, 96])
-def test_gguf_refuses_an_indexer_llama_cpp_cannot_rotate(width):
-    """llama.cpp's deepseek32 rotates the indexer's q and k by a Hadamard matrix of a power of two from 64."""
-    config = exportable_config("deepseek_v32").to_dict() | dict(index_head_dim=width)
+def test_gguf_refuses_an_indexer_llama_cpp_cannot_rotate(family, width):
+    """llama.cpp's deepseek32 and glm-dsa rotate the indexer's q and k by a Hadamard matrix of a power of two from 64."""
+    config = exportable_config(family).to_dict() | dict(index_head_dim=width)
     desc = describe_model(config)
     with pytest.raises(SmoeError, match=f"index_head_dim is {width}"):
-        gguf_mla.check("deepseek_v32", config, desc, list(desc.moe_layers), {}, 32)
+        gguf_mla.check(family, config, desc, list(desc.moe_layers), {}, 32)
+
+
+def test_gguf_refuses_rope_scaling_glm_dsa_reads_no_multiplier_for():
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
+    config = exportable_config("glm_moe_dsa", architecture=dict(index_head_dim=64)).to_dict() | dict(
+        rope_parameters=rope)
+    desc = describe_model(config)
+    with pytest.raises(SmoeError, match="glm-dsa reads no YaRN log multiplier; RoPE scaling 'yarn'"):
+        gguf_mla.check("glm_moe_dsa", config, desc, list(desc.moe_layers), {}, 32)
+
+
+def test_gguf_glm_moe_dsa_is_written_as_glm_dsa_with_the_layers_that_run_their_own_indexer(tmp_path):
+    types = ["full", "shared", "full"]
+    model = save_exportable_model("glm_moe_dsa", tmp_path / "model", architecture=dict(index_head_dim=64,
+                                                                                        indexer_types=types))
+    sculpt(model, tmp_path / "vault", bits=4, progress=False)
+    reader = gguf.GGUFReader(export(tmp_path / "vault", "gguf", tmp_path / "m.gguf"))
+    arch = reader.fields["general.architecture"]
+    written = reader.fields["glm-dsa.attention.indexer.types"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "glm-dsa"
+    assert [bool(written.parts[i][0]) for i in written.data] == [True, False, True]
+    names = {t.name for t in reader.tensors}
+    assert "blk.2.indexer.k_norm.weight" in names and not any(n.startswith("blk.1.indexer.") for n in names)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_gguf_takes_q_lora_at_the_depths_deepseek2_reads_as_lite_for_the_indexed_graphs(family):
+    """deepseek32 and glm-dsa read q_lora_rank at every depth, where deepseek2 takes 27 layers for V2-Lite without it
+    (tests/test_export.py holds that refusal)."""
+    config = exportable_config(family, architecture=dict(index_head_dim=64)).to_dict() | dict(q_lora_rank=32)
+    desc = describe_model(config)
+    deep = config | dict(num_hidden_layers=27)
+    assert gguf_mla.check(family, deep, desc, list(range(1, 27)), {}, 32) is None

@@ -140,7 +140,7 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count(gguf_families.head_count(source.model_type, config))
     if arch.arch in gguf_mla.ARCHS:
         gguf_mla.write_attention(writer, config, describe_model(config))
         gguf_mla.write_moe(writer, describe_model(config), source.meta["moe_layers"], config["num_hidden_layers"])

@@ -125,13 +125,20 @@ the key/value heads (head_count_kv per layer), sink logits (saved as attention_s
 values of v_head_dim scaled by attention.value_scale, dense layers where there is no router; one rotary width for
 both layer types (other partial factors refused).
 
+glm_moe_dsa (GLM-5) is llama.cpp's `glm-dsa`, written through the MLA path beside deepseek_v32 (smoe.export.gguf_mla):
+DeepSeek-V3.2's with rotary over adjacent pairs in the indexer and indexer layers that reuse the previous one's choice.
+laguna is `laguna`, a name the pinned gguf package lacks (tensors named as afmoe's, its norm before the MLP as
+ffn_norm): sigmoid choice by score + correction bias, normalised and scaled, a shared expert of its own width, q/k norm
+per head, the attention output times the softplus of g_proj (one gate per head or per channel, which llama.cpp tells by
+g_proj's width), query heads per layer (head_count per layer), the sliding layers' rotary part and base beside the full
+ones'; a soft-capped router and RoPE scaling (which llama.cpp's graph turns on the full layers only) refused.
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
-does not describe, so that the checks above have nothing to read: laguna (`laguna`), hy_v4 (`hy_v4`), glm_moe_dsa
-(`glm-dsa`: DeepSeek-V3.2's with rotary over adjacent pairs in the indexer and indexer layers that reuse the previous
-one's choice), glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`), dots3_note (`dots3note`), step3p7 (`step35`, the
-converter's for Step3p5 and Step3p7), qwen4_exp (`qwen4exp`) and minimax_m3_vl (`minimax-m3`).
+does not describe, so that the checks above have nothing to read: hy_v4 (`hy_v4`), glm5_next (`glm5-next`),
+deepseek_v4 (`deepseek4`), dots3_note (`dots3note`), step3p7 (`step35`, the converter's for Step3p5 and Step3p7),
+qwen4_exp (`qwen4exp`) and minimax_m3_vl (`minimax-m3`).
 """
 
 from __future__ import annotations
@@ -220,6 +227,7 @@ class GgufFamily:
     mla: bool = False
     sliding_kv_factor: int = 1  # the sliding layers' key/value heads, times the config's (head_count_kv per layer)
     value_width_key: str | None = None  # the config key of the value heads' width, where it is not head_dim
+    heads_key: str | None = None  # the config key of the query heads per layer (head_count per layer)
 
     @property
     def llama_name(self) -> str:
@@ -848,6 +856,33 @@ def _mimo_v2_flash_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+def _laguna(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's laguna turns each layer type by its own rotary part and base without scaling, and runs SiLU
+    experts."""
+    rope = gguf_mla.rope_parameters(config)
+    types = {t: (rope.get(t) or {}).get("rope_type", "default") for t in ("full_attention", "sliding_attention")}
+    require(set(types.values()) == {"default"}, f"{name}: RoPE scaling {types} is not exported to GGUF")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's laguna takes SiLU experts; this model's are "
+            f"{desc.experts.activation}")
+
+
+def _write_laguna(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The sliding layers' rotary part and base."""
+    sliding = gguf_mla.rope_parameters(config).get("sliding_attention")
+    if sliding:
+        writer.add_rope_dimension_count_swa(int(config["head_dim"] * sliding.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_freq_base_swa(float(sliding["rope_theta"]))
+
+
+def _laguna_pieces(key: str, shape: tuple[int, ...], config: dict,
+                   names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The norm before the MLP, which afmoe's names take for one after attention, as ffn_norm."""
+    if key.endswith("post_attention_layernorm.weight"):
+        return [(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_NORM].format(bid=int(key.split('.')[2]))}.weight", shape,
+                 lambda t: t)]
+    return None
+
+
 # DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
 DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
              "max_position_embeddings": "max_seq_len"}
@@ -1031,6 +1066,14 @@ FAMILIES = {
                                 sliding_window=True, any_moe_layers=True, sliding_kv_factor=2,
                                 value_width_key="v_head_dim", check=_mimo_v2_flash, write=_write_mimo_v2_flash,
                                 pieces=_mimo_v2_flash_pieces),
+    # sigmoid choice by score + correction bias, a shared expert of its own width, q/k norm per head, the attention
+    # output times the softplus of g_proj (per head or per element, as its width says), query heads per layer, each
+    # layer type's rotary part and base; tensors named as afmoe's
+    "laguna": GgufFamily(_arch("AFMOE", "num_experts"), SIGMOID_BIASED,
+                         extras=("softplus_gate", "heads_per_layer", "partial_rotary", "rope_per_layer_type"),
+                         qk_norms=("head",), dense_first=True, sliding_window=True, moe_keys=True, shared_width=True,
+                         heads_key="num_attention_heads_per_layer", check=_laguna, write=_write_laguna,
+                         pieces=_laguna_pieces, name="laguna"),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -1109,6 +1152,13 @@ def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]
         return desc.attention.kv_heads
     heads = 1 if family.mla else desc.attention.kv_heads  # MLA: one head of the latent
     return [0 if i in desc.attention.mixer_layers else heads for i in range(desc.num_layers)]
+
+
+def head_count(name: str, config: dict) -> int | list[int]:
+    """head_count: one number, or per layer where the family's layers have their own."""
+    family = FAMILIES.get(name)
+    heads = config.get(family.heads_key) if family and family.heads_key else None
+    return list(heads) if heads else config["num_attention_heads"]
 
 
 def value_width(name: str, config: dict) -> int | None:

@@ -26,7 +26,12 @@ whose head count, head width and top-k are written and whose tensors keep their 
 transformers does (ReLU of q·k over half-split rotary, weighted by weights_proj, summed over heads; a positive scale
 and a Hadamard rotation of q and k leave the choice alone) and rotates with a Hadamard matrix of a power of two from
 64: other indexer widths are refused. It keeps the indexer's keys in the K cache's type: the default F16 can flip the
-top-k where two keys score within about 1e-4; with an F32 cache the choice is transformers'.
+top-k where two keys score within about 1e-4; with an F32 cache the choice is transformers'. glm_moe_dsa (GLM-5) is
+llama.cpp's `glm-dsa`, the same graph but for its indexer's rotary over adjacent pairs (as transformers turns it) and its
+layers whose indexer_types is "shared", which reuse the previous indexer layer's choice: indexer_types is written as
+the converter writes it (true where "full"; without it llama.cpp takes GLM-5.2's pattern for a context from 2^20). That
+graph reads no YaRN log multiplier, so RoPE scaling is refused, and no LayerNorm eps: the indexer's key norm runs at
+eps 0, where transformers' takes 1e-6.
 kimi_linear's MLA layers (smoe.export.gguf_families) are written by write_attention and pieces too, with key/value heads
 per layer (0 on its delta-attention layers).
 """
@@ -50,9 +55,12 @@ ARCHS = (ARCH, "MISTRAL4", "GLM_DSA")
 ARCHITECTURES = {t: Architecture(arch, permute_qk=False, expert_width_key=True, experts_key="n_routed_experts",
                                  readable=False)
                  for t, arch in (("glm4_moe_lite", ARCH), ("sarvam_mla", ARCH), ("mistral4", "MISTRAL4"),
-                                 ("deepseek_v32", "GLM_DSA"))}
-# llama.cpp's names of the families written under another architecture's tensor table: deepseek2 with the indexer
-INDEXED = {"deepseek_v32": "deepseek32"}
+                                 ("deepseek_v32", "GLM_DSA"), ("glm_moe_dsa", "GLM_DSA"))}
+# llama.cpp's names of the families with the indexer: deepseek32 is written under glm-dsa's tensor table
+INDEXED = {"deepseek_v32": "deepseek32", "glm_moe_dsa": "glm-dsa"}
+# the description's extras each one's indexer computes: glm-dsa's turns adjacent pairs and may be shared
+INDEXER_EXTRAS = {"deepseek_v32": ("sparse_attention",),
+                  "glm_moe_dsa": ("sparse_attention", "indexer_interleaved_rotary", "shared_indexer")}
 INDEXER_ROTATION = 64  # the smallest Hadamard matrix llama.cpp rotates the indexer's q and k by
 # what the description may say that the deepseek2 graph computes: the query temperature from its metadata
 EXTRAS = ("interleaved_rotary", "temperature_tuning")
@@ -69,7 +77,7 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
     """What the deepseek2 graph assumes that this config (and the trunk's `shapes`) could contradict."""
     if name in INDEXED:
         _check_indexer(name, config, desc)
-        desc = replace(desc, extras=tuple(e for e in desc.extras if e != "sparse_attention"))
+        desc = replace(desc, extras=tuple(e for e in desc.extras if e not in INDEXER_EXTRAS[name]))
     layers = config["num_hidden_layers"]
     first = moe_layers[0] if moe_layers else layers
     require(moe_layers == list(range(first, layers)),
@@ -86,7 +94,8 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
             f"expert (topk_method group_limited_greedy)")
     require(r.scoring in ("softmax", "sigmoid"), f"{name}: router scoring {r.scoring!r} has no llama.cpp gating function")
     check_shared_experts(name, "deepseek2", shapes, expert_width, desc.shared_experts)
-    lite = layers in LITE_LAYERS or (layers, config.get("vocab_size")) == LITE_DEPTH_VOCAB
+    # deepseek32 and glm-dsa always read q_lora_rank
+    lite = name not in INDEXED and (layers in LITE_LAYERS or (layers, config.get("vocab_size")) == LITE_DEPTH_VOCAB)
     require(not (lite and config.get("q_lora_rank")),
             f"{name}: llama.cpp reads a {layers}-layer deepseek2 (vocabulary {config.get('vocab_size')}) as "
             f"DeepSeek-V2-Lite, without q_lora; this model has q_lora_rank {config.get('q_lora_rank')}")
@@ -104,6 +113,10 @@ def _check_indexer(name: str, config: dict, desc: ModelDescription) -> None:
     that divides their width, and asserts the rotary part fits in them: a width that is not such a power is refused."""
     width = config["index_head_dim"]
     require("sparse_attention" in desc.extras, f"{name}: llama.cpp's {INDEXED[name]} needs the indexer")
+    if name == "glm_moe_dsa":
+        kind = rope_parameters(config).get("rope_type", "default")
+        require(kind == "default", f"{name}: llama.cpp's glm-dsa reads no YaRN log multiplier; RoPE scaling {kind!r} "
+                "is not exported to GGUF")
     require(width >= INDEXER_ROTATION and width & (width - 1) == 0 and config["qk_rope_head_dim"] <= width,
             f"{name}: llama.cpp's {INDEXED[name]} rotates the indexer heads by a Hadamard matrix of a power of two from "
             f"{INDEXER_ROTATION}; this model's index_head_dim is {width}")
@@ -147,6 +160,8 @@ def write_attention(writer: gguf.GGUFWriter, config: dict, desc: ModelDescriptio
         writer.add_indexer_head_count(config["index_n_heads"])
         writer.add_indexer_key_length(config["index_head_dim"])
         writer.add_indexer_top_k(config["index_topk"])
+    if config.get("indexer_types"):  # glm-dsa: which layers run their own indexer
+        writer.add_array(f"{writer.arch}.attention.indexer.types", [t == "full" for t in config["indexer_types"]])
 
 
 def write_yarn(writer: gguf.GGUFWriter, rope: dict) -> None:

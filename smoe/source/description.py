@@ -49,6 +49,10 @@ EXTRAS = {
     "sliding_sinks": "sink logits on the sliding layers only",
     "value_head_dim": "value heads of another width than query and key heads",
     "value_scale": "values scaled",
+    "indexer_interleaved_rotary": "an indexer whose rotary embedding turns adjacent pairs instead of the two halves",
+    "shared_indexer": "layers reusing the keys the previous indexer chose instead of an indexer of their own",
+    "softplus_gate": "attention output times the softplus of a learned gate, per head or per element",
+    "heads_per_layer": "layers with their own count of query heads",
     "undescribed": "a family this description does not cover",
 }
 
@@ -297,6 +301,15 @@ def _deepseek_v3(c, n):
 def _deepseek_v32(c, n):
     facts = _deepseek_v3(c, n)
     return facts | dict(extras=(*facts.get("extras", ()), "sparse_attention"))
+
+
+def _glm_moe_dsa(c, n):
+    """DeepSeek-V3.2's facts with rotary over adjacent pairs everywhere, the indexer's included; the layers that
+    indexer_types marks "shared" reuse the previous indexer layer's choice of keys."""
+    facts = _deepseek_v3(c, n)
+    shared = "shared" in (c.get("indexer_types") or ())
+    return facts | dict(extras=("interleaved_rotary", "sparse_attention", "indexer_interleaved_rotary",
+                                *(("shared_indexer",) if shared else ())))
 
 
 def _mistral4(c, n):
@@ -630,10 +643,30 @@ def _mimo_v2_flash(c, n):
                         *(("value_scale",) if scale is not None and scale != 1.0 else ())))
 
 
+def _laguna(c, n):
+    """DeepSeek-V3's sigmoid choice by score + correction bias without groups, its weights normalised and times
+    moe_routed_scaling_factor (a soft-capped router is its own); a shared expert; q/k norm per head; the attention
+    output times the softplus of g_proj; query heads per layer (num_attention_heads_per_layer, where any differs from
+    num_attention_heads); rotary over part of each head, its part and base per layer type."""
+    cap = float(c.get("moe_router_logit_softcapping", default=0.0) or 0.0)
+    routing = dict(scoring="sigmoid", correction_bias=True, normalise=True,
+                   scale=_scale(c, "moe_routed_scaling_factor"))
+    heads = set(c.get("num_attention_heads_per_layer") or ()) - {c.get("num_attention_heads")}
+    kinds = {(c.get(f"rope_parameters.{t}.rope_theta"), c.get(f"rope_parameters.{t}.partial_rotary_factor",
+                                                             default=1.0))
+             for t in set(c.get("layer_types") or ("full_attention",))}
+    return dict(routing=dict(custom="router logits soft-capped") if cap > 0 else routing, qk_norm="head",
+                sliding_layers=_sliding(c, n), shared_experts=1,
+                extras=("softplus_gate", *(("heads_per_layer",) if heads else ()),
+                        *(("partial_rotary",) if any(f != 1.0 for _, f in kinds) else ()),
+                        *(("rope_per_layer_type",) if len(kinds) > 1 else ())))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
-    "deepseek_v3": _deepseek_v3, "deepseek_v32": _deepseek_v32, "mistral4": _mistral4, "glm4_moe": _glm4_moe, "mixtral": _mixtral,
+    "deepseek_v3": _deepseek_v3, "deepseek_v32": _deepseek_v32, "glm_moe_dsa": _glm_moe_dsa,
+    "mistral4": _mistral4, "glm4_moe": _glm4_moe, "mixtral": _mixtral,
     "minimax": _minimax, "minimax_m2": _minimax_m2, "phimoe": _phimoe, "jamba": _jamba, "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe, "dots1": _dots1, "exaone_moe": _exaone_moe, "afmoe": _afmoe,
     "lfm2_moe": _lfm2_moe, "gpt_oss": _gpt_oss, "llama4": _llama4, "granitemoe": _granitemoe,
@@ -644,5 +677,5 @@ _RULES = {
     "mellum": _mellum, "qwen3_vl_moe": _qwen3_vl_moe, "qwen3_omni_moe_thinker": _standard, "glm4v_moe": _glm4v_moe,
     "aria": _aria, "aria_text": _aria, "deepseek_ocr2": _deepseek_ocr2, "flint": _flint, "lara_mini": _lara_mini,
     "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
-    "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash,
+    "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash, "laguna": _laguna,
 }
