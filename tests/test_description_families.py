@@ -159,3 +159,71 @@ def test_laguna_keeps_to_the_generic_decoder_for_its_gate_heads_per_layer_and_ro
     gaps = "heads_per_layer, rope_per_layer_type, softplus_gate"
     assert fast_decoder_gap(d) == fast_decoder_gap(d, "cuda") == gaps
     assert "partial_rotary" in d.extras  # the full layers turn half of each head
+
+
+# Step-3.7's text model: a full layer, then a sliding one with twice the query heads, the SwiGLU clamped on the
+# experts of the MoE layer and on the dense one, scores scaled by 1 / sqrt(head_dim)
+STEP3P7 = dict(layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=16,
+               query_pre_attn_scalar=16,
+               num_sliding_attention_heads=8, swiglu_limits=[None, None, 7.0], swiglu_limits_shared=[5.0, 0.0, None],
+               rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                   "partial_rotary_factor": 0.5},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}})
+
+
+def step3p7_config(**changes):
+    """Step-3.7's tiny config, its text model's values changed (per_layer_config remade from them)."""
+    from transformers import Step3p7Config
+
+    config = tiny_default_config("step3p7").to_dict()
+    text = {k: v for k, v in config["text_config"].items() if k != "per_layer_config"} | STEP3P7 | changes
+    return Step3p7Config(**config | dict(text_config=text))
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_step3p7_route_picks_the_experts_and_weights_of_its_router(scale):
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TopKRouter
+
+    config = step3p7_config(n_routed_experts=8, moe_router_scaling_factor=scale)
+    router = Step3p7TopKRouter(config.text_config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
+    x = torch.randn(64, config.text_config.hidden_size, generator=generator)
+    logits, want_w, want_ids = router(x)
+    routing = describe_model(config.to_dict()).routing
+    ids, weights = route(routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values) and routing.scale == scale  # the block scales the output
+    torch.testing.assert_close(weights.gather(-1, order.indices) / scale, want_w.gather(-1, want_order.indices))
+
+
+def test_step3p7_keeps_to_the_generic_decoder_for_its_gate_heads_clamps_and_rotary_per_layer_type():
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7DecoderLayer
+
+    config = step3p7_config()
+    layers = [Step3p7DecoderLayer(config.text_config, i) for i in range(3)]
+    heads = [layer.self_attn.q_proj.out_features // config.text_config.head_dim for layer in layers]
+    gates = [layer.self_attn.g_proj.out_features for layer in layers]
+    limits = [layers[0].mlp.limit, layers[2].mlp.experts.limit, layers[2].mlp.shared_experts.limit]
+    d = describe_model(config.to_dict())
+    assert heads == gates == [4, 8, 4] and d.attention.sliding_layers == (1,) and d.shared_experts == 1
+    assert limits == [5.0, 7.0, float("inf")]
+    gaps = "heads_per_layer, rope_per_layer_type, sigmoid_gate, swiglu_limit"
+    assert fast_decoder_gap(d) == gaps and fast_decoder_gap(d, "cuda") == f"{gaps}, norm_offset"
+    assert {"norm_offset", "partial_rotary"} <= set(d.extras)
+
+
+@pytest.mark.parametrize("changes,extra", [(dict(query_pre_attn_scalar=32), "multipliers"),
+                                           (dict(mlp_bias=True), "mlp_bias"),
+                                           (dict(swiglu_limits_shared=[0.0, 3.0, None]), "swiglu_limit"), ({}, None)])
+def test_step3p7_names_what_its_config_switches_on(changes, extra):
+    """A query scale other than head_dim's (the attention's own), MLP biases, a clamp on any layer; none without."""
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7Attention
+
+    config = step3p7_config(**dict(swiglu_limits=None, swiglu_limits_shared=None) | changes)
+    d = describe_model(config.to_dict())
+    named = {"swiglu_limit", "multipliers", "mlp_bias"} & set(d.extras)
+    assert named == ({extra} if extra else set())
+    scaling = Step3p7Attention(config.text_config.per_layer_config[0], 0).scaling
+    assert (d.multipliers.attention if d.multipliers else config.text_config.head_dim ** -0.5) == scaling

@@ -1,7 +1,7 @@
 """GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3, cohere2moe), of DBRX,
 Qwen3.5-MoE, Gemma 4, Nemotron-H, MiniMax, Qwen3-VL-MoE's text model, Kimi-Linear, Granite-MoE-SWA, MiMo-V2-Flash and
-the indexers of DeepSeek-V3.2 and GLM-5 (glm_moe_dsa), Laguna, and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each
-llama.cpp graph computes differently is refused by name."""
+the indexers of DeepSeek-V3.2 and GLM-5 (glm_moe_dsa), Laguna, Step-3.7's text model (step35), and the q/k rows
+llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
 
 import gguf
 import pytest
@@ -16,6 +16,7 @@ from smoe.export.writer import export
 from smoe.format.vault import TRUNK_FILE
 from smoe.source.description import describe_model
 from smoe.source.gguf import permute_rope
+from smoe.testing.tiny_models import tiny_default_config
 
 FULL_BASE_ONLY = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
 
@@ -93,6 +94,55 @@ def test_gguf_mellum_with_one_rotary_base_is_written_as_mellum(tmp_path):
     arch = reader.fields["general.architecture"]
     assert bytes(arch.parts[arch.data[0]]).decode() == "mellum"
     assert {"blk.0.attn_q_norm.weight", "blk.1.ffn_gate_exps.weight"} <= {t.name for t in reader.tensors}
+
+
+# Step-3.7's text model as llama.cpp's step35 computes it: a full layer (half of each head turned) and a sliding one
+# (all of it, another base), scores by 1 / sqrt(head_dim)
+STEP35_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e3, "partial_rotary_factor": 1.0}}
+STEP3P7 = dict(layer_types=["full_attention", "sliding_attention", "full_attention"], sliding_window=16,
+               query_pre_attn_scalar=16, rope_parameters=STEP35_ROPE, swiglu_limits=[None, None, 7.0])
+
+
+def step3p7_config(**changes) -> dict:
+    """Step-3.7's config.json with its text model's values changed (per_layer_config remade from them)."""
+    from transformers import Step3p7Config
+
+    config = tiny_default_config("step3p7").to_dict()
+    text = {k: v for k, v in config["text_config"].items() if k != "per_layer_config"} | STEP3P7 | changes
+    return Step3p7Config(**config | dict(text_config=text)).to_dict()
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({}, None),
+    (dict(layer_types=["full_attention"] * 3), "needs sliding-window layers"),
+    (dict(gating="per-element"), "gates each head's output; this model's gating is 'per-element'"),
+    (dict(rope_parameters=STEP35_ROPE | {"full_attention": LAGUNA_YARN["full_attention"]}), "RoPE scaling"),
+    (dict(rope_parameters=STEP35_ROPE | {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "turns half of each head on the full layers"),
+    (dict(query_pre_attn_scalar=32), "does not compute multipliers"),
+    (dict(mlp_bias=True), "does not compute mlp_bias"),
+    (dict(use_bidirectional_attention=True), "does not compute bidirectional_attention"),
+    (dict(attention_bias=True), "attention biases"),
+])
+def test_gguf_refuses_what_step35_computes_differently(changes, named):
+    config = step3p7_config(**changes)
+    desc = describe_model(config)
+    run = lambda: gguf_families.check("step3p7", gguf_families.config_view("step3p7", config), desc,
+                                      list(desc.moe_layers), {}, 32)
+    if named is None:
+        assert run() is None
+        return
+    with pytest.raises(SmoeError, match=named):
+        run()
+
+
+def test_gguf_step35_heads_and_rotary_width_are_the_graph_s():
+    """head_count per layer (the sliding layers' own), and rope.dimension_count the whole head: step35 halves it on
+    the full layers."""
+    config = gguf_families.config_view("step3p7", step3p7_config(num_sliding_attention_heads=8))
+    assert gguf_families.head_count("step3p7", config) == [4, 8, 4]
+    assert gguf_families.rope_width("step3p7", config) == 16
 
 
 def test_gguf_q_k_biases_move_with_their_rows_for_adjacent_pair_rope(tmp_path):

@@ -152,7 +152,8 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
         full = gguf_families.full_head_dim(source.model_type, config)  # Gemma 4's global heads (proportional RoPE)
         writer.add_key_length(full or head_dim(config))
         writer.add_value_length(full or gguf_families.value_width(source.model_type, config) or head_dim(config))
-        writer.add_rope_dimension_count(full or rotary_dim(config))
+        writer.add_rope_dimension_count(full or gguf_families.rope_width(source.model_type, config)
+                                        or rotary_dim(config))
     if source.model_type in gguf_families.FAMILIES:
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
         gguf_families.write(writer, source.model_type, config, describe_model(config), source.meta["moe_layers"], shapes)

@@ -132,13 +132,20 @@ ffn_norm): sigmoid choice by score + correction bias, normalised and scaled, a s
 per head, the attention output times the softplus of g_proj (one gate per head or per channel, which llama.cpp tells by
 g_proj's width), query heads per layer (head_count per layer), the sliding layers' rotary part and base beside the full
 ones'; a soft-capped router and RoPE scaling (which llama.cpp's graph turns on the full layers only) refused.
+step3p7 (Step-3.7's text model, which its vault keeps under model. beside the tower, in the release's names) is `step35`:
+sigmoid choice by score + correction bias (router_bias, as exp_probs_b), normalised and scaled, a shared expert on
+every MoE layer, dense layers where there is no router, the (1 + w) RMSNorms as 1 + w, q/k norm per head, the
+attention output times the sigmoid of g_proj per head, the sliding layers' own query heads (head_count per layer) and
+rotary base, the SwiGLU clamps per layer (swiglu_clamp_exp on the experts, swiglu_clamp_shexp on the shared and dense
+MLPs; 0: none). Its graph turns the whole head on the sliding layers and half of it on the full ones (rope.dimension_count
+is the whole head), scores by 1 / sqrt(head_dim) and asserts that a layer slides: other rotary parts, RoPE scaling, a
+query_pre_attn_scalar other than head_dim, a gate per channel, MLP biases and a model without sliding layers refused.
 
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
 does not describe, so that the checks above have nothing to read: hy_v4 (`hy_v4`), glm5_next (`glm5-next`),
-deepseek_v4 (`deepseek4`), dots3_note (`dots3note`), step3p7 (`step35`, the converter's for Step3p5 and Step3p7),
-qwen4_exp (`qwen4exp`) and minimax_m3_vl (`minimax-m3`).
+deepseek_v4 (`deepseek4`), dots3_note (`dots3note`), qwen4_exp (`qwen4exp`) and minimax_m3_vl (`minimax-m3`).
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.w
 KIMI_CONV_KERNELS = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")
 # matrices llama.cpp reads as F32 whatever the trunk type: the kernels, and Mamba's A and D ([heads, 1])
 F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D", *KIMI_CONV_KERNELS, "self_attn.A_log")
-SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.")
+SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.", ".share_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 # llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
 # attention on the others (its swa pattern), chunks of 8192, the NoPE queries' temperature (floor, scale) and
@@ -228,6 +235,10 @@ class GgufFamily:
     sliding_kv_factor: int = 1  # the sliding layers' key/value heads, times the config's (head_count_kv per layer)
     value_width_key: str | None = None  # the config key of the value heads' width, where it is not head_dim
     heads_key: str | None = None  # the config key of the query heads per layer (head_count per layer)
+    sliding_heads_key: str | None = None  # the config key of the sliding layers' query heads (head_count per layer)
+    whole_head_rope: bool = False  # rope.dimension_count is the whole head, which the graph halves on the full layers
+    # where a multimodal checkpoint's vault keeps its text model (Step-3.7's release layout: model., its tower beside)
+    text_prefix: str = TEXT_PREFIX
 
     @property
     def llama_name(self) -> str:
@@ -883,6 +894,46 @@ def _laguna_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+STEP35_ROTARY = {"full_attention": 0.5, "sliding_attention": 1.0}  # llama.cpp's step35: half of each head on full layers
+
+
+def _step3p7(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's step35 gates each head (not each channel), turns half of each head on the full layers and all of
+    it on the sliding ones without scaling, and scores by 1 / sqrt(head_dim) (a query_pre_attn_scalar that is not
+    head_dim is the description's multipliers, refused with the other extras); its graph asserts that a layer slides."""
+    require(bool(desc.attention.sliding_layers), f"{name}: llama.cpp's step35 needs sliding-window layers (its graph "
+            "asserts one)")
+    gating = config.get("gating", True)
+    require(gating is True or gating == "per-head", f"{name}: llama.cpp's step35 gates each head's output; this "
+            f"model's gating is {gating!r} (a gate per channel)")
+    rope = gguf_mla.rope_parameters(config)
+    kinds = {t: rope.get(t) or {} for t in set(config.get("layer_types") or ("full_attention",))}
+    types = {t: p.get("rope_type", "default") for t, p in kinds.items()}
+    require(set(types.values()) == {"default"}, f"{name}: RoPE scaling {types} is not exported to GGUF")
+    factors = {t: p.get("partial_rotary_factor", 1.0) for t, p in kinds.items()}
+    want = {t: STEP35_ROTARY.get(t) for t in factors}
+    require(factors == want, f"{name}: llama.cpp's step35 turns half of each head on the full layers and all of it on "
+            f"the sliding ones; this model's partial_rotary_factor per layer type is {factors}")
+
+
+def _write_step3p7(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The clamps per layer (0: none) and the sliding layers' rotary base."""
+    n = desc.num_layers
+    writer.add_swiglu_clamp_exp([float(v or 0.0) for v in config.get("swiglu_limits") or [0.0] * n])
+    writer.add_swiglu_clamp_shexp([float(v or 0.0) for v in config.get("swiglu_limits_shared") or [0.0] * n])
+    writer.add_rope_freq_base_swa(float(gguf_mla.rope_parameters(config)["sliding_attention"]["rope_theta"]))
+
+
+def _step3p7_pieces(key: str, shape: tuple[int, ...], config: dict,
+                    names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The (1 + w) RMSNorms as 1 + w, and the release's router_bias as exp_probs_b, as the converter writes them."""
+    if key.endswith("norm.weight"):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: t.float() + 1)]
+    if key.endswith(".moe.router_bias"):
+        return [(names.get_name(f"{key}.bias", try_suffixes=(".bias",)), shape, lambda t: t)]
+    return None
+
+
 # DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
 DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
              "max_position_embeddings": "max_seq_len"}
@@ -1074,6 +1125,15 @@ FAMILIES = {
                          qk_norms=("head",), dense_first=True, sliding_window=True, moe_keys=True, shared_width=True,
                          heads_key="num_attention_heads_per_layer", check=_laguna, write=_write_laguna,
                          pieces=_laguna_pieces, name="laguna"),
+    # Step-3.7's text model: sigmoid choice by score + correction bias, a shared expert on every MoE layer, (1 + w)
+    # norms, the attention output times the sigmoid of g_proj per head, the sliding layers' own query heads and rotary
+    # base (the graph turns half of each head on the full layers), the SwiGLU clamped per layer
+    "step3p7": GgufFamily(_arch("STEP35", "n_routed_experts"), SIGMOID_BIASED | dict(normalise=True, n_group=1),
+                          extras=("norm_offset", "sigmoid_gate", "heads_per_layer", "partial_rotary",
+                                  "rope_per_layer_type", "swiglu_limit"),
+                          qk_norms=("head",), sliding_window=True, moe_keys=True, shared_width=True,
+                          any_moe_layers=True, sliding_heads_key="num_sliding_attention_heads", whole_head_rope=True,
+                          text_prefix="model.", check=_step3p7, write=_write_step3p7, pieces=_step3p7_pieces),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -1158,7 +1218,16 @@ def head_count(name: str, config: dict) -> int | list[int]:
     """head_count: one number, or per layer where the family's layers have their own."""
     family = FAMILIES.get(name)
     heads = config.get(family.heads_key) if family and family.heads_key else None
+    if family and family.sliding_heads_key and config.get(family.sliding_heads_key):
+        sliding = config[family.sliding_heads_key]
+        heads = [sliding if t == "sliding_attention" else config["num_attention_heads"] for t in config.get("layer_types") or ()]
     return list(heads) if heads else config["num_attention_heads"]
+
+
+def rope_width(name: str, config: dict) -> int | None:
+    """rope.dimension_count where the family's graph takes the whole head and halves it itself, else None."""
+    family = FAMILIES.get(name)
+    return config["head_dim"] if family and family.whole_head_rope else None
 
 
 def value_width(name: str, config: dict) -> int | None:
@@ -1211,9 +1280,9 @@ def pieces(name: str, key: str, shape: tuple[int, ...], config: dict,
     family = FAMILIES.get(name)
     if not (family and "text_config" in config):  # config_view's of a multimodal checkpoint's vault keeps text_config
         return _pieces(family, key, shape, config, names)
-    if not key.startswith((TEXT_PREFIX, "lm_head.")):
+    if not key.startswith((family.text_prefix, "lm_head.")):
         return []
-    key = key.replace(TEXT_PREFIX, "model.", 1)
+    key = key.replace(family.text_prefix, "model.", 1)
     if (split := _pieces(family, key, shape, config, names)) is not None:
         return split
     tensor = names.get_name(key, try_suffixes=(".weight", ".bias"))

@@ -53,6 +53,10 @@ EXTRAS = {
     "shared_indexer": "layers reusing the keys the previous indexer chose instead of an indexer of their own",
     "softplus_gate": "attention output times the softplus of a learned gate, per head or per element",
     "heads_per_layer": "layers with their own count of query heads",
+    "sigmoid_gate": "attention output times the sigmoid of a learned gate of the layer's input, per head or per element",
+    "swiglu_limit": "SwiGLU's activated gate clamped from above and its up projection both ways, at a bound per layer",
+    "mlp_bias": "biases on the dense and shared MLPs' projections",
+    "bidirectional_attention": "attention to later positions as well as earlier ones",
     "undescribed": "a family this description does not cover",
 }
 
@@ -662,6 +666,34 @@ def _laguna(c, n):
                         *(("rope_per_layer_type",) if len(kinds) > 1 else ())))
 
 
+def _step3p7(c, n):
+    """DeepSeek-V3's sigmoid choice by score + correction bias without groups, the weights divided by their sum (no
+    eps) and times moe_router_scaling_factor; a shared expert (share_expert_dim wide) on every MoE layer; Gemma's
+    (1 + w) RMSNorms, q/k norm per head; the attention output times the sigmoid of g_proj (per head, or per channel
+    where gating says neither True nor "per-head"); the sliding layers' own query heads (num_sliding_attention_heads);
+    each layer type's rotary part and base; the SwiGLU clamped per layer (swiglu_limits on the experts,
+    swiglu_limits_shared on the shared and dense MLPs; 0 or None: not clamped); scores times query_pre_attn_scalar
+    ** -0.5 where that is not head_dim."""
+    sliding = _sliding(c, n)
+    heads = c.get("num_sliding_attention_heads", default=c.get("num_attention_heads"))
+    kinds = {(c.get(f"rope_parameters.{t}.rope_theta"), c.get(f"rope_parameters.{t}.partial_rotary_factor",
+                                                             default=1.0))
+             for t in set(c.get("layer_types") or ("full_attention",))}
+    limits = [v for key in ("swiglu_limits", "swiglu_limits_shared") for v in c.get(key, default=()) if v]
+    head_dim = int(c.get("head_dim", default=0) or 0)
+    scalar = c.get("query_pre_attn_scalar", default=head_dim)
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True,
+                             scale=_scale(c, "moe_router_scaling_factor")),
+                qk_norm="head", sliding_layers=sliding, shared_experts=1,
+                multipliers=Multipliers(attention=scalar ** -0.5) if scalar != head_dim else None,
+                extras=("norm_offset", "sigmoid_gate", *(("multipliers",) if scalar != head_dim else ()),
+                        *(("heads_per_layer",) if sliding and heads != c.get("num_attention_heads") else ()),
+                        *(("partial_rotary",) if any(f != 1.0 for _, f in kinds) else ()),
+                        *(("rope_per_layer_type",) if len(kinds) > 1 else ()),
+                        *(("swiglu_limit",) if limits else ()), *(("mlp_bias",) if c.get("mlp_bias") else ()),
+                        *(("bidirectional_attention",) if c.get("use_bidirectional_attention") else ())))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -678,4 +710,5 @@ _RULES = {
     "aria": _aria, "aria_text": _aria, "deepseek_ocr2": _deepseek_ocr2, "flint": _flint, "lara_mini": _lara_mini,
     "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
     "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash, "laguna": _laguna,
+    "step3p7": _step3p7,
 }

@@ -109,7 +109,7 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
                 "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
                 "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
                 "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4", "cohere2_moe",
-                "mimo_v2_flash", "glm_moe_dsa", "laguna"]
+                "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -136,7 +136,13 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # random model: Q2 mean KL 5.4e-3, top-1 92.2%; with F32 trunk and decoded experts it is smoe's choice, mean KL 1e-10);
 # Laguna's leading dense layer, sliding layers narrower than the prompt between full ones, each type's rotary part
 # (half of each head on the full layers) and base, query heads per layer, a shared expert wider than the routed ones,
-# a routed scale, its correction bias drawn (a parameter), one softplus gate per head (per channel in its own test)
+# a routed scale, its correction bias drawn (a parameter), one softplus gate per head (per channel in its own test);
+# Step-3.7's text model, its (1 + w) norms drawn around 0: a leading dense layer, sliding layers narrower than the
+# prompt with twice the query heads between full ones, half of each head turned on the full layers and all of it on
+# the sliding ones at another base, a shared expert wider than the routed ones, 8 experts, a routed scale, its
+# correction bias drawn, the SwiGLU clamped where it bites (experts and shared or dense MLPs, unclamped on one layer
+# each)
+STEP3P7_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
                                                 for t in ("full_attention", "sliding_attention")}),
@@ -178,11 +184,21 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                                                  "sliding_attention", "full_attention"],
                                mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=16,
                                num_attention_heads_per_layer=[4, 8, 8, 4], num_experts=8,
-                               shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5)}
+                               shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5),
+                "step3p7": dict(num_hidden_layers=4, layer_types=STEP3P7_LAYERS, sliding_window=16,
+                                mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_sliding_attention_heads=8,
+                                n_routed_experts=8, share_expert_dim=64, moe_router_scaling_factor=2.5,
+                                query_pre_attn_scalar=16, swiglu_limits=[0.0, 0.3, None, 0.3],
+                                swiglu_limits_shared=[0.3, 0.0, 0.3, 0.3],
+                                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                                    "partial_rotary_factor": 0.5},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
+                                                                       "partial_rotary_factor": 1.0}})}
 # multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
 # model's values
-MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4"}
-BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa"}
+MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7"}
+OFFSET_NORMS = {"step3p7"}  # RMSNorms scaled by 1 + w
+BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7"}
 
 
 def multimodal_model(family: str):
@@ -206,7 +222,8 @@ def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            is_norm = "norm" in name.split(".")[-2]  # q_norm, input_layernorm, DBRX's norm_1 and norm_f
+            # q_norm, input_layernorm, DBRX's norm_1 and norm_f; around 0 where the norm scales by 1 + w
+            is_norm = "norm" in name.split(".")[-2] and family not in OFFSET_NORMS
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + is_norm)
         for name, buffer in model.named_buffers():  # a correction bias that is a buffer, left 0 by from_config
             if family in BIASED_BUFFERS and name.endswith("e_score_correction_bias"):
