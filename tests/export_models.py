@@ -251,12 +251,18 @@ def teacher_forced_agreement(vault: Path, prompt: list[int], generated: list[int
 # EXAONE's window narrower than the prompt, so that its sliding layers slide; Llama 4's norms at the eps mlx-lm's
 # llama4 takes for its q/k norm
 # Granite's four multipliers away from 1 and a time-step clamp that bites (the tiny Mamba's steps are near 0.69);
-# Nemotron-H's routed scale and a time_step_min that bites (transformers clamps the prompt's steps there)
+# Nemotron-H's routed scale and a time_step_min that bites (transformers clamps the prompt's steps there); Mellum's
+# sliding layer narrower than the prompt beside a full one, each at its own rotary base; Mistral 4's YaRN
+# (its attention scale grown by mscale_all_dim) beside the query temperature, head_dim as released (qk_nope + qk_rope:
+# transformers' YaRN spans head_dim · partial_rotary_factor)
 MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}, "exaone_moe": {"sliding_window": 16},
                "llama4": {"rms_norm_eps": 1e-6},
                "granitemoehybrid": {"embedding_multiplier": 12.0, "attention_multiplier": 0.0625,
                                     "residual_multiplier": 0.22, "logits_scaling": 8.0, "time_step_limit": [0.5, 0.8]},
-               "nemotron_h": {"routed_scaling_factor": 2.5, "time_step_min": 0.6}}
+               "nemotron_h": {"routed_scaling_factor": 2.5, "time_step_min": 0.6},
+               "mellum": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16},
+               "mistral4": {"head_dim": 24, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}}
 # config values that change the model's tensors, set before it is built: Phi-3.5-MoE's released attention and
 # lm_head biases (mlx-lm's phimoe always builds them; transformers' default is none); LFM2-MoE's tied embeddings;
 # DBRX's experts as wide as MLX groups (its width is ffn_config's, which exportable_config does not set); Granite's
@@ -264,14 +270,24 @@ MLX_CHANGES = {"gpt_oss": {"rope_parameters": {"truncate": True}}, "exaone_moe":
 MLX_ARCHITECTURE = {"phimoe": dict(attention_bias=True, lm_head_bias=True), "lfm2_moe": dict(tie_word_embeddings=True),
                     "dbrx": {"ffn_config.ffn_hidden_size": 32}, "granitemoehybrid": dict(attention_bias=True),
                     "nemotron_h": dict(n_groups=2, layers_block_type=["linear_attention", "moe", "full_attention",
-                                                                      "mlp", "moe"])}
+                                                                      "mlp", "moe"]),
+                    "laguna": dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention",
+                                                                     "sliding_attention", "full_attention"],
+                                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=16,
+                                   num_attention_heads_per_layer=[4, 8, 8, 4], num_experts=8,
+                                   shared_expert_intermediate_size=64, moe_routed_scaling_factor=2.5)}
+
+
+# seed 0's tiny Qwen3.5 routes one token on a near-tie (layer 1, position 51: its second and third experts' weights
+# 8e-5 apart) that the fp16 rounding of s/h tips; with fp32 scales the export computes smoe's logits to 2e-6
+MLX_SEEDS = {"qwen3_5_moe_text": 1}
 
 
 def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:
     """exportable_vault's model of `family`, its config changed by MLX_CHANGES (one level deep) before sculpting."""
     import json
 
-    model = save_mlx_model(family, tmp / f"{family}-mlx-model-{bits}")
+    model = save_mlx_model(family, tmp / f"{family}-mlx-model-{bits}", seed=MLX_SEEDS.get(family, 0))
     path = model / "config.json"
     config = json.loads(path.read_text())
     for key, value in MLX_CHANGES.get(family, {}).items():
@@ -282,20 +298,50 @@ def mlx_exportable_vault(tmp: Path, family: str, bits: int = 4) -> Path:
     return vault
 
 
+# families drawn otherwise for the MLX tests: norms around 1, so that attention scores are of unit scale and each layer
+# type's rotary base moves the logits; a correction bias that is a buffer (left 0 by from_config), so that it moves
+# the choice
+MLX_UNIT_NORMS = {"mellum", "qwen3_vl_moe", "laguna"}
+MLX_BIASED_BUFFERS = {"solar_open", "glm4_moe_lite"}
+
+
+# multimodal checkpoints, the values over their text model's config (Qwen3-VL's heads wide enough for its default M-RoPE
+# sections)
+MLX_MULTIMODAL = {"qwen3_vl_moe": dict(head_dim=64), "qwen3_5_moe": {}}
+
+
+def multimodal_model(family: str):
+    """transformers' default multimodal config of `family` shrunk, its text model's experts 32 wide."""
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_default_config(family)
+    text = config.text_config.to_dict() | MLX_MULTIMODAL[family] | dict(vocab_size=VOCAB, moe_intermediate_size=32)
+    config.text_config = type(config.text_config)(**text)
+    return AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+
+
 def save_mlx_model(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """save_exportable_model's model of `family` with MLX_ARCHITECTURE's values over its config."""
-    if family not in MLX_ARCHITECTURE:
+    """save_exportable_model's model of `family` with MLX_ARCHITECTURE's values over its config (MLX_MULTIMODAL's
+    model for a multimodal checkpoint), drawn as MLX_UNIT_NORMS and MLX_BIASED_BUFFERS say."""
+    if family not in {*MLX_ARCHITECTURE, *MLX_UNIT_NORMS, *MLX_BIASED_BUFFERS, *MLX_MULTIMODAL}:
         return save_exportable_model(family, out_dir, seed=seed)
-    config = exportable_config(family)
-    for key, value in MLX_ARCHITECTURE[family].items():
-        *path, last = key.split(".")  # a dotted key sets a sub-config's value
-        setattr(functools.reduce(getattr, path, config), last, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in MLX_MULTIMODAL:
+        model = multimodal_model(family)
+    else:
+        config = exportable_config(family)
+        for key, value in MLX_ARCHITECTURE.get(family, {}).items():
+            *path, last = key.split(".")  # a dotted key sets a sub-config's value
+            setattr(functools.reduce(getattr, path, config), last, value)
+        model = causal_lm(family, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        for name, param in model.named_parameters():
+            unit = family in UNIT_NORMS | MLX_UNIT_NORMS and name.endswith("norm.weight")
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + unit)
+        for name, buffer in model.named_buffers():
+            if family in MLX_BIASED_BUFFERS and name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     model.save_pretrained(out_dir)
     save_byte_level_tokenizer(out_dir)
     return out_dir

@@ -1,6 +1,7 @@
 """`smoe export`: GGUF and MLX files read back with their own readers decode to the vault's weights."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from export_models import GGUF_ARCHITECTURE, exportable_config, exportable_vault, mlx_exportable_vault
+from export_models import (
+    GGUF_ARCHITECTURE,
+    MLX_MULTIMODAL,
+    exportable_config,
+    exportable_vault,
+    mlx_exportable_vault,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -264,7 +271,9 @@ def test_mlx_rows_narrower_than_a_group_are_written_decoded(tmp_path):
 
 MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
-                "granitemoehybrid", "nemotron_h"]
+                "granitemoehybrid", "nemotron_h", "solar_open", "mellum", "glm4_moe_lite",
+                "qwen3_vl_moe", "mistral4", "qwen3_5_moe_text", "qwen3_5_moe",
+                "laguna"]
 
 
 @pytest.fixture(scope="module")
@@ -283,12 +292,14 @@ def test_mlx_of_each_family_keeps_the_trunk_and_decodes_to_the_vault_experts_whe
     out = export(vault, "mlx", tmp_path / "mlx")
     config = json.loads((out / "config.json").read_text())
     exported = load_file(out / "model.safetensors")
-    trunk = load_file(vault / TRUNK_FILE)
     with Vault(vault) as v:
         row = FAMILIES[v.meta["model_type"]]  # Llama 4's vault is its text model, llama4_text
         layers, experts, roles = v.meta["moe_layers"], v.meta["num_experts"], v.meta["roles"]  # Nemotron-H: up, down
         biases = {(layer, role): torch.stack([v.read_expert(layer, e)[1][role] for e in range(experts)]).float()
                   for layer in layers for role in MLX_ROLES} if family == "gpt_oss" else {}
+    # what mlx-lm's model reads (Qwen3-VL's vision tower is not written)
+    trunk = {k: t for k, t in load_file(vault / TRUNK_FILE).items() if not (row.drops and re.search(row.drops, k))}
+    assert (len(trunk) < len(load_file(vault / TRUNK_FILE))) == (family in MLX_MULTIMODAL)
     # the trunk as it is, but where the row writes a tensor as mlx-lm keeps it (Qwen3-Next's norms and convolutions)
     as_written = lambda name, t: (edit(row, name) or (lambda t: t, None))[0](t)
     assert all(torch.equal(exported[renamed(name, row)], as_written(name, tensor)) for name, tensor in trunk.items())
@@ -324,6 +335,8 @@ def test_mlx_qwen3_next_norms_and_convolutions_are_written_as_mlx_lm_sanitizes_a
 
 
 def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
+    from smoe.export.mlx_families import text_config
+
     configs = {f: json.loads((export(v, "mlx", tmp_path / f) / "config.json").read_text()) for f, v in mlx_vaults.items()}
     read = configs.get
     glm = read("glm4_moe")
@@ -352,11 +365,33 @@ def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
     nemotron = read("nemotron_h")  # transformers clamps the prompt's time steps at time_step_min
     assert (nemotron["hybrid_override_pattern"], nemotron["n_shared_experts"]) == (list("ME*-E"), 1)
     assert (nemotron["time_step_limit"], nemotron["routed_scaling_factor"]) == ([0.6, float("inf")], 2.5)
+    solar = read("solar_open")  # glm4_moe's model, every layer MoE, no q/k norm, rotary over whole heads
+    assert (solar["first_k_dense_replace"], solar["use_qk_norm"], solar["partial_rotary_factor"]) == (0, False, 1.0)
+    assert (solar["n_group"], solar["topk_group"], solar["routed_scaling_factor"]) == (4, 2, 2.5)
+    mellum = read("mellum")  # transformers' num_local_experts under mlx-lm's name; rotary bases per layer type as given
+    assert (mellum["num_experts"], mellum["layer_types"]) == (4, ["sliding_attention", "full_attention"])
+    assert mellum["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4
+    lite = read("glm4_moe_lite")
+    assert (lite["first_k_dense_replace"], lite["topk_method"], lite["n_group"], lite["rope_scaling"]) == (
+        1, "noaux_tc", 4, None)
     llama4 = read("llama4")  # mlx-lm's multimodal llama4 reads the text model's args, quantization beside them
     assert llama4["model_type"] == "llama4" and llama4["text_config"]["interleave_moe_layer_step"] == 2
     assert llama4["quantization"]["bits"] == 4 and "quantization" not in llama4["text_config"]
-    assert all(read(f).get("text_config", read(f))["model_type"] == f.replace("llama4", "llama4_text")
-               for f in MLX_FAMILIES)
+    mistral4 = read("mistral4")  # its YaRN and query temperature in rope_parameters, as mlx-lm's mistral4 reads them
+    assert (mistral4["first_k_dense_replace"], mistral4["n_group"], mistral4["rope_interleave"]) == (1, 4, True)
+    assert mistral4["rope_parameters"]["rope_type"] == "yarn" and mistral4["rope_parameters"]["llama_4_scaling_beta"] == 0.1
+    qwen3_5 = read("qwen3_5_moe_text")  # mlx-lm's qwen3_5_moe reads the text model's args
+    assert (qwen3_5["text_config"]["full_attention_interval"], qwen3_5["text_config"]["norm_topk_prob"]) == (2, True)
+    assert qwen3_5["text_config"]["rope_parameters"]["partial_rotary_factor"] == 0.25
+    laguna = read("laguna")  # transformers' names, which mlx-lm's laguna reads as they are
+    assert (laguna["num_attention_heads_per_layer"], laguna["mlp_layer_types"][0]) == ([4, 8, 8, 4], "dense")
+    vl = read("qwen3_vl_moe")  # mlx-lm's qwen3_vl_moe reads the text model's args, transformers' expert count renamed
+    assert (vl["text_config"]["num_experts"], vl["text_config"]["norm_topk_prob"]) == (4, True)
+    assert "vision_config" not in vl and vl["text_config"]["rope_theta"] == 5e5
+    tied = {"text_config": {"tie_word_embeddings": True}, "tie_word_embeddings": False}  # the text model's default
+    assert text_config(tied)["tie_word_embeddings"] is False  # transformers ties by the top level's
+    assert all(read(f)["model_type"] == f.removesuffix("_text") for f in MLX_FAMILIES)
+    assert llama4["text_config"]["model_type"] == "llama4_text"
 
 
 MLX_REFUSALS = [
@@ -407,6 +442,40 @@ MLX_REFUSALS = [
     ("nemotron_h", dict(num_experts_per_tok=1), "single chosen expert"),
     ("nemotron_h", dict(moe_latent_size=16), "does not compute latent_experts"),
     ("nemotron_h", dict(layers_block_type=["linear_attention", "moe", "full_attention", "conv"]), "layer kinds"),
+    ("solar_open", dict(num_experts_per_tok=1), "single chosen expert"),
+    ("solar_open", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), "'linear'"),
+    ("mellum", dict(layer_types=["sliding_attention"] * 2), "mask from a full-attention layer"),
+    ("mellum", dict(rope_parameters={t: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+                                     for t in ("full_attention", "sliding_attention")}), "'linear' on full_attention"),
+    ("mellum", dict(rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+                                     for t in ("full_attention", "sliding_attention")}), "part of each head"),
+    ("mellum", dict(attention_bias=True), "attention biases = True"),
+    ("mellum", dict(mlp_layer_types=["dense", "sparse"]), "takes every layer MoE"),
+    ("glm4_moe_lite", dict(rms_norm_eps=1e-6, rope_interleave=False), "rope_interleave"),
+    ("glm4_moe_lite", dict(rms_norm_eps=1e-6, num_experts_per_tok=1), "single chosen expert"),
+    ("mistral4", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 0.707,
+                                       "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1}),
+     "no mscale_all_dim"),
+    ("mistral4", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": False,
+                                       "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1}),
+     "truncate = false"),
+    ("mistral4", dict(head_dim=8, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                   "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1}),
+     "YaRN over 2 channels"),  # the tiny config's head_dim (the rope part) · its partial factor 8 / 24
+    ("mistral4", dict(rope_interleave=None), "rope_interleave = null"),
+    ("qwen3_5_moe_text", dict(layer_types=["full_attention", "linear_attention"]), "every k-th layer"),
+    ("qwen3_5_moe_text", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                               "partial_rotary_factor": 0.25}), "'linear'"),
+    ("qwen3_5_moe_text", dict(shared_expert_intermediate_size=0), "0 shared experts"),
+    ("laguna", dict(gating="per-element"), "gating 'per-element'"),
+    ("laguna", dict(moe_router_logit_softcapping=30.0), "custom = None"),
+    ("laguna", dict(layer_types=["sliding_attention"] * 2), "mask from a full-attention layer"),
+    ("laguna", dict(rope_parameters={t: {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                         "original_max_position_embeddings": 16}
+                                     for t in ("full_attention", "sliding_attention")}), "'yarn' on full_attention"),
+    ("laguna", dict(attention_bias=True), "attention biases = True"),
+    ("qwen3_vl_moe", dict(attention_bias=True), "attention biases = True"),  # mlx-lm's qwen3_moe never builds them
+    ("qwen3_vl_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}), "'linear'"),
 ]
 
 
@@ -416,7 +485,8 @@ def test_mlx_refuses_what_each_mlx_lm_model_file_computes_differently(family, ch
     from smoe.export import mlx_families
     from smoe.source.description import describe_model
 
-    config = exportable_config(family, architecture=GGUF_ARCHITECTURE.get(family)).to_dict() | changes
+    config = exportable_config(family, architecture=GGUF_ARCHITECTURE.get(family)).to_dict()
+    (config.get("text_config") or config).update(changes)  # a multimodal checkpoint's: its text model's
     desc = describe_model(config)
     with pytest.raises(SmoeError, match=named):
         mlx_families.check(desc.model_type, config, desc, list(desc.moe_layers), {}, 32)
@@ -667,7 +737,8 @@ def test_gguf_refuses_what_each_llama_cpp_graph_computes_differently(family, cha
     from smoe.export import gguf_families
     from smoe.source.description import describe_model
 
-    config = exportable_config(family, architecture=GGUF_ARCHITECTURE.get(family)).to_dict() | changes
+    config = exportable_config(family, architecture=GGUF_ARCHITECTURE.get(family)).to_dict()
+    (config.get("text_config") or config).update(changes)  # a multimodal checkpoint's: its text model's
     desc = describe_model(config)
     with pytest.raises(SmoeError, match=named):
         gguf_families.check(family, config, desc, list(desc.moe_layers), {}, 32)

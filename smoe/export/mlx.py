@@ -61,7 +61,7 @@ def write_mlx(source: ExportSource, out: Path, progress: bool = False, shard_byt
 def trunk_plan(source: ExportSource, row: MlxFamily) -> list[Planned]:
     plan = []
     for key in source.trunk_names():
-        if key.endswith("rotary_emb.inv_freq"):
+        if key.endswith("rotary_emb.inv_freq") or row.drops and re.search(row.drops, key):
             continue
         t_dtype = source.trunk_dtype(key)
         require(t_dtype in SAFETENSORS_DTYPES, f"trunk tensor {key}: {t_dtype} is not exported to MLX")

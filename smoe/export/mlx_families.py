@@ -17,12 +17,17 @@ transformers' single-token recurrent step does not clamp at all, so a decode ste
 the floor is the one place the two can part: transformers' own prefill and decode already disagree there).
 Nemotron-H's relu² experts are ungated: the vault's up and down roles become SwitchMLP's fc1 and fc2.
 
+Multimodal checkpoints (qwen3_vl_moe; Qwen3.5-MoE's, whose vault smoe names by its text model, qwen3_5_moe_text) are
+written from their text_config under the names mlx-lm's model gives its language model; the vision tower, which its
+sanitize discards, is not written (`drops`).
+
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
 router chooses with), hunyuan_v1_moe (mlx-lm's hunyuan never normalises the chosen experts' weights, transformers'
 does), jamba (mlx-lm's always does, transformers' never).
-Not yet written (no row, so refused as unsupported): minimax (MiniMax-Text-01's lightning attention:
-mlx-lm's minimax file is MiniMax-M2's); bailing_moe has no transformers family; bailing_hybrid (mlx-lm has it,
-transformers too) is no family smoe reads, so no vault of it exists.
+Not yet written (no row, so refused as unsupported), though mlx-lm has a model file: deepseek_v32 and glm_moe_dsa
+(their indexers), gemma4_text, kimi_linear, mimo_v2_flash, step3p7 (mlx-lm's step3p5). minimax
+(MiniMax-Text-01's lightning attention) has none: mlx-lm's minimax file is MiniMax-M2's; bailing_moe has no
+transformers family; bailing_hybrid (mlx-lm has it, transformers too) is no family smoe reads, so no vault of it exists.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class MlxFamily:
     # (an ungated row's gate name is never used)
     per_expert: bool = False  # one module per expert (`experts.{e}.…`) instead of fused switch layers
     edits: tuple[tuple[str, str], ...] = ()  # (trunk key pattern, EDITS name): tensors written as mlx-lm keeps them
+    drops: str | None = None  # trunk keys its sanitize discards (a multimodal checkpoint's towers): not written
 
 
 # --- the ModelArgs keys each model file reads -----------------------------------------------------
@@ -94,6 +100,16 @@ def _glm4_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> di
     return _dense_first(config, desc, moe_layers) | dict(
         partial_rotary_factor=_partial_rotary(config), use_qk_norm=desc.attention.qk_norm is not None,
         attention_bias=desc.attention.bias, topk_method="noaux_tc")
+
+
+def _solar_open(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # mlx-lm's solar_open runs glm4_moe's model; its ModelArgs requires intermediate_size, which only a dense layer
+    # reads (Solar Open has none)
+    return _glm4_moe(config, desc, moe_layers) | dict(intermediate_size=config.get("intermediate_size", 0))
+
+
+def _mellum(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(num_experts=desc.routing.num_experts, norm_topk_prob=desc.routing.normalise)
 
 
 def _deepseek_v3(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
@@ -146,6 +162,10 @@ def _lfm2_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> di
 def _qwen3_next(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
     return _qwen3_moe(config, desc, moe_layers) | dict(
         partial_rotary_factor=_partial_rotary(config), full_attention_interval=_full_attention_interval(desc))
+
+
+def _qwen3_5_moe(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    return dict(norm_topk_prob=desc.routing.normalise, full_attention_interval=_full_attention_interval(desc))
 
 
 def _full_attention_interval(desc: ModelDescription) -> int:
@@ -232,11 +252,29 @@ def _check_deepseek(name: str, config: dict, desc: ModelDescription) -> None:
     _check_sigmoid_top1(name, config, desc)
     require("interleaved_rotary" in desc.extras,
             f"{name}: rope_interleave = false (half-split rotary) is not what mlx-lm's {name} computes")
+    _check_yarn(name, config)
+
+
+def _check_yarn(name: str, config: dict) -> None:
     rope = _rope(config)
     if _rope_kind(config) == "yarn":  # Hugging Face takes mscale only beside mscale_all_dim
         require(not rope.get("mscale", 1.0) != 1.0 or rope.get("mscale_all_dim"),
                 f"{name}: YaRN with mscale {rope.get('mscale')} and no mscale_all_dim is not what mlx-lm computes")
         require(rope.get("truncate", True), f"{name}: YaRN with truncate = false is not what mlx-lm computes")
+
+
+def _check_mistral4(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_yarn(name, config)
+    rope, rotated = _rope(config), config.get("qk_rope_head_dim")
+    if _rope_kind(config) == "yarn":  # transformers' YaRN spans head_dim · partial_rotary_factor, mlx-lm's the rope part
+        head = config.get("head_dim") or config["qk_nope_head_dim"] + rotated
+        width = int(head * rope.get("partial_rotary_factor", rotated / (config["qk_nope_head_dim"] + rotated)))
+        require(width == rotated, f"{name}: transformers' YaRN over {width} channels (head_dim {head} · "
+                f"partial_rotary_factor) is not what mlx-lm's {name} rotates (qk_rope_head_dim {rotated})")
+    # both rotate adjacent pairs or the two halves as rope_interleave says (absent: both pairs); null is false to
+    # transformers, pairs to mlx-lm
+    require(config.get("rope_interleave", True) is not None, f"{name}: rope_interleave = null (transformers rotates "
+            f"the two halves, mlx-lm's {name} adjacent pairs) is not exported to MLX")
 
 
 def _check_untied(name: str, config: dict, desc: ModelDescription) -> None:
@@ -318,6 +356,32 @@ def _check_nemotron_h(name: str, config: dict, desc: ModelDescription) -> None:
             f"{name}: layer kinds {kinds!r} disagree with the vault's MoE and attention layers")
 
 
+def _rope_per_layer_type(name: str, config: dict) -> dict[str, dict]:
+    """rope_parameters' entry for each layer type, plain rotary only (mlx-lm's linear is unscaled); mlx-lm takes its
+    full-attention mask from such a layer."""
+    kinds = sorted(set(config.get("layer_types") or []))
+    require("full_attention" in kinds, f"{name}: mlx-lm's {name} takes its mask from a full-attention layer; this "
+            "model has none")
+    rope = {kind: _rope(config).get(kind) or {} for kind in kinds}
+    for kind, params in rope.items():
+        require(params.get("rope_type", "default") == "default",
+                f"{name}: RoPE scaling {params.get('rope_type')!r} on {kind} layers is not exported to MLX")
+    return rope
+
+
+def _check_mellum(name: str, config: dict, desc: ModelDescription) -> None:
+    for kind, params in _rope_per_layer_type(name, config).items():
+        require(params.get("partial_rotary_factor", 1.0) == 1.0, f"{name}: rotary over part of each head on {kind} "
+                "layers is not what mlx-lm's mellum computes (whole heads)")
+
+
+def _check_laguna(name: str, config: dict, desc: ModelDescription) -> None:
+    _rope_per_layer_type(name, config)
+    gating = config.get("gating", True)  # mlx-lm's gate is one per head (or none)
+    require(gating in (True, False, "per-head"), f"{name}: gating {gating!r} is not what mlx-lm's laguna computes "
+            "(one gate per head)")
+
+
 LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
 
 
@@ -366,6 +430,17 @@ FAMILIES = {
                              layers="dense_first", extras=("interleaved_rotary",), attention="mla",
                              attention_bias=(False, True), shared="n_shared", rope_types=("default", "yarn"),
                              config=_deepseek_v2, check=_check_deepseek),
+    # DeepSeek-V3's layers (mlx-lm's file is its deepseek_v3 but for the latent norms' eps: mlx-lm takes rms_norm_eps
+    # for the q_a/kv_a norms, where transformers fixes 1e-6; written as it is, within the MLX tests' bounds at
+    # transformers' default 1e-5: Q4 mean KL 1.28e-7 on the tiny model)
+    "glm4_moe_lite": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="dense_first", extras=("interleaved_rotary",),
+                               attention="mla", attention_bias=(False, True), shared="n_shared",
+                               rope_types=("default", "yarn"), config=_deepseek_v3, check=_check_deepseek),
+    # DeepSeek-V3's MLA with the query temperature (llama_4_scaling_beta), softmax routing and grouped choice
+    "mistral4": MlxFamily("mlp.switch_mlp", dict(scoring="softmax", correction_bias=False, group_score="top2"),
+                          layers="dense_first", extras=("interleaved_rotary", "temperature_tuning"), attention="mla",
+                          attention_bias=(False, True), shared="n_shared", rope_types=("default", "yarn"),
+                          config=_dense_first, check=_check_mistral4),
     "dots1": MlxFamily("mlp.experts", SIGMOID_BIASED, layers="dense_first", qk_norms=("head",), shared="n_shared",
                        config=_dense_first, check=_check_sigmoid_top1),
     "granitemoe": MlxFamily("block_sparse_moe.switch_mlp", SOFTMAX | dict(normalise=True), extras=("multipliers",),
@@ -389,6 +464,25 @@ FAMILIES = {
     # its short-convolution layers are trunk tensors under transformers' names, which mlx-lm's sanitize reads
     "lfm2_moe": MlxFamily("feed_forward.switch_mlp", dict(scoring="sigmoid", n_group=1), layers="dense_first",
                           qk_norms=("head",), config=_lfm2_moe, check=_check_lfm2_moe),
+    # GLM-4.5's MoE block in Llama's decoder layer: mlx-lm's solar_open is its glm4_moe, told no q/k norm
+    "solar_open": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, attention_bias=(False, True), shared="n_shared",
+                            config=_solar_open, check=_check_sigmoid_top1),
+    # Qwen3-MoE's layers, each layer type at its own rotary base
+    "mellum": MlxFamily("mlp.switch_mlp", SOFTMAX, extras=("rope_per_layer_type",), qk_norms=("head",),
+                        sliding_window=True, config=_mellum, check=_check_mellum),
+    # sigmoid choice with a correction bias, normalised and scaled, a shared expert; per-head softplus attention gate,
+    # query heads per layer, each layer type's rotary part and base
+    "laguna": MlxFamily("mlp.switch_mlp", dict(scoring="sigmoid", correction_bias=True, normalise=True, n_group=1),
+                        layers="any", extras=("softplus_gate", "heads_per_layer", "partial_rotary",
+                                              "rope_per_layer_type"),
+                        qk_norms=("head",), shared="own", sliding_window=True, check=_check_laguna),
+    # Qwen3-VL-MoE's text model under the multimodal checkpoint's names, as mlx-lm's qwen3_vl_moe nests its qwen3_moe
+    # (text alone: M-RoPE's sections all take the one position, plain rotary); the vision tower is not written
+    "qwen3_vl_moe": MlxFamily("mlp.switch_mlp", SOFTMAX | dict(normalise=True), layers="any",
+                              renames=((r"^model\.layers\.", "language_model.model.layers."),
+                                       (r"^model\.language_model\.", "language_model.model."),
+                                       (r"^lm_head\.", "language_model.lm_head.")),
+                              qk_norms=("head",), config=_qwen3_moe, nested_in="qwen3_vl_moe", drops=r"^model\.visual\."),
     "minimax_m2": MlxFamily("block_sparse_moe.switch_mlp", SIGMOID_BIASED | dict(normalise=True, n_group=1, scale=1.0),
                             extras=("partial_rotary",), qk_norms=(None, "full"), config=_minimax_m2),
 }
@@ -404,6 +498,16 @@ FAMILIES |= {
                                                                              "partial_rotary"),
                             qk_norms=("head",), attention_bias=(False, True), shared="gated", config=_qwen3_next,
                             check=_check_qwen3_next, edits=QWEN3_NEXT_EDITS),
+    # Qwen3-Next's layers in Qwen3.5's text model, its linear attention's projections split (mlx-lm's qwen3_5_moe, whose
+    # sanitize converts the norms and convolutions of any checkpoint: written as they are); a multimodal checkpoint's
+    # vault is named so too, its text model under model.language_model., its vision tower not written
+    "qwen3_5_moe_text": MlxFamily("mlp.switch_mlp", SOFTMAX,
+                                  renames=((r"^model\.language_model\.", "language_model.model."),
+                                           (r"^model\.", "language_model.model."),
+                                           (r"^lm_head\.", "language_model.lm_head.")),
+                                  extras=("norm_offset", "attention_gate", "partial_rotary"), qk_norms=("head",),
+                                  attention_bias=(False, True), shared="gated", config=_qwen3_5_moe,
+                                  nested_in="qwen3_5_moe", check=_check_qwen3_next, drops=r"^model\.visual\."),
     # Mamba-2 layers and Granite's multipliers; the shared MLP beside the experts on every layer. Its sanitize
     # turns the convolutions channels-last for any checkpoint
     "granitemoehybrid": MlxFamily("block_sparse_moe.switch_mlp", SOFTMAX | dict(normalise=True),
@@ -449,7 +553,7 @@ def family(name: str) -> MlxFamily:
 def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int],
           shapes: dict[str, tuple[int, ...]], expert_width: int) -> None:
     """What the family's mlx-lm model file assumes that this config (and the trunk's `shapes`) could contradict."""
-    row, where = FAMILIES[name], f"mlx-lm's {name}"
+    row, where, config = FAMILIES[name], f"mlx-lm's {name}", text_config(config)
     _check_layers(name, row, desc, moe_layers)
     unsupported = [e for e in desc.extras if e not in row.extras]
     require(not unsupported, f"{name}: {where} does not compute {', '.join(unsupported)}")
@@ -516,8 +620,9 @@ def _kind(activation: str, gated: bool) -> str:
 
 
 def model_args(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
-    """The vault's config plus what the family's mlx-lm ModelArgs reads under its own names."""
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    """The vault's config (a multimodal checkpoint's text model) plus what the family's mlx-lm ModelArgs reads under
+    its own names."""
+    config = {k: v for k, v in text_config(config).items() if k != "quantization_config"}
     rope = _rope(config)
     config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
     config["rope_scaling"] = rope if _rope_kind(config) != "default" else None
@@ -526,6 +631,15 @@ def model_args(name: str, config: dict, desc: ModelDescription, moe_layers: list
     row = FAMILIES[name]
     args = config | (row.config(config, desc, moe_layers) if row.config else {})
     return {"model_type": row.nested_in, "text_config": args} if row.nested_in else args
+
+
+def text_config(config: dict) -> dict:
+    """A multimodal checkpoint's text model config, tied as transformers ties it (by the top level's
+    tie_word_embeddings); any other config as it is."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    return text | {"tie_word_embeddings": config.get("tie_word_embeddings", False)}
 
 
 def _rope(config: dict) -> dict:

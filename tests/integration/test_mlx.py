@@ -51,10 +51,13 @@ def test_mlx_logits_follow_smoe(tmp_path_factory, tmp_path, family, bits):
 
 # the families of smoe.export.mlx_families beyond the shared models', on tiny models at their fullest
 # (tests/export_models.py; gpt-oss with its YaRN range rounded, as mlx-lm computes it, and the other MLX_CHANGES and
-# MLX_ARCHITECTURE there: PhiMoE's biases, Llama 4's norm eps, EXAONE's window narrower than the prompt)
+# MLX_ARCHITECTURE there: PhiMoE's biases, Llama 4's norm eps, EXAONE's window narrower than the prompt; the multimodal
+# checkpoints as MLX_MULTIMODAL builds them, Qwen3.5-MoE's vault named by its text model, qwen3_5_moe_text)
 TINY_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "dots1", "minimax_m2",
                  "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
-                 "granitemoehybrid", "nemotron_h"]
+                 "granitemoehybrid", "nemotron_h", "solar_open", "mellum", "glm4_moe_lite",
+                 "qwen3_vl_moe", "mistral4", "qwen3_5_moe_text", "qwen3_5_moe",
+                 "laguna"]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
