@@ -241,6 +241,14 @@ def add_quality_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-tokens", type=numeric.COUNT.parse, default=None, help=f"calibration tokens (default {CALIB_TOKENS})")
 
 
+def add_group_option(p: argparse.ArgumentParser, when: str = "") -> None:
+    p.add_argument("--expert-groups", type=numeric.COUNT.parse, default=1, metavar="N",
+                   help=f"{when}plan units finer than a fused tensor: each layer's experts in N groups by calibration "
+                   "routing frequency, each group's gate_up and down at their own depth (default 1: whole tensors; "
+                   "the expert count: one unit per expert); a tensor's measured KL is shared among its groups by "
+                   "routed tokens x the encoder's weighted output error")
+
+
 def add_runtime_options(p: argparse.ArgumentParser, dtype: str = "bfloat16") -> None:
     p.add_argument("vault", metavar="VAULT_DIR", nargs="?", help="the vault to run (made by `smoe quantize`)")
     p.add_argument("-m", "--model", dest="vault_option", metavar="VAULT_DIR", help="the vault, as llama-cli's -m "
@@ -366,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--budget", type=numeric.BITS_PER_WEIGHT.parse, metavar="BITS", help="plan and write a mixed vault of at most BITS bits/weight "
                    "(scales included; needs --calib); plan, sensitivity table and heatmap go beside the vault")
     q.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="encode the experts on a Ray cluster's workers, one MoE layer per task (and with --budget measure the sensitivity trials there, as smoe plan --ray); ADDRESS as for smoe plan")
+    add_group_option(q, "with --budget: ")
     q.set_defaults(func=cmd_quantize)
 
     pl = sub.add_parser("plan", help="choose a depth per fused expert tensor: least KL within a size budget",
@@ -380,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sensitivity", metavar="JSON", help="the sensitivity table (default: PLAN.sensitivity.json)")
     add_quality_options(pl)
     pl.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="measure the sensitivity trials on a Ray cluster's workers (ADDRESS; without it a local cluster, one worker per core; needs pip install 'smoe[ray]')")
+    add_group_option(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     pl.set_defaults(func=cmd_plan)

@@ -68,7 +68,7 @@ def cmd_plan(args) -> int:
         raise SmoeError("smoe plan needs calibration text: --calib FILE")
     doc, table, _, _ = plan_model(args.model, args.calib, args.output, args.budget, args.size, args.encoder or DEFAULT,
                                   args.sensitivity, args.calib_tokens, progress=not args.quiet and not args.json,
-                                  cluster=args.ray)
+                                  cluster=args.ray, groups=args.expert_groups)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
@@ -87,6 +87,8 @@ def quantize_inputs(args, progress: bool):
 
     if args.plan and args.budget is not None:
         raise SmoeError("give --plan or --budget, not both")
+    if args.expert_groups != 1 and args.budget is None:
+        raise SmoeError("--expert-groups is for planning: give it with --budget (a plan from `smoe plan` carries its own)")
     encoder = args.encoder or default_encoder(args.calib)
     if args.budget is not None:
         if not args.calib:
@@ -96,9 +98,11 @@ def quantize_inputs(args, progress: bool):
             raise SmoeError(f"{out}: already exists (use --force to replace it)")
         doc, table, meter, stats = plan_model(args.model, args.calib, out.with_name(out.name + ".plan.json"),
                                               budget_bits=args.budget, encoder=encoder, tokens=args.calib_tokens,
-                                              progress=progress, need_meter=True, cluster=args.ray)
+                                              progress=progress, need_meter=True, cluster=args.ray,
+                                              groups=args.expert_groups)
         if progress:
             print(format_plan(doc, table))
+        stats = stats if encoder in NEEDS_CALIBRATION else None  # expert groups calibrate a grid plan too
         return role_bits(doc, meter.qm.expert_map), encoder, stats, (doc, table, meter)
     if args.plan:
         doc = load_plan(args.plan)

@@ -100,8 +100,8 @@ def write_vault(
 ) -> SculptReport:
     """`encoder` "grid" or a calibrated one from smoe.convert.encoders, which needs `calib` (a text file;
     `stats` may pass its CalibrationStats already collected); `plan` maps (layer, role) -> bits per
-    tensor (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid without. `encode_all`: how
-    the experts are encoded (write_experts; default here, in this process)."""
+    tensor, or a tuple of bits per expert (gate and up equal), overriding `bits`. No encoder: gptq with `calib`, grid
+    without. `encode_all`: how the experts are encoded (write_experts; default here, in this process)."""
     start = time.perf_counter()
     encoder = encoder or encoders.default_encoder(calib)
     codec.check_bits(bits)
@@ -126,7 +126,8 @@ def write_vault(
     calib_id = f"|{calibrate.file_hash(calib)}|{calib_tokens}" if calib is not None and encoder != "grid" else ""
     plan_id = f"|{sorted(depths.items())}" if depths else ""
     fingerprint = source_fingerprint(ckpt, bits, encoder, alignment, calib_id + plan_id)
-    check_disk_space(ckpt, expert_map, max(depths.values()) if depths else bits, output.partial_path(fingerprint))
+    check_disk_space(ckpt, expert_map, max(max(expert_depths(b)) for b in depths.values()) if depths else bits,
+                     output.partial_path(fingerprint))
     partial = output.begin(tag=fingerprint, keep=holds_blobs)
     if encoder in encoders.NEEDS_CALIBRATION and stats is None:
         stats = calibrate.StreamedStats(ckpt.dir, calib, calib_tokens, progress=progress, device=dev)
@@ -166,8 +167,14 @@ def weights_by_bits(expert_map: ExpertMap, depths: dict | None, bits: int) -> di
     for layer in expert_map.moe_layers:
         for role, (o, i) in shapes.items():
             b = (depths or {}).get((layer, role), bits)
-            counts[b] = counts.get(b, 0) + expert_map.num_experts * o * i
+            for d in expert_depths(b, expert_map.num_experts):
+                counts[d] = counts.get(d, 0) + o * i
     return counts
+
+
+def expert_depths(bits: int | tuple[int, ...], experts: int = 1) -> tuple[int, ...]:
+    """A plan's depth of one (layer, role) as one per expert: a tensor's one depth, or its tuple."""
+    return bits if isinstance(bits, tuple) else (bits,) * experts
 
 
 def holds_blobs(partial: Path) -> bool:
@@ -214,7 +221,7 @@ class Coder:
 
     encoder: str
     stats: object
-    depths: dict[tuple[int, str], int]
+    depths: dict[tuple[int, str], int | tuple[int, ...]]
     bits: int
 
     def moment(self, layer: int, expert: int, role: str, digest=None) -> torch.Tensor | None:
@@ -227,29 +234,32 @@ class Coder:
             digest.update(moment.numpy())
         return moment
 
-    def depth(self, layer: int, role: str) -> int:
-        return self.depths.get((layer, role), self.bits)
+    def depth(self, layer: int, role: str, expert: int) -> int:
+        bits = self.depths.get((layer, role), self.bits)
+        return bits if isinstance(bits, int) else bits[expert]
 
-    def encode(self, w: torch.Tensor, moment: torch.Tensor | None, layer: int, role: str, name: str):
-        bits = self.depth(layer, role)
+    def encode(self, w: torch.Tensor, moment: torch.Tensor | None, layer: int, role: str, name: str, expert: int):
+        bits = self.depth(layer, role, expert)
         moment = moment.to(w.device) if moment is not None else None
         codes, scales = encoders.encode(w, bits, self.encoder, moment, name=name)
         return bits, codes, scales
 
 
-def stored_or_encoded(ckpt, coder: Coder, src, w: torch.Tensor, moment, layer: int, name: str):
+def stored_or_encoded(ckpt, coder: Coder, src, w: torch.Tensor, moment, key: tuple[int, int], name: str):
     """(bits, codes, scales): the source's own SMOE codes where it holds the projection as SMOE groups at the
     depth wanted (a GGUF `smoe export` wrote) and the encoder is the plain grid search, else `w` encoded."""
+    bits = coder.depth(key[0], src.role, key[1])
     if coder.encoder == ENCODER and src.expert_index is None:
-        stored = ckpt.smoe_codes(src.name, coder.depth(layer, src.role))
+        stored = ckpt.smoe_codes(src.name, bits)
         if stored is not None:
-            return coder.depth(layer, src.role), *stored
-    return coder.encode(w, moment, layer, src.role, name)
+            return bits, *stored
+    return coder.encode(w, moment, key[0], src.role, name, key[1])
 
 
 def check_plan_bits(depths: dict | None) -> None:
     for (layer, role), b in (depths or {}).items():
-        codec.check_bits(b)
+        for d in expert_depths(b):
+            codec.check_bits(d)
         if role == "up" and (layer, "gate") in depths and depths[(layer, "gate")] != b:
             raise SmoeError(f"the plan gives layer {layer} gate and up different depths; one fused kernel serves both")
 
@@ -259,11 +269,15 @@ def check_plan_matches(depths: dict | None, expert_map: ExpertMap) -> None:
     if depths and set(depths) != known:
         odd = sorted(set(depths) ^ known)[:4]
         raise SmoeError(f"the plan does not match the model: tensors {odd} are missing from it or unknown to the model")
+    for (layer, role), b in (depths or {}).items():
+        if isinstance(b, tuple) and len(b) != expert_map.num_experts:
+            raise SmoeError(f"the plan gives layer {layer} {role} {len(b)} depths; the model has {expert_map.num_experts} "
+                            "experts")
 
 
 def majority_depth(depths: dict[tuple[int, str], int]) -> int:
     """The header's default depth for a mixed vault: the one most tensors have (ties: the deeper)."""
-    values = list(depths.values())
+    values = [d for b in depths.values() for d in expert_depths(b)]
     return max(set(values), key=lambda b: (values.count(b), b))
 
 
@@ -288,7 +302,7 @@ def encode_expert(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, 
         name = source_name(src)
         check_shape(name, src.role, tuple(w.shape), expected)
         w = w.to(dev)
-        bits, codes, scales = stored_or_encoded(ckpt, coder, src, w, moment, key[0], name)
+        bits, codes, scales = stored_or_encoded(ckpt, coder, src, w, moment, key, name)
         q = QuantisedTensor(src.role, tuple(w.shape), bits, codes.cpu(), scales.cpu())
         decoded = q.decode().to(dev)
         snr[src.role] = codec.snr_db(w, decoded)
@@ -346,26 +360,32 @@ def encode_chunk(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, k
     done = [Encoded() for _ in keys]
     for inputs in zip(*readers):
         for result, (src, w, moment), (bits, codes, scales) in zip(
-                done, inputs, encode_projection(ckpt, expert_map, coder, dev, keys[0][0], inputs)):
+                done, inputs, encode_projection(ckpt, expert_map, coder, dev, keys, inputs)):
             result.add(src.role, w.to(dev), moment, QuantisedTensor(src.role, tuple(w.shape), bits, codes, scales))
     return [result.expert(key, check_finite_all(expert_biases(ckpt, expert_map, key, d)), d.hexdigest())
             for result, key, d in zip(done, keys, digests)]
 
 
-def encode_projection(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, layer: int, inputs: list):
-    """[(bits, codes, scales) on the CPU] for one projection (source, weights, second moment) of each expert."""
+def encode_projection(ckpt, expert_map: ExpertMap, coder: Coder, dev: torch.device, keys: list, inputs: list):
+    """[(bits, codes, scales) on the CPU] for one projection (source, weights, second moment) of each expert of
+    `keys` (one layer); the experts a plan gives one depth are encoded in one batch."""
     expected = expert_map.expert_shapes()
     names = [source_name(src) for src, _, _ in inputs]
     for (src, w, _), name in zip(inputs, names):
         check_shape(name, src.role, tuple(w.shape), expected)
     if not batchable(inputs):  # what encode_expert would do, with its errors (no statistics, say)
-        return [cpu(stored_or_encoded(ckpt, coder, src, w.to(dev), moment, layer, name))
-                for (src, w, moment), name in zip(inputs, names)]
-    bits = coder.depth(layer, inputs[0][0].role)
-    ws = torch.stack([w.to(dev) for _, w, _ in inputs])
-    hessians = torch.stack([moment.to(dev, torch.float32) for _, _, moment in inputs])
-    codes, scales = encode_gptq_batch(ws, hessians, bits, names)
-    return [(bits, codes[e].to("cpu", copy=True), scales[e].to("cpu", copy=True)) for e in range(len(inputs))]
+        return [cpu(stored_or_encoded(ckpt, coder, src, w.to(dev), moment, key, name))
+                for key, (src, w, moment), name in zip(keys, inputs, names)]
+    depths = [coder.depth(layer, inputs[0][0].role, expert) for layer, expert in keys]
+    out: list = [None] * len(inputs)
+    for bits in sorted(set(depths)):
+        at = [i for i, d in enumerate(depths) if d == bits]
+        ws = torch.stack([inputs[i][1].to(dev) for i in at])
+        hessians = torch.stack([inputs[i][2].to(dev, torch.float32) for i in at])
+        codes, scales = encode_gptq_batch(ws, hessians, bits, [names[i] for i in at])
+        for j, i in enumerate(at):
+            out[i] = (bits, codes[j].to("cpu", copy=True), scales[j].to("cpu", copy=True))
+    return out
 
 
 def batchable(inputs: list) -> bool:

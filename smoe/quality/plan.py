@@ -6,6 +6,14 @@ multiple-choice knapsack is solved by dynamic programming over layers on the Par
 (cost, KL): a partial allocation is dropped only when another one costs no more and loses no more KL,
 so the result is optimal (no rounding of costs, no greedy step).
 
+Finer units (`expert_groups` N > 1): each layer's experts are ranked by their routed calibration tokens and cut
+into N groups of consecutive rank (N = the expert count: one unit per expert); a knapsack group is then (layer,
+expert group) with one option per combination of depths of its two units, so gate_up and down of an expert
+group may differ, and every expert's blob keeps per-tensor bits. A group's KL is its tensor's measured KL times
+the group's share of the proxy (routed tokens × the encoder's weighted output error, summed over the group's
+experts, smoe.quality.sensitivity.record_proxy): the shares of a tensor's groups add up to one, so an allocation
+that gives every group of a tensor one depth predicts exactly what the fused unit does.
+
 Sizes are honest: with `--budget BITS` a unit costs numel/64 groups × (64·bits + 16) bits, i.e. 4.25
 or 2.25 bits per weight with the fp16 scales; with `--size GB` an option costs the exact bytes its
 layer's blobs take in experts.bin, 64-byte sections and blob alignment included.
@@ -35,20 +43,31 @@ PLAN_FORMAT = "smoe-plan"
 def solve(groups: list[list[tuple[int, float]]], capacity: int) -> tuple[list[int], float, int]:
     """Multiple-choice knapsack: pick one (cost, value) option per group, total cost <= capacity, least
     total value. Returns (chosen option per group, value, cost); SmoeError when nothing fits."""
-    frontier = [(0, 0.0, ())]  # (cost, value, choices), cost increasing and value strictly decreasing
+    import numpy as np
+
+    cost, value = np.zeros(1, dtype=np.int64), np.zeros(1)  # the frontier: cost increasing, value strictly decreasing
+    steps = []  # per group: (index into the previous frontier, option) of each state kept
     for options in groups:
-        states = sorted((c + oc, v + ov, ch + (i,)) for c, v, ch in frontier for i, (oc, ov) in enumerate(options)
-                        if c + oc <= capacity)
-        frontier = []
-        for c, v, ch in states:  # keep a state only if it beats every cheaper one
-            if not frontier or v < frontier[-1][1]:
-                if frontier and frontier[-1][0] == c:
-                    frontier.pop()
-                frontier.append((c, v, ch))
-        if not frontier:
+        oc = np.array([c for c, _ in options], dtype=np.int64)
+        ov = np.array([v for _, v in options], dtype=np.float64)
+        c, v = (cost[:, None] + oc).ravel(), (value[:, None] + ov).ravel()
+        prev, opt = np.divmod(np.arange(c.size), len(options))
+        fits = c <= capacity
+        c, v, prev, opt = c[fits], v[fits], prev[fits], opt[fits]
+        if not c.size:
             raise SmoeError("no allocation fits the budget")
-    cost, value, choices = frontier[-1]
-    return list(choices), value, cost
+        order = np.lexsort((v, c))  # by cost, then value
+        c, v, prev, opt = c[order], v[order], prev[order], opt[order]
+        best_before = np.minimum.accumulate(np.concatenate(([np.inf], v[:-1])))
+        keep = v < best_before  # beats every cheaper (or equally cheap, earlier) state
+        cost, value = c[keep], v[keep]
+        steps.append((prev[keep], opt[keep]))
+    i, choices = len(cost) - 1, []
+    total_cost, total_value = int(cost[i]), float(value[i])
+    for prev, opt in reversed(steps):
+        choices.append(int(opt[i]))
+        i = int(prev[i])
+    return choices[::-1], total_value, total_cost
 
 
 # --- sizes ---------------------------------------------------------------------------------------
@@ -64,6 +83,47 @@ def unit_bits(units: dict[str, int], roles) -> dict[str, int]:
     return {r: units[unit] for unit in UNITS for r in UNIT_ROLES[unit] if r in roles}
 
 
+def depth_of(bits: int | list[int], expert: int) -> int:
+    """One expert's depth of a unit: a plan gives a unit one depth, or a list of one per expert."""
+    return bits if isinstance(bits, int) else bits[expert]
+
+
+# --- units finer than a fused tensor -------------------------------------------------------------
+
+
+def expert_groups(table: dict, layer: int, n: int) -> list[list[int]]:
+    """The layer's experts ranked by routed calibration tokens (most first, ties by index) and cut into `n` groups of
+    consecutive rank, sizes differing by at most one; n = 1: every expert together (the fused unit)."""
+    count = table["num_experts"]
+    if not 1 <= n <= count:
+        raise SmoeError(f"--expert-groups {n}: between 1 (whole tensors) and the {count} experts of a layer")
+    if n == 1:
+        return [list(range(count))]
+    if "routed_tokens" not in table or "proxy" not in table:
+        raise SmoeError("the sensitivity table has no per-expert proxy for expert groups: measure it again with "
+                        "calibration statistics (a table written before expert groups existed lacks it)")
+    tokens = table["routed_tokens"][str(layer)]
+    ranked = sorted(range(count), key=lambda e: (-tokens[e], e))
+    size, extra = divmod(count, n)
+    bounds = [g * size + min(g, extra) for g in range(n + 1)]
+    return [sorted(ranked[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def group_kls(table: dict, layer: int, unit: str, bits: int, groups: list[list[int]]) -> list[float]:
+    """The tensor's measured KL at `bits` shared among the groups in proportion to their proxy: routed tokens ×
+    weighted output error, summed over each group's experts (evenly where the proxy is zero throughout)."""
+    try:
+        tensor = table["kl"][key(layer, unit, bits)]
+    except KeyError as e:
+        raise SmoeError(f"the sensitivity table lacks {e.args[0]} (measure it first)") from None
+    if len(groups) == 1:
+        return [tensor]
+    tokens, errors = table["routed_tokens"][str(layer)], table["proxy"][key(layer, unit, bits)]
+    weights = [sum(tokens[e] * errors[e] for e in g) for g in groups]
+    total = sum(weights)
+    return [tensor * w / total if total > 0 else tensor / len(groups) for w in weights]
+
+
 # --- planning ------------------------------------------------------------------------------------
 
 
@@ -71,27 +131,47 @@ def layer_options(table: dict, layer: int, depths: list[int]) -> list[dict[str, 
     return [dict(zip(UNITS, combo)) for combo in itertools.product(depths, repeat=len(UNITS))]
 
 
-def option_kl(table: dict, layer: int, units: dict[str, int]) -> float:
-    try:
-        return sum(table["kl"][key(layer, u, b)] for u, b in units.items())
-    except KeyError as e:
-        raise SmoeError(f"the sensitivity table lacks {e.args[0]} (measure it first)") from None
+def tensor_groups(table: dict, layer: int, unit: str) -> int:
+    """SMOE groups of one expert's share of a unit, each projection padded to whole groups."""
+    shapes = table.get("expert_shapes")
+    if shapes:
+        return sum(codec.num_groups(o * i) for r, (o, i) in shapes.items() if r in UNIT_ROLES[unit])
+    return codec.num_groups(table["numel"][f"{layer}.{unit}"] // table["num_experts"])
 
 
-def bits_cost(table: dict, layer: int, units: dict[str, int]) -> int:
-    """Storage bits of a layer's units at the given depths: groups × (64·bits + 16)."""
-    return sum(codec.num_groups(table["numel"][f"{layer}.{u}"]) * (codec.GROUP_SIZE * b + 16) for u, b in units.items())
+def bits_cost(table: dict, layer: int, units: dict[str, int], experts: int | None = None) -> int:
+    """Storage bits of a layer's units at the given depths, for `experts` of its experts (default all):
+    groups × (64·bits + 16)."""
+    count = table["num_experts"] if experts is None else experts
+    return count * sum(tensor_groups(table, layer, u) * (codec.GROUP_SIZE * b + 16) for u, b in units.items())
 
 
-def bytes_cost(table: dict, layer: int, units: dict[str, int], alignment: int) -> int:
+def bytes_cost(table: dict, layer: int, units: dict[str, int], alignment: int, experts: int | None = None) -> int:
+    """Bytes in experts.bin of `experts` of the layer's blobs (default all) with their units at the given depths."""
     shapes = {r: tuple(s) for r, s in table["expert_shapes"].items()}
     blob = blob_nbytes(shapes, unit_bits(units, shapes), table.get("bias_nbytes"))
-    return table["num_experts"] * align(blob, alignment)
+    return (table["num_experts"] if experts is None else experts) * align(blob, alignment)
 
 
-def experts_file_bytes(table: dict, chosen: dict[int, dict[str, int]], alignment: int = DEFAULT_ALIGNMENT) -> int:
+def per_expert(table: dict, units: dict[str, int | list[int]]) -> dict[tuple, int]:
+    """Experts per combination of depths (one per unit, in UNITS order) of a layer's chosen units."""
+    counts: dict[tuple, int] = {}
+    for e in range(table["num_experts"]):
+        combo = tuple(depth_of(units[u], e) for u in UNITS)
+        counts[combo] = counts.get(combo, 0) + 1
+    return counts
+
+
+def experts_file_bytes(table: dict, chosen: dict[int, dict[str, int | list[int]]],
+                       alignment: int = DEFAULT_ALIGNMENT) -> int:
     """Exact size of experts.bin: the header block plus every layer's aligned blobs."""
-    return alignment + sum(bytes_cost(table, layer, units, alignment) for layer, units in chosen.items())
+    return alignment + sum(bytes_cost(table, layer, dict(zip(UNITS, combo)), alignment, n)
+                           for layer, units in chosen.items() for combo, n in per_expert(table, units).items())
+
+
+def storage_bits(table: dict, chosen: dict[int, dict[str, int | list[int]]]) -> int:
+    return sum(bits_cost(table, layer, dict(zip(UNITS, combo)), n)
+               for layer, units in chosen.items() for combo, n in per_expert(table, units).items())
 
 
 def total_weights(table: dict) -> int:
@@ -99,24 +179,41 @@ def total_weights(table: dict) -> int:
 
 
 def make_plan(table: dict, budget_bits: float | None = None, size_gb: float | None = None,
-              alignment: int = DEFAULT_ALIGNMENT) -> dict:
-    """The least-KL depth per (layer, unit) within the budget; exactly one of budget_bits / size_gb."""
+              alignment: int = DEFAULT_ALIGNMENT, groups: int = 1) -> dict:
+    """The least-KL depth per (layer, unit, expert group) within the budget; exactly one of budget_bits / size_gb;
+    `groups`: expert groups per layer (1: the fused tensors)."""
     if (budget_bits is None) == (size_gb is None):
         raise SmoeError("give exactly one of --budget BITS and --size GB")
     check_budget(table, budget_bits, size_gb, alignment)
     depths = sorted(table["depths"])
     layers = table["moe_layers"]
-    options = {layer: layer_options(table, layer, depths) for layer in layers}
+    members = {layer: expert_groups(table, layer, groups) for layer in layers}
+    options = layer_options(table, layers[0], depths)
+    kls = {(layer, u, b): group_kls(table, layer, u, b, members[layer]) for layer in layers for u in UNITS for b in depths}
     if budget_bits is not None:
-        cost = lambda layer, u: bits_cost(table, layer, u)
+        cost = lambda layer, units, n: bits_cost(table, layer, units, n)
         capacity = math.floor(budget_bits * total_weights(table) + 1e-9)
     else:
-        cost = lambda layer, u: bytes_cost(table, layer, u, alignment)
+        cost = lambda layer, units, n: bytes_cost(table, layer, units, alignment, n)
         capacity = math.floor(size_gb * 1e9) - alignment
-    groups = [[(cost(layer, u), option_kl(table, layer, u)) for u in options[layer]] for layer in layers]
-    choices, predicted, _ = solve(groups, capacity)
-    chosen = {layer: options[layer][i] for layer, i in zip(layers, choices)}
-    return plan_document(table, chosen, predicted, budget_bits, size_gb, alignment)
+    units = [(layer, g) for layer in layers for g in range(len(members[layer]))]
+    choices, predicted, _ = solve([[(cost(layer, o, len(members[layer][g])), sum(kls[(layer, u, b)][g] for u, b in o.items()))
+                                    for o in options] for layer, g in units], capacity)
+    depth = {(layer, u): [0] * table["num_experts"] for layer in layers for u in UNITS}
+    for (layer, g), i in zip(units, choices):
+        for u, b in options[i].items():
+            for e in members[layer][g]:
+                depth[(layer, u)][e] = b
+    chosen = {layer: {u: collapse(depth[(layer, u)]) for u in UNITS} for layer in layers}
+    doc = plan_document(table, chosen, predicted, budget_bits, size_gb, alignment)
+    if groups > 1:
+        doc["expert_groups"] = {"count": groups, "members": {str(layer): members[layer] for layer in layers}}
+    return doc
+
+
+def collapse(depths: list[int]) -> int | list[int]:
+    """One depth where every expert has it, else the list."""
+    return depths[0] if len(set(depths)) == 1 else depths
 
 
 def check_budget(table: dict, budget_bits: float | None, size_gb: float | None, alignment: int) -> None:
@@ -138,7 +235,7 @@ def check_budget(table: dict, budget_bits: float | None, size_gb: float | None, 
 
 def plan_document(table, chosen, predicted, budget_bits, size_gb, alignment) -> dict:
     weights = total_weights(table)
-    storage_bits = sum(bits_cost(table, layer, units) for layer, units in chosen.items())
+    stored = storage_bits(table, chosen)
     return {
         "format": PLAN_FORMAT, "version": 1,
         "model_type": table["model_type"], "moe_layers": table["moe_layers"], "num_experts": table["num_experts"],
@@ -146,9 +243,9 @@ def plan_document(table, chosen, predicted, budget_bits, size_gb, alignment) -> 
         "budget": {"bits_per_weight": budget_bits} if budget_bits is not None else {"gb": size_gb},
         "tensors": {f"{layer}.{u}": b for layer, units in chosen.items() for u, b in units.items()},
         "predicted_kl": predicted,
-        "bits_per_weight": storage_bits / weights,
+        "bits_per_weight": stored / weights,
         "expert_weights": weights,
-        "predicted_bytes": storage_bits // 8,
+        "predicted_bytes": stored // 8,
         "experts_file_bytes": experts_file_bytes(table, chosen, alignment),
     }
 
@@ -166,7 +263,8 @@ def load_plan(source: str | Path | dict) -> dict:
 
 
 def role_bits(doc: dict, expert_map) -> dict[tuple[int, str], int]:
-    """A plan document checked against the model: (layer, role) -> bits, gate and up always equal."""
+    """A plan document checked against the model: (layer, role) -> bits, or a tuple of one per expert where the
+    plan's units are expert groups; gate and up always equal."""
     shapes = {r: list(s) for r, s in expert_map.expert_shapes().items()}
     if doc.get("moe_layers") != expert_map.moe_layers or doc.get("num_experts") != expert_map.num_experts or \
             (doc.get("expert_shapes") and doc["expert_shapes"] != shapes):
@@ -179,12 +277,15 @@ def role_bits(doc: dict, expert_map) -> dict[tuple[int, str], int]:
         raise SmoeError(f"the plan does not match the model: tensors {odd[:4]} are missing or unknown")
     bits = {}
     for name, b in doc["tensors"].items():
-        if b not in codec.DEPTHS:
-            raise SmoeError(f"the plan gives {name} {b} bits; SMOE supports {codec.DEPTHS}")
+        per = [b] if isinstance(b, int) else b
+        if not isinstance(per, list) or (len(per) != 1 and len(per) != expert_map.num_experts) or \
+                any(x not in codec.DEPTHS or isinstance(x, bool) for x in per):
+            raise SmoeError(f"the plan gives {name} {b} bits; SMOE supports {codec.DEPTHS}, one for the tensor or "
+                            f"one per expert ({expert_map.num_experts})")
         layer, unit = name.split(".")
         for role in UNIT_ROLES[unit]:
             if role in expert_map.roles:
-                bits[(int(layer), role)] = b
+                bits[(int(layer), role)] = b if isinstance(b, int) else tuple(b)
     return bits
 
 
@@ -202,16 +303,24 @@ def format_plan(doc: dict, table: dict) -> str:
     for name, b in doc["tensors"].items():
         layer, unit = name.split(".")
         kl = {d: table["kl"].get(key(int(layer), unit, d)) for d in table["depths"]}
-        lines.append(f"{layer:>5}  {unit:<8}{table['numel'][name]:>12,}  {fmt(kl.get(2))}  {fmt(kl.get(4))}  Q{b}")
+        lines.append(f"{layer:>5}  {unit:<8}{table['numel'][name]:>12,}  {fmt(kl.get(2))}  {fmt(kl.get(4))}  {depth_label(b)}")
     budget = doc["budget"]
     asked = f"{budget['bits_per_weight']:g} bits/weight" if "bits_per_weight" in budget else f"{budget['gb']:g} GB"
+    shared = ", shared among expert groups by the proxy" if "expert_groups" in doc else ""
     lines += [
         f"budget    {asked}",
-        f"predicted KL {doc['predicted_kl']:.5f} (sum of per-tensor KLs)",
+        f"predicted KL {doc['predicted_kl']:.5f} (sum of per-tensor KLs{shared})",
         f"size      {doc['bits_per_weight']:.4f} bits/weight incl. scales: {doc['predicted_bytes'] / 1e6:,.3f} MB of codes "
         f"and scales; experts.bin {doc['experts_file_bytes'] / 1e6:,.3f} MB with alignment",
     ]
     return "\n".join(lines)
+
+
+def depth_label(bits: int | list[int]) -> str:
+    """"Q4", or for a tensor whose experts differ the experts at each depth: "Q4 ×9, Q2 ×23"."""
+    if isinstance(bits, int):
+        return f"Q{bits}"
+    return ", ".join(f"Q{b} ×{bits.count(b)}" for b in sorted(set(bits), reverse=True))
 
 
 def fmt(x) -> str:
@@ -232,7 +341,7 @@ def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float |
     image = ax.imshow(grid, aspect="auto", cmap="magma_r", norm=matplotlib.colors.LogNorm())
     for r, layer in enumerate(layers):
         for c, u in enumerate(UNITS):
-            ax.text(c, r, f"Q{doc['tensors'][f'{layer}.{u}']}", ha="center", va="center",
+            ax.text(c, r, depth_label(doc["tensors"][f"{layer}.{u}"]).replace(", ", "\n"), ha="center", va="center",
                     color="white" if grid[r, c] > np.sqrt(grid.max() * grid.min()) else "black", fontsize=8)
     ax.set_xticks(range(len(UNITS)), UNITS)
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
@@ -294,11 +403,12 @@ def write_plan(doc: dict, path: str | Path) -> Path:
 def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = None, size_gb: float | None = None,
                encoder: str = "grid", sensitivity: str | Path | None = None, tokens: int | None = None,
                alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False,
-               cluster: str | None = None):
+               cluster: str | None = None, groups: int = 1):
     """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
     Returns (plan document, table, KL meter, calibration stats); the meter is None when the table was complete
     already or its trials ran on a cluster, and `need_meter` is false; the statistics when the table was complete.
-    `cluster`: the trials on a Ray cluster (sensitivity.measure)."""
+    `cluster`: the trials on a Ray cluster (sensitivity.measure). `groups`: expert groups per layer (make_plan);
+    above 1 they need the calibration statistics whatever the encoder (routed tokens and weighted errors)."""
     from smoe.convert import calibrate, encoders
     from smoe.hf.gguf import check_calibratable
     from smoe.quality.sensitivity import (
@@ -331,22 +441,26 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     skeleton = {"depths": list(codec.DEPTHS), "moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
                 "numel": unit_sizes(moe), "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()}}
     check_budget(skeleton, budget_bits, size_gb, alignment)  # before any work
+    if not 1 <= groups <= moe.num_experts:
+        raise SmoeError(f"--expert-groups {groups}: between 1 (whole tensors) and the {moe.num_experts} experts of a layer")
     tokens = tokens or calibrate.DEFAULT_TOKENS
     windows = calibrate.calibration_windows(model_dir, calib, tokens)[:SENSITIVITY_WINDOWS]
     fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens) + f"-{len(windows)}"
     table = load_table(sensitivity, fp)
     wanted = {key(layer, u, b) for layer in moe.moe_layers for u in UNITS for b in codec.DEPTHS}
     stats = meter = None
-    if wanted - set(table["kl"]) or need_meter:  # a complete table needs no model run
-        if encoder in encoders.NEEDS_CALIBRATION:
+    no_proxy = groups > 1 and ("routed_tokens" not in table or wanted - set(table.get("proxy", {})))
+    if wanted - set(table["kl"]) or need_meter or no_proxy:  # a complete table needs no model run
+        if encoder in encoders.NEEDS_CALIBRATION or groups > 1:
             stats = calibration_stats(model_dir, calib, tokens, stats_path(out), progress, collected=True)
         qm = QuantisedModel(model_dir, encoder, stats)
         # the source model runs here only for the trials run here, or for the caller's meter
-        meter = KLMeter(qm, windows) if cluster is None or need_meter else None
-        table = measure(qm, windows, sensitivity, fp, progress=progress, meter=meter, cluster=cluster)
+        meter = KLMeter(qm, windows) if (cluster is None and wanted - set(table["kl"])) or need_meter else None
+        table = measure(qm, windows, sensitivity, fp, progress=progress, meter=meter, cluster=cluster,
+                        proxy=groups > 1 or cluster is None)
     table = table_for_model(table, moe, bias_sizes(ckpt, moe))
-    doc = make_plan(table, budget_bits, size_gb, alignment) | {"sensitivity": str(sensitivity),
-                                                                "calibration": calibration_record(calib, tokens)}
+    doc = make_plan(table, budget_bits, size_gb, alignment, groups) | {"sensitivity": str(sensitivity),
+                                                                        "calibration": calibration_record(calib, tokens)}
     write_plan(doc, out)
     write_heatmap(doc, table, out.with_suffix(".png"))
     return doc, table, meter, stats

@@ -7,6 +7,11 @@ first SENSITIVITY_WINDOWS calibration windows, and KL(source ‖ quantised) aver
 recorded; then the source
 weights go back. Results are written to sensitivity.json after each measurement, so an interrupted
 run resumes where it stopped.
+
+While the sweep encodes each unit it also records, per expert and depth, the encoder's output error weighted by
+the calibration's second moment of that expert's inputs (trace(ΔW H ΔWᵀ), H = E[x xᵀ] over the tokens routed to
+it) and each expert's routed token count: the cheap proxy by which finer plan units (smoe.quality.plan's expert
+groups) share a measured tensor KL among the experts of the tensor, with no further model pass.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ class QuantisedModel:
         self.encoder, self.stats = encoder, stats
         self.ckpt = Checkpoint(model_dir)
         self.expert_map = map_experts(self.ckpt.config, self.ckpt.names())
-        self.cache: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
+        # decoded [out, in] weights by (layer, expert, role, bits), filled as units are encoded, and the encoder's
+        # weighted output error trace(ΔW H ΔWᵀ) of each (record_proxy)
+        self.cache: dict[tuple[int, int, str, int], torch.Tensor] = {}
+        self.errors: dict[tuple[int, int, str, int], float] = {}
 
     @functools.cached_property
     def loaded(self) -> tuple:
@@ -79,30 +87,38 @@ class QuantisedModel:
     def units(self) -> list[tuple[int, str]]:
         return [(layer, unit) for layer in self.expert_map.moe_layers for unit in UNITS]
 
-    def decoded(self, layer: int, unit: str, bits: int) -> dict[str, torch.Tensor]:
-        """The module's parameters for `unit` with every expert encoded at `bits` and decoded."""
-        if (layer, unit, bits) not in self.cache:
-            module = self.modules[layer]
-            experts, biases = [], []
-            for e in range(self.expert_map.num_experts):
-                sources = self.expert_map.experts[(layer, e)]
-                weights = {s.role: load_projection(self.ckpt, s).float() for s in sources}
-                for role in UNIT_ROLES[unit]:
-                    if role in weights:
-                        weights[role] = self.quantise(weights[role], layer, e, role, bits)
-                experts.append(weights)
-                biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.expert_map.biases.get((layer, e), [])})
-            params = expert_parameters(module, experts, biases)
-            self.cache[(layer, unit, bits)] = {n: p for n, p in params.items() if n in UNIT_PARAMETERS[unit]}
-        return self.cache[(layer, unit, bits)]
+    def decoded(self, layer: int, unit: str, bits: int | list[int | None]) -> dict[str, torch.Tensor]:
+        """The module's parameters for `unit` with every expert (or each at its own depth of a list, None: the
+        source's) encoded and decoded."""
+        depths = bits if isinstance(bits, list) else [bits] * self.expert_map.num_experts
+        experts, biases = [], []
+        for e, depth in enumerate(depths):
+            sources = self.expert_map.experts[(layer, e)]
+            weights = {s.role: load_projection(self.ckpt, s).float() for s in sources}
+            for role in UNIT_ROLES[unit]:
+                if role in weights and depth is not None:
+                    weights[role] = self.expert_weight(layer, e, role, depth, weights[role])
+            experts.append(weights)
+            biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.expert_map.biases.get((layer, e), [])})
+        params = expert_parameters(self.modules[layer], experts, biases)
+        return {n: p for n, p in params.items() if n in UNIT_PARAMETERS[unit]}
 
-    def quantise(self, w: torch.Tensor, layer: int, expert: int, role: str, bits: int) -> torch.Tensor:
-        moment = self.stats.second_moment(layer, expert, role) if self.stats is not None else None
-        codes, scales = encoders.encode(w, bits, self.encoder, moment, name=f"layer {layer} expert {expert} {role}")
-        return codec.decode(codes, scales, bits, tuple(w.shape))
+    def expert_weight(self, layer: int, expert: int, role: str, bits: int, w: torch.Tensor) -> torch.Tensor:
+        """One projection encoded at `bits` and decoded (cached), its weighted error recorded."""
+        k = (layer, expert, role, bits)
+        if k not in self.cache:
+            moment = self.stats.second_moment(layer, expert, role) if self.stats is not None else None
+            codes, scales = encoders.encode(w, bits, self.encoder, moment if self.encoder != "grid" else None,
+                                            name=f"layer {layer} expert {expert} {role}")
+            self.cache[k] = codec.decode(codes, scales, bits, tuple(w.shape))
+            if moment is not None:
+                delta = (self.cache[k] - w).double()
+                self.errors[k] = float(((delta @ moment.double()) * delta).sum())
+        return self.cache[k]
 
-    def set(self, layer: int, unit: str, bits: int | None) -> None:
-        """Put `unit` of `layer` at `bits` (None: the source weights)."""
+    def set(self, layer: int, unit: str, bits: int | list[int | None] | None) -> None:
+        """Put `unit` of `layer` at `bits`: one depth, a depth per expert (None: that expert's source weights), or
+        None (the source weights)."""
         module = self.modules[layer]
         params = self.decoded(layer, unit, bits) if bits is not None else \
             {n: p for n, p in self.original[layer].items() if n in UNIT_PARAMETERS[unit]}
@@ -164,9 +180,10 @@ def save_json(path: Path, data: dict) -> None:
 
 def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, fp: str,
             depths: tuple[int, ...] = codec.DEPTHS, progress: bool = True, meter: KLMeter | None = None,
-            cluster: str | None = None) -> dict:
+            cluster: str | None = None, proxy: bool = True) -> dict:
     """Fill `path` (sensitivity.json) with KL per (layer, unit, depth); resumes what is there. `cluster`: run the
-    trials on a Ray cluster's workers (smoe.quality.fanout; "local" starts one on this machine)."""
+    trials on a Ray cluster's workers (smoe.quality.fanout; "local" starts one on this machine). With calibration
+    statistics and `proxy`, the per-expert proxy too (record_proxy; after a cluster's trials it encodes here)."""
     path = Path(path)
     table = load_table(path, fp)
     table.update(encoder=qm.encoder, moe_layers=qm.expert_map.moe_layers, units=list(UNITS), depths=list(depths),
@@ -190,8 +207,46 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
         for trial in todo:
             record(trial, measure_one(meter, *trial))
     bar.close()
+    if proxy and qm.stats is not None:
+        record_proxy(qm, table, depths)
     save_json(path, table)
     return table
+
+
+def record_proxy(qm: QuantisedModel, table: dict, depths: tuple[int, ...] = codec.DEPTHS) -> None:
+    """Put into the table each expert's routed calibration tokens per MoE layer ("routed_tokens") and the weighted
+    output error of each expert's share of each unit at each depth ("proxy", key(layer, unit, bits) -> one value
+    per expert); units the sweep encoded cost nothing more, others are encoded here."""
+    counts = qm.stats.counts
+    table["routed_tokens"] = {str(layer): [int(c) for c in counts[layer].tolist()] for layer in qm.expert_map.moe_layers}
+    proxies = table.setdefault("proxy", {})
+    for layer, unit in qm.units():
+        for b in depths:
+            if key(layer, unit, b) not in proxies:
+                proxies[key(layer, unit, b)] = [expert_error(qm, layer, e, unit, b)
+                                                for e in range(qm.expert_map.num_experts)]
+
+
+def expert_error(qm: QuantisedModel, layer: int, expert: int, unit: str, bits: int) -> float:
+    """trace(ΔW H ΔWᵀ) summed over the expert's projections in `unit` at `bits`."""
+    total = 0.0
+    for src in qm.expert_map.experts[(layer, expert)]:
+        if src.role in UNIT_ROLES[unit]:
+            k = (layer, expert, src.role, bits)
+            if k not in qm.errors:
+                qm.expert_weight(layer, expert, src.role, bits, load_projection(qm.ckpt, src).float())
+            total += qm.errors[k]
+    return total
+
+
+def measure_experts(meter: KLMeter, layer: int, unit: str, bits: int, experts: list[int]) -> float:
+    """KL with only `experts` of `unit` of `layer` at `bits`, everything else the source's (checks the proxy)."""
+    depths = [bits if e in experts else None for e in range(meter.qm.expert_map.num_experts)]
+    meter.qm.set(layer, unit, depths)
+    try:
+        return meter.kl()
+    finally:
+        meter.qm.set(layer, unit, None)
 
 
 def meter_for(model_dir, encoder: str, stats: CalibrationStats | None, windows: list[torch.Tensor]) -> KLMeter:
