@@ -15,6 +15,20 @@ COHERE2 = dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_atte
                mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_shared_experts=1)
 
 
+def assert_route_follows_the_biased_router(router, config) -> None:
+    """route, from the description of `config`, picks the experts (in any order) and weights of `router`, a family's
+    transformers router with a random correction bias."""
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
+    x = torch.randn(64, config.hidden_size, generator=generator)
+    logits, want_w, want_ids = router(x)
+    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
 def cohere2_config(**changes):
     from transformers import Cohere2MoeConfig
 
@@ -59,16 +73,7 @@ def test_mimo_v2_flash_route_picks_the_experts_and_weights_of_its_router():
     from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashTopkRouter
 
     config = MiMoV2FlashConfig(**tiny_default_config("mimo_v2_flash").to_dict() | dict(routed_scaling_factor=2.5))
-    router = MiMoV2FlashTopkRouter(config)
-    generator = torch.Generator().manual_seed(0)
-    torch.nn.init.normal_(router.weight, generator=generator)
-    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
-    x = torch.randn(64, config.hidden_size, generator=generator)
-    logits, want_w, want_ids = router(x)
-    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
-    order, want_order = ids.sort(-1), want_ids.sort(-1)
-    assert torch.equal(order.values, want_order.values)
-    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+    assert_route_follows_the_biased_router(MiMoV2FlashTopkRouter(config), config)
 
 
 def test_mimo_v2_flash_keeps_to_the_generic_decoder_for_what_its_sliding_layers_and_values_add():
@@ -95,16 +100,7 @@ def test_glm_moe_dsa_route_picks_the_experts_and_weights_of_its_router(changes):
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 
     config = glm_moe_dsa_config(**changes)
-    router = GlmMoeDsaTopkRouter(config)
-    generator = torch.Generator().manual_seed(0)
-    torch.nn.init.normal_(router.weight, generator=generator)
-    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
-    x = torch.randn(64, config.hidden_size, generator=generator)
-    logits, want_w, want_ids = router(x)
-    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
-    order, want_order = ids.sort(-1), want_ids.sort(-1)
-    assert torch.equal(order.values, want_order.values)
-    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+    assert_route_follows_the_biased_router(GlmMoeDsaTopkRouter(config), config)
 
 
 @pytest.mark.parametrize("types", [["full"] * 3, ["full", "shared", "full"]])
@@ -129,16 +125,7 @@ def test_laguna_route_picks_the_experts_and_weights_of_its_router():
     from transformers.models.laguna.modeling_laguna import LagunaTopKRouter
 
     config = laguna_config(num_experts=8)
-    router = LagunaTopKRouter(config)
-    generator = torch.Generator().manual_seed(0)
-    torch.nn.init.normal_(router.weight, generator=generator)
-    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
-    x = torch.randn(64, config.hidden_size, generator=generator)
-    logits, want_w, want_ids = router(x)
-    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
-    order, want_order = ids.sort(-1), want_ids.sort(-1)
-    assert torch.equal(order.values, want_order.values)
-    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+    assert_route_follows_the_biased_router(LagunaTopKRouter(config), config)
 
 
 def test_laguna_routed_scale_and_a_soft_capped_router_are_read():

@@ -97,10 +97,10 @@ def test_gpu_budget_below_one_tokens_experts_is_an_error_saying_the_minimum(tiny
             GpuExpertCache(v, need - 1, "cpu", top_k=2)
 
 
-def test_corrupt_blob_fails_naming_layer_and_expert_and_is_not_cached(tiny_vault, tmp_path):
+def vault_with_a_corrupt_blob(vault_dir, tmp_path) -> tuple:
+    """A copy of the vault with one byte of expert 1's blob in the first MoE layer flipped: (its path, that layer)."""
     import shutil
 
-    vault_dir, _ = tiny_vault
     bad = tmp_path / "bad"
     shutil.copytree(vault_dir, bad)
     with Vault(bad) as v:
@@ -111,6 +111,11 @@ def test_corrupt_blob_fails_naming_layer_and_expert_and_is_not_cached(tiny_vault
         byte = f.read(1)
         f.seek(entry.offset + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
+    return bad, layer
+
+
+def test_corrupt_blob_fails_naming_layer_and_expert_and_is_not_cached(tiny_vault, tmp_path):
+    bad, layer = vault_with_a_corrupt_blob(tiny_vault[0], tmp_path)
     with Vault(bad) as v:
         cache = GpuExpertCache(v, 4 * blob_slot_bytes(v), "cpu", top_k=2)
         with pytest.raises(SmoeError, match=f"layer {layer} expert 1: checksum mismatch"):
@@ -121,19 +126,7 @@ def test_corrupt_blob_fails_naming_layer_and_expert_and_is_not_cached(tiny_vault
 
 def test_filling_the_host_tier_with_a_corrupt_blob_fails_naming_it_and_keeps_only_good_blobs(tiny_vault, tmp_path):
     """What reading misses in place starts with: every expert into the host tier, each blob checked."""
-    import shutil
-
-    vault_dir, _ = tiny_vault
-    bad = tmp_path / "bad"
-    shutil.copytree(vault_dir, bad)
-    with Vault(bad) as v:
-        layer = v.meta["moe_layers"][0]
-        entry = v.entry(layer, 1)
-    with open(bad / DATA_FILE, "r+b") as f:
-        f.seek(entry.offset + 10)
-        byte = f.read(1)
-        f.seek(entry.offset + 10)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    bad, layer = vault_with_a_corrupt_blob(tiny_vault[0], tmp_path)
     with Vault(bad) as v:
         cache = GpuExpertCache(v, 4 * blob_slot_bytes(v), "cpu", top_k=2, host_bytes=blob_slot_bytes(v) * len(v.entries))
         for _ in range(2):  # asked again, it fails again: the bad blob was not kept
