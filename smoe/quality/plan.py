@@ -91,12 +91,17 @@ def depth_of(bits: int | list[int], expert: int) -> int:
 # --- units finer than a fused tensor -------------------------------------------------------------
 
 
+def check_groups(n: int, count: int) -> None:
+    """--expert-groups n for layers of `count` experts: from 1 (whole tensors) to one group per expert."""
+    if not 1 <= n <= count:
+        raise SmoeError(f"--expert-groups {n}: between 1 (whole tensors) and the {count} experts of a layer")
+
+
 def expert_groups(table: dict, layer: int, n: int) -> list[list[int]]:
     """The layer's experts ranked by routed calibration tokens (most first, ties by index) and cut into `n` groups of
     consecutive rank, sizes differing by at most one; n = 1: every expert together (the fused unit)."""
     count = table["num_experts"]
-    if not 1 <= n <= count:
-        raise SmoeError(f"--expert-groups {n}: between 1 (whole tensors) and the {count} experts of a layer")
+    check_groups(n, count)
     if n == 1:
         return [list(range(count))]
     if "routed_tokens" not in table or "proxy" not in table:
@@ -441,8 +446,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     skeleton = {"depths": list(codec.DEPTHS), "moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
                 "numel": unit_sizes(moe), "expert_shapes": {r: list(s) for r, s in moe.expert_shapes().items()}}
     check_budget(skeleton, budget_bits, size_gb, alignment)  # before any work
-    if not 1 <= groups <= moe.num_experts:
-        raise SmoeError(f"--expert-groups {groups}: between 1 (whole tensors) and the {moe.num_experts} experts of a layer")
+    check_groups(groups, moe.num_experts)
     tokens = tokens or calibrate.DEFAULT_TOKENS
     windows = calibrate.calibration_windows(model_dir, calib, tokens)[:SENSITIVITY_WINDOWS]
     fp = fingerprint(model_dir, encoder, calibrate.file_hash(calib), tokens) + f"-{len(windows)}"
