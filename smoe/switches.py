@@ -34,8 +34,11 @@ GPU_IN_PLACE = Switch("SMOE_GPU_IN_PLACE", "1",
 GPU_PROMPT_GRAPHS = Switch("SMOE_GPU_PROMPT_GRAPHS", "1",
                            "0 runs a prompt's layers eagerly on the GPU instead of padded to a captured length and "
                            "replayed as a CUDA graph (when every expert is resident)")
+GPU_ATTENTION_KERNEL = Switch("SMOE_GPU_ATTENTION_KERNEL", "1",
+                              "0 runs a one-token step's attention on the GPU as torch ops (SDPA over the whole KV "
+                              "cache under a mask) instead of the decode-attention kernel")
 PREFETCH = Switch("SMOE_PREFETCH", "0",
                   "1 guesses the next layer's experts from the current hidden state and reads them early")
 DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",
                     "a model directory `smoe demo` runs on instead of the shipped models/smoe-demo-6m")
-SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, GPU_PROMPT_GRAPHS, PREFETCH, DEMO_MODEL)
+SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, GPU_PROMPT_GRAPHS, GPU_ATTENTION_KERNEL, PREFETCH, DEMO_MODEL)

@@ -56,6 +56,7 @@ from smoe.hf.model import new_cache, run_layer
 from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
 from smoe.runtime.cuda import kernels as kernels_triton
+from smoe.runtime.cuda.attention import covers, decode_attention
 from smoe.runtime.cuda.cache import GpuExpertCache
 from smoe.runtime.cuda.placement import Placement
 from smoe.runtime.cuda.routing import fused_route
@@ -78,7 +79,7 @@ from smoe.runtime.layers import (
     static_step,
 )
 from smoe.runtime.weights import layer_weights, module_layers, rms_epsilon
-from smoe.switches import GPU_IN_PLACE, GPU_INDUCTOR, GPU_PROMPT_GRAPHS
+from smoe.switches import GPU_ATTENTION_KERNEL, GPU_IN_PLACE, GPU_INDUCTOR, GPU_PROMPT_GRAPHS
 
 ACT = torch.float32  # the residual stream; matrices run in the model's dtype
 # the lengths a prompt is padded to and captured at (at most a third of a prompt's work is padding)
@@ -112,6 +113,8 @@ class GpuLayer:
                 a = description.attention
                 self.qk_norm = torch.cat([put(attn.q_norm, dtype).expand(a.heads, -1),
                                           put(attn.k_norm, dtype).expand(a.kv_heads, -1)])
+        # a one-token step's attention fits the decode-attention kernel (smoe.runtime.cuda.attention)
+        self.kernel_attends = not self.mla and covers(description, self) is None
         self.attention_out_norm = put(w.attention_out_norm) if w.attention_out_norm is not None else None
         self.mlp_out_norm = put(w.mlp_out_norm) if w.mlp_out_norm is not None else None
         self.moe = w.router is not None
@@ -147,6 +150,12 @@ class GpuDecoder(HoldsSequence):
         # inductor fuses a single-token step's small kernels (SMOE_GPU_INDUCTOR=0: eager, as on the CPU)
         compile_ok = self.graphs and GPU_INDUCTOR.on()
         self.blocks = {kind: compiled_block(kind) if compile_ok else EAGER_BLOCKS[kind] for kind in EAGER_BLOCKS}
+        # a one-token step's attention in the decode-attention kernel, where it covers the layer
+        self.attention_kernel = (self.device.type == "cuda" and kernels_triton.triton is not None
+                                 and kernel_path != "reference" and GPU_ATTENTION_KERNEL.on())
+        if self.attention_kernel:
+            self.blocks["gqa_step"] = AttentionStep(compile_ok)
+        self.eager_kinds = set() if compile_ok else set(self.blocks)  # what a compiler failure leaves eager
         self.segments: list | None = None  # captured CUDA graphs, one per segment
         self.whole_token = None  # one graph for the whole token when every expert is resident
         self.table = None  # [layers, experts] blob offsets in the pool (whole-token mode)
@@ -400,14 +409,15 @@ class GpuDecoder(HoldsSequence):
 
     def step(self, token: int) -> torch.Tensor:
         s = self.static
-        s.set_token(token, self.pos)
         if self.whole_token_ready():
+            s.stage_token(token, self.pos)  # host stores only: the graph's first node copies them in (load_inputs)
             self.run_whole_token()
             if self.placement is not None:
                 self.placement.after_token()
             else:  # every routed expert is resident (a module layer's experts are counted by the cache it asks)
                 self.cache.stats.hits += self.top_k * sum(self.layers[i] is not None for i in self.layouts)
         else:
+            s.set_token(token, self.pos)
             for seg in range(len(self.layers) + 1):
                 self.run_segment(seg)
                 if seg < len(self.layers) and self.layers[seg] is None:
@@ -478,14 +488,15 @@ class GpuDecoder(HoldsSequence):
         return top_i
 
     def run_block(self, layer: GpuLayer, x, added, pos, args):
-        kind = "mla" if layer.mla else "gqa"
+        kind = "mla" if layer.mla else "gqa_step" if self.attention_kernel and layer.kernel_attends else "gqa"
         try:
             return self.blocks[kind](x, added, pos, **args)
         except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
-            if self.blocks[kind] is EAGER_BLOCKS[kind]:
+            if kind in self.eager_kinds:
                 raise
             kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
-            self.blocks[kind] = EAGER_BLOCKS[kind]
+            self.eager_kinds.add(kind)
+            self.blocks[kind] = AttentionStep(compiled=False) if kind == "gqa_step" else EAGER_BLOCKS[kind]
             return self.blocks[kind](x, added, pos, **args)
 
     def experts_one(self, i: int, h, top_w, offsets):
@@ -560,6 +571,8 @@ class GpuDecoder(HoldsSequence):
         the host reads nothing inside a stretch); it starts from the static residual (the module layer's before
         it) and leaves its residual there for the module layer after it, or writes the logits."""
         s = self.static
+        if segments.start == 0:
+            self.load_inputs()
         x, h, top_i, top_w = s.x, s.h, s.top_i, s.top_w
         for seg in segments:
             offsets = None
@@ -572,6 +585,12 @@ class GpuDecoder(HoldsSequence):
                 return
             x, h, top_i, top_w = out
         s.x.copy_(x)
+
+    def load_inputs(self) -> None:
+        """The token's inputs from the pinned staging area into the static buffers, as a whole-token graph's first
+        node: between tokens the host then only writes host memory (a copy call costs it ~20 us, while the GPU
+        waits for the next graph)."""
+        self.static.load_token()
 
     def run_whole_token(self) -> None:
         """The token's stretches, each one graph (every segment of the token when no layer runs through the
@@ -640,13 +659,10 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     and norm on the branch's output. A pure function of its tensors, so that it can be compiled once and serve
     every layer. `end` (a prompt's eager call, whose shapes may vary): attend over the first `end` positions only,
     causally (flash attention for a whole prompt), instead of the whole static cache under a mask."""
-    if added is not None:
-        x = x + added
+    x, projected = attention_in(x, added, input_norm=input_norm, qkv=qkv, qkv_bias=qkv_bias, eps=eps, dtype=dtype)
     a = description.attention
     t, heads, kv_heads, hd = x.shape[0], a.heads, a.kv_heads, a.head_dim  # rotary may cover part of a head
-    h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
-    q, k, v, gate = F.linear(h, qkv, qkv_bias).split([heads * hd, kv_heads * hd, kv_heads * hd, heads * hd * gated],
-                                                     dim=-1)
+    q, k, v, gate = projected.split([heads * hd, kv_heads * hd, kv_heads * hd, heads * hd * gated], dim=-1)
     if q_norm_full is not None:  # one norm over all heads (OLMoE), before they are split
         q = F.rms_norm(q, q.shape[-1:], q_norm_full, eps)
         k = F.rms_norm(k, k.shape[-1:], k_norm_full, eps)
@@ -683,9 +699,46 @@ def attention_block(x, added, pos, *, k_cache, v_cache, positions, cos, sin, inp
     out = out[0].transpose(0, 1).reshape(t, -1)
     if gated:  # AFMoE's output gate
         out = out * torch.sigmoid(gate)
+    return attention_out(x, out, o=o, o_bias=o_bias, attention_out_norm=attention_out_norm, post_norm=post_norm,
+                         router=router, router_bias=router_bias, description=description, eps=eps, dtype=dtype)
+
+
+def attention_in(x, added, *, input_norm, qkv, qkv_bias, eps: float, dtype):
+    """A GQA block's start: the residual (plus the previous layer's MLP branch) and its q/k/v projection."""
+    if added is not None:
+        x = x + added
+    h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
+    return x, F.linear(h, qkv, qkv_bias)
+
+
+def attention_out(x, out, *, o, o_bias, attention_out_norm, post_norm, router, router_bias, description, eps: float,
+                  dtype):
+    """A block's end from the heads' output: the residual after the attention branch, the experts' input and the
+    router's logits (None for a dense layer)."""
     x = x + branch(F.linear(out, o, o_bias), attention_out_norm, multipliers(description).residual, eps)
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
     return x, h, F.linear(h, router, router_bias) if router is not None else None
+
+
+class AttentionStep:
+    """attention_block for one token at a device position, with the attention between the projections in the
+    decode-attention kernel (smoe.runtime.cuda.attention) instead of the torch ops: the start and the end of
+    the block compiled by inductor (or eager), the kernel between them, all captured in the token's graphs."""
+
+    def __init__(self, compiled: bool):
+        wrap = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compiled else (lambda fn: fn)
+        self.start, self.end = wrap(attention_in), wrap(attention_out)
+
+    def __call__(self, x, added, pos, *, k_cache, v_cache, cos, sin, input_norm, qkv, qkv_bias, qk_norm, o, post_norm,
+                 router, description, eps: float, dtype, o_bias=None, sinks=None, window: int | None = None,
+                 rotary: bool = True, attention_out_norm=None, router_bias=None, **unused):
+        a = description.attention
+        x, projected = self.start(x, added, input_norm=input_norm, qkv=qkv, qkv_bias=qkv_bias, eps=eps, dtype=dtype)
+        out = decode_attention(projected, k_cache[0], v_cache[0], pos, cos, sin, qk_norm, sinks, heads=a.heads,
+                               kv_heads=a.kv_heads, head_dim=a.head_dim, eps=eps,
+                               scale=multipliers(description).attention, window=window, rotary=rotary)
+        return self.end(x, out, o=o, o_bias=o_bias, attention_out_norm=attention_out_norm, post_norm=post_norm,
+                        router=router, router_bias=router_bias, description=description, eps=eps, dtype=dtype)
 
 
 def branch(out, norm, residual: float, eps: float):
@@ -711,8 +764,8 @@ class StaticBuffers:
 
     def __init__(self, dec: GpuDecoder, hidden: int):
         dev, k = dec.device, dec.top_k
-        self.token = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.inputs = torch.zeros(2, dtype=torch.int64, device=dev)  # the token and its position: one copy
+        self.token, self.pos = self.inputs[0:1], self.inputs[1:2]
         self.x = torch.zeros(1, hidden, dtype=ACT, device=dev)
         self.h = torch.zeros(1, hidden, dtype=dec.dtype, device=dev)
         self.top_i = torch.zeros(1, k, dtype=torch.int64, device=dev)
@@ -721,6 +774,7 @@ class StaticBuffers:
         self.logits = torch.zeros(1, dec.lm_head.shape[0], dtype=ACT, device=dev)
         pinned = dev.type == "cuda"
         self.stage = torch.zeros(2 + k, dtype=torch.int64, pin_memory=pinned)
+        self.staged = self.stage.numpy()  # the host's stores into it, without a torch call each
 
     def upload(self, dst: torch.Tensor, values: list[int], at: int) -> None:
         # the host reaches this point only after a sync on the compute stream (reading top-k or the
@@ -729,8 +783,14 @@ class StaticBuffers:
         dst.copy_(self.stage[at: at + len(values)].view(dst.shape), non_blocking=True)
 
     def set_token(self, token: int, pos: int) -> None:
-        self.upload(self.token, [token], 0)
-        self.upload(self.pos, [pos], 1)
+        self.upload(self.inputs, [token, pos], 0)
+
+    def stage_token(self, token: int, pos: int) -> None:
+        """The token and its position into the staging area only (a graph's load_token reads them)."""
+        self.staged[0], self.staged[1] = token, pos
+
+    def load_token(self) -> None:
+        self.inputs.copy_(self.stage[:2], non_blocking=True)
 
     def set_offsets(self, offsets: list[int]) -> None:
         self.upload(self.offsets, offsets, 2)
