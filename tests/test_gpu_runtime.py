@@ -405,17 +405,19 @@ sm = OpenedVault(sys.argv[1], dtype="float32", kernel_path="dequant")
 dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
 ids = list(range(5, 17))
 logits = torch.cat([dec.forward(ids[:8]), *[dec.forward([t]) for t in ids[8:]]])
+assert dec.attention_kernel == (sys.argv[3] == "1"), "the attention kernel was not used throughout"
 torch.save(logits, sys.argv[2])
 """
 
 
 # gpt-oss: expert biases, clamped SwiGLU, sinks, windows; Granite-MoE-Hybrid: a Mamba layer through its own module,
-# its experts by the kernels too
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "granitemoehybrid"])
-def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, tmp_path):
+# its experts by the kernels too; with SMOE_GPU_ATTENTION_KERNEL=1 the one-token steps' attention by its kernel
+@pytest.mark.parametrize("family, attention", [("qwen3_moe", "0"), ("gpt_oss", "0"), ("granitemoehybrid", "0"),
+                                               ("gpt_oss", "1")])
+def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, attention, tmp_path):
     kernel_sized_vault(tmp_path, family)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt")],
+    env = dict(os.environ, TRITON_INTERPRET="1", SMOE_GPU_ATTENTION_KERNEL=attention)
+    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt"), attention],
                    check=True, env=env, timeout=600)
     got = torch.load(tmp_path / "out.pt")
     want = load_reference(tmp_path / "reference")(torch.tensor([list(range(5, 17))]))[0]
@@ -465,6 +467,25 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
     ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
     got = decode_in_pieces(dec, ids)
     # the single-token steps after the first replayed captured graphs
+    assert (dec.whole_token if resident else dec.segments) is not None
+    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_cuda_decode_attention_kernel_matches_the_reference_in_fp32(family, resident, tmp_path, monkeypatch):
+    """With SMOE_GPU_ATTENTION_KERNEL=1 every one-token step's attention runs in the kernel (per-head q/k norm,
+    partial rotary, q/k/v bias, windows and sinks, an attention multiplier among these families)."""
+    monkeypatch.setenv("SMOE_GPU_ATTENTION_KERNEL", "1")
+    vault, reference = kernel_sized_vault(tmp_path, family, 4)
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    with Vault(vault) as v:
+        budget = blob_slot_bytes(v) * len(v.entries) if resident else min_gpu_budget(v, v.meta["top_k"])
+    dec = GpuDecoder(sm, "cuda", budget, max_positions=64)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = decode_in_pieces(dec, ids)
+    assert dec.attention_kernel and all(w.kernel_attends for w in dec.layers)  # no layer fell back to torch ops
     assert (dec.whole_token if resident else dec.segments) is not None
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 

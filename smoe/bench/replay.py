@@ -27,16 +27,10 @@ class ReplayDecoder(GpuDecoder):
         self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0}  # host seconds per phase of step()
 
     def step(self, token: int) -> torch.Tensor:
-        # ordered on the compute stream like the token's own upload (StaticBuffers.upload); whole-token graphs
-        # copy it in themselves, as they do the token (load_inputs)
+        # ordered on the compute stream like the token's own upload (StaticBuffers.upload)
         self.replay_stage[0] = self.replay_step
-        if not self.whole_token_ready():
-            self.replay_index.copy_(self.replay_stage, non_blocking=True)
-        return super().step(token)
-
-    def load_inputs(self) -> None:
-        super().load_inputs()
         self.replay_index.copy_(self.replay_stage, non_blocking=True)
+        return super().step(token)
 
     def routed(self, seg: int, top_i):
         return self.route_replay[self.replay_index, seg]

@@ -151,8 +151,8 @@ class GpuDecoder(HoldsSequence):
         compile_ok = self.graphs and GPU_INDUCTOR.on()
         self.blocks = {kind: compiled_block(kind) if compile_ok else EAGER_BLOCKS[kind] for kind in EAGER_BLOCKS}
         # a one-token step's attention in the decode-attention kernel, where it covers the layer
-        self.attention_kernel = (self.device.type == "cuda" and kernels_triton.triton is not None
-                                 and kernel_path != "reference" and GPU_ATTENTION_KERNEL.on())
+        self.attention_kernel = ((self.device.type == "cuda" or kernels_triton.INTERPRETED) and kernel_path != "reference"
+                                 and kernels_triton.triton is not None and GPU_ATTENTION_KERNEL.on())
         if self.attention_kernel:
             self.blocks["gqa_step"] = AttentionStep(compile_ok)
         self.eager_kinds = set() if compile_ok else set(self.blocks)  # what a compiler failure leaves eager
@@ -409,15 +409,14 @@ class GpuDecoder(HoldsSequence):
 
     def step(self, token: int) -> torch.Tensor:
         s = self.static
+        s.set_token(token, self.pos)
         if self.whole_token_ready():
-            s.stage_token(token, self.pos)  # host stores only: the graph's first node copies them in (load_inputs)
             self.run_whole_token()
             if self.placement is not None:
                 self.placement.after_token()
             else:  # every routed expert is resident (a module layer's experts are counted by the cache it asks)
                 self.cache.stats.hits += self.top_k * sum(self.layers[i] is not None for i in self.layouts)
         else:
-            s.set_token(token, self.pos)
             for seg in range(len(self.layers) + 1):
                 self.run_segment(seg)
                 if seg < len(self.layers) and self.layers[seg] is None:
@@ -492,6 +491,11 @@ class GpuDecoder(HoldsSequence):
         try:
             return self.blocks[kind](x, added, pos, **args)
         except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
+            if kind == "gqa_step" and kind in self.eager_kinds:  # the kernel itself failed: the torch ops instead
+                kernels_triton.warn_once(f"the decode-attention kernel failed ({type(err).__name__}); "
+                                         "running the attention as torch ops")
+                self.attention_kernel = False
+                return self.run_block(layer, x, added, pos, args)
             if kind in self.eager_kinds:
                 raise
             kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
@@ -571,8 +575,6 @@ class GpuDecoder(HoldsSequence):
         the host reads nothing inside a stretch); it starts from the static residual (the module layer's before
         it) and leaves its residual there for the module layer after it, or writes the logits."""
         s = self.static
-        if segments.start == 0:
-            self.load_inputs()
         x, h, top_i, top_w = s.x, s.h, s.top_i, s.top_w
         for seg in segments:
             offsets = None
@@ -585,12 +587,6 @@ class GpuDecoder(HoldsSequence):
                 return
             x, h, top_i, top_w = out
         s.x.copy_(x)
-
-    def load_inputs(self) -> None:
-        """The token's inputs from the pinned staging area into the static buffers, as a whole-token graph's first
-        node: between tokens the host then only writes host memory (a copy call costs it ~20 us, while the GPU
-        waits for the next graph)."""
-        self.static.load_token()
 
     def run_whole_token(self) -> None:
         """The token's stretches, each one graph (every segment of the token when no layer runs through the
@@ -774,7 +770,6 @@ class StaticBuffers:
         self.logits = torch.zeros(1, dec.lm_head.shape[0], dtype=ACT, device=dev)
         pinned = dev.type == "cuda"
         self.stage = torch.zeros(2 + k, dtype=torch.int64, pin_memory=pinned)
-        self.staged = self.stage.numpy()  # the host's stores into it, without a torch call each
 
     def upload(self, dst: torch.Tensor, values: list[int], at: int) -> None:
         # the host reaches this point only after a sync on the compute stream (reading top-k or the
@@ -784,13 +779,6 @@ class StaticBuffers:
 
     def set_token(self, token: int, pos: int) -> None:
         self.upload(self.inputs, [token, pos], 0)
-
-    def stage_token(self, token: int, pos: int) -> None:
-        """The token and its position into the staging area only (a graph's load_token reads them)."""
-        self.staged[0], self.staged[1] = token, pos
-
-    def load_token(self) -> None:
-        self.inputs.copy_(self.stage[:2], non_blocking=True)
 
     def set_offsets(self, offsets: list[int]) -> None:
         self.upload(self.offsets, offsets, 2)
