@@ -310,13 +310,30 @@ MLX_BIASED_BUFFERS = {"solar_open", "glm4_moe_lite"}
 MLX_MULTIMODAL = {"qwen3_vl_moe": dict(head_dim=64), "qwen3_5_moe": {}}
 
 
-def multimodal_model(family: str):
-    """transformers' default multimodal config of `family` shrunk, its text model's experts 32 wide."""
+def draw_around_unit_scale(model, offset_norms: bool = False, unit_names: tuple[str, ...] = (),
+                           bias_buffers: bool = True) -> None:
+    """Every parameter drawn as 0.1 N(0, 1), plus 1 for norms (unless they scale by 1 + w: offset_norms) and for the
+    parameters whose names end with unit_names, so that attention scores and router logits are of unit scale; the
+    correction bias buffers, which from_config leaves 0, drawn too where bias_buffers."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_unit = "norm" in name.split(".")[-2] and not offset_norms or bool(unit_names) and name.endswith(unit_names)
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + is_unit)
+        for name, buffer in model.named_buffers():
+            if bias_buffers and name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+
+
+def multimodal_model(family: str, text_values: dict | None = None):
+    """transformers' default multimodal config of `family` shrunk, `text_values` (default: MLX_MULTIMODAL's) over its
+    text model's config, whose experts are 32 wide."""
     from transformers import AutoModelForImageTextToText
 
     config = tiny_default_config(family)
-    text = config.text_config.to_dict() | MLX_MULTIMODAL[family] | dict(vocab_size=VOCAB, moe_intermediate_size=32)
-    config.text_config = type(config.text_config)(**text)
+    text = {k: v for k, v in config.text_config.to_dict().items() if k != "per_layer_config"}  # derived: remade
+    values = MLX_MULTIMODAL[family] if text_values is None else text_values
+    config.text_config = type(config.text_config)(**text | values | dict(vocab_size=VOCAB, moe_intermediate_size=32))
     return AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
 
 

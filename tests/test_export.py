@@ -273,7 +273,7 @@ MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "dee
                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
                 "granitemoehybrid", "nemotron_h", "solar_open", "mellum", "glm4_moe_lite",
                 "qwen3_vl_moe", "mistral4", "qwen3_5_moe_text", "qwen3_5_moe",
-                "laguna"]
+                "laguna", "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -388,6 +388,17 @@ def test_mlx_configs_carry_what_each_model_args_reads(mlx_vaults, tmp_path):
     vl = read("qwen3_vl_moe")  # mlx-lm's qwen3_vl_moe reads the text model's args, transformers' expert count renamed
     assert (vl["text_config"]["num_experts"], vl["text_config"]["norm_topk_prob"]) == (4, True)
     assert "vision_config" not in vl and vl["text_config"]["rope_theta"] == 5e5
+    # the indexer turns the two halves (DeepSeek-V3.2) or adjacent pairs (GLM-5); mlx-lm's glm_moe_dsa reads only
+    # rope_parameters; both take the dense layers before the MoE ones from first_k_dense_replace
+    dsa, glm5 = read("deepseek_v32"), read("glm_moe_dsa")
+    assert (dsa["indexer_rope_interleave"], glm5["indexer_rope_interleave"]) == (False, True)
+    assert glm5["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert (dsa["first_k_dense_replace"], dsa["topk_method"], dsa["index_topk"]) == (2, "noaux_tc", 2048)
+    kimi = read("kimi_linear")  # the release's linear_attn_config, delta-attention layers numbered from 1
+    assert kimi["linear_attn_config"] == {"kda_layers": [1, 2], "num_heads": 4, "head_dim": 16,
+                                          "short_conv_kernel_size": 4}
+    assert (kimi["first_k_dense_replace"], kimi["num_shared_experts"], kimi["moe_router_activation_func"]) == (
+        1, 1, "sigmoid")
     tied = {"text_config": {"tie_word_embeddings": True}, "tie_word_embeddings": False}  # the text model's default
     assert text_config(tied)["tie_word_embeddings"] is False  # transformers ties by the top level's
     assert all(read(f)["model_type"] == f.removesuffix("_text") for f in MLX_FAMILIES)
@@ -475,6 +486,51 @@ MLX_REFUSALS = [
                                      for t in ("full_attention", "sliding_attention")}), "'yarn' on full_attention"),
     ("laguna", dict(attention_bias=True), "attention biases = True"),
     ("qwen3_vl_moe", dict(attention_bias=True), "attention biases = True"),  # mlx-lm's qwen3_moe never builds them
+    ("deepseek_v32", dict(num_experts_per_tok=1), "single chosen expert"),
+    ("deepseek_v32", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": False,
+                                           "original_max_position_embeddings": 16}), "truncate = false"),
+    # transformers' GLM-5 reuses the previous indexer's keys on a "shared" layer; mlx-lm's runs an indexer on each
+    ("glm_moe_dsa", dict(indexer_types=["full", "shared", "full"]), "does not compute shared_indexer"),
+    # the tiny config's heads, 16 wide: int(16 · 0.334) = 5 channels, of which transformers turns 3 pairs, mlx-lm 5
+    ("mimo_v2_flash", dict(), "5 channels"),
+    ("mimo_v2_flash", dict(head_dim=48, layer_types=["full_attention"] * 2), "both sliding and full"),
+    ("mimo_v2_flash", dict(head_dim=48, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "one partial_rotary_factor"),
+    ("mimo_v2_flash", dict(head_dim=48, rope_parameters={
+        t: {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
+        for t in ("full_attention", "sliding_attention")}), "'yarn' on full_attention"),
+    ("mimo_v2_flash", dict(head_dim=48, num_experts_per_tok=1), "single chosen expert"),
+    ("mimo_v2_flash", dict(head_dim=48, tie_word_embeddings=True), "tied embeddings"),
+    # the tiny config's query_pre_attn_scalar is the release's head_dim (128): scores scaled otherwise than mlx-lm's
+    ("gemma4_text", dict(hidden_size_per_layer_input=16), "per-layer input embeddings"),
+    ("gemma4_text", dict(num_kv_shared_layers=1), "num_kv_shared_layers"),
+    ("gemma4_text", dict(use_bidirectional_attention="all"), "bidirectional attention"),
+    ("gemma4_text", dict(attention_k_eq_v=False, per_layer_config={"1": {"head_dim": 32, "num_key_value_heads": 1}}),
+     "1 key/value heads on full layers"),
+    ("gemma4_text", dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+     "'linear' on sliding_attention"),
+    # 5 of 32 channels: transformers turns 2 pairs, mlx-lm 3
+    ("gemma4_text", dict(per_layer_config={"1": {"head_dim": 32}}, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.15625, "rope_theta": 1e6}}),
+     "proportional RoPE over 5.0 of 32"),
+    ("kimi_linear", dict(num_expert_group=2, topk_group=1), "n_group = 1"),  # mlx-lm zeroes dropped groups' scores
+    ("kimi_linear", dict(q_lora_rank=32), "q_lora_rank 32"),
+    ("kimi_linear", dict(layer_types=["full_attention"] * 3), "both delta-attention and MLA"),
+    ("kimi_linear", dict(num_experts_per_token=1), "single chosen expert"),
+    ("step3p7", dict(), "does not compute multipliers"),
+    ("step3p7", dict(query_pre_attn_scalar=16, gating="per-element"), "gating 'per-element'"),
+    ("step3p7", dict(query_pre_attn_scalar=16, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3125}}),
+     "5 channels on full_attention"),
+    ("step3p7", dict(query_pre_attn_scalar=16, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}}),
+     "'yarn' on full_attention"),
+    ("step3p7", dict(query_pre_attn_scalar=16, swiglu_limits=[-1.0] * 3), "negative SwiGLU limits"),
+    ("step3p7", dict(query_pre_attn_scalar=16, use_bidirectional_attention=True),
+     "does not compute bidirectional_attention"),
     ("qwen3_vl_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}), "'linear'"),
 ]
 

@@ -17,16 +17,18 @@ transformers' single-token recurrent step does not clamp at all, so a decode ste
 the floor is the one place the two can part: transformers' own prefill and decode already disagree there).
 Nemotron-H's relu² experts are ungated: the vault's up and down roles become SwitchMLP's fc1 and fc2.
 
-Multimodal checkpoints (qwen3_vl_moe; Qwen3.5-MoE's, whose vault smoe names by its text model, qwen3_5_moe_text) are
-written from their text_config under the names mlx-lm's model gives its language model; the vision tower, which its
-sanitize discards, is not written (`drops`).
+Multimodal checkpoints (qwen3_vl_moe; Qwen3.5-MoE's, whose vault smoe names by its text model, qwen3_5_moe_text;
+Step-3.7's, step3p7) are written from their text_config under the names mlx-lm's model gives its language model; the
+vision tower, which its sanitize discards, is not written (`drops`).
+
+Where mlx-lm's model file reads a family's release config keys rather than transformers' (mimo_v2_flash's per-layer
+lists, step3p7's as mlx-lm's step3p5, kimi_linear's linear_attn_config, gemma4_text's full-layer widths that
+transformers keeps in per_layer_config), the row's config writes them from transformers' values.
 
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
 router chooses with), hunyuan_v1_moe (mlx-lm's hunyuan never normalises the chosen experts' weights, transformers'
-does), jamba (mlx-lm's always does, transformers' never).
-Not yet written (no row, so refused as unsupported), though mlx-lm has a model file: deepseek_v32 and glm_moe_dsa
-(their indexers), gemma4_text, kimi_linear, mimo_v2_flash, step3p7 (mlx-lm's step3p5). minimax
-(MiniMax-Text-01's lightning attention) has none: mlx-lm's minimax file is MiniMax-M2's; bailing_moe has no
+does), jamba (mlx-lm's always does, transformers' never). minimax (MiniMax-Text-01's lightning attention) has no model
+file: mlx-lm's minimax file is MiniMax-M2's; bailing_moe has no
 transformers family; bailing_hybrid (mlx-lm has it, transformers too) is no family smoe reads, so no vault of it exists.
 """
 
@@ -114,6 +116,85 @@ def _mellum(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict
 
 def _deepseek_v3(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
     return _dense_first(config, desc, moe_layers) | dict(topk_method="noaux_tc", scoring_func="sigmoid")
+
+
+def _deepseek_v32(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # the indexer turns the two halves (DeepSeek-V3.2) or adjacent pairs (GLM-5) as the description says; mlx-lm's
+    # glm_moe_dsa takes its rotary from rope_parameters alone, so a plain one is written without scaling keys
+    rope = _rope(config) if _rope_kind(config) != "default" else {
+        "rope_type": "default", "rope_theta": _rope(config).get("rope_theta", config.get("rope_theta", 10000.0))}
+    return _deepseek_v3(config, desc, moe_layers) | dict(
+        indexer_rope_interleave="indexer_interleaved_rotary" in desc.extras, rope_parameters=rope)
+
+
+MIMO_ROTARY = 0.334  # transformers' MiMo-V2-Flash rotates this share of each head where a layer type names none
+
+
+def _mimo_v2_flash(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # mlx-lm reads the release's own keys: per-layer lists of kinds, each kind's heads, widths and rotary base; its
+    # window is transformers' sliding_window (the release's sliding_window_size + 1), both keeping that many keys
+    rope, sliding, r = _rope(config), set(desc.attention.sliding_layers), desc.routing
+    kv_heads, head_dim = config["num_key_value_heads"], desc.attention.head_dim
+    return dict(hybrid_layer_pattern=[int(i in sliding) for i in range(desc.num_layers)],
+                moe_layer_freq=[int(i in moe_layers) for i in range(desc.num_layers)],
+                add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
+                sliding_window_size=config["sliding_window"], layernorm_epsilon=config["rms_norm_eps"],
+                rope_theta=rope["full_attention"]["rope_theta"], swa_rope_theta=rope["sliding_attention"]["rope_theta"],
+                partial_rotary_factor=rope["full_attention"].get("partial_rotary_factor", MIMO_ROTARY),
+                swa_num_attention_heads=config["num_attention_heads"], swa_num_key_value_heads=2 * kv_heads,
+                swa_head_dim=head_dim, v_head_dim=config.get("v_head_dim", head_dim),
+                swa_v_head_dim=config.get("v_head_dim", head_dim), n_shared_experts=None, topk_method="noaux_tc",
+                scoring_func="sigmoid", norm_topk_prob=r.normalise, routed_scaling_factor=r.scale, n_group=r.n_group,
+                topk_group=r.topk_group)
+
+
+def _step3p7(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # mlx-lm's step3p5 reads the release's keys: rotary base and part per layer, the sliding layers' heads in
+    # attention_other_setting, the MoE layers as a list of numbers; 0 for a SwiGLU limit that clamps nothing
+    rope, kinds, r = _rope(config), config["layer_types"], desc.routing
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    return dict(model_type="step3p5", num_attention_groups=kv_heads, attention_other_setting={
+                    "num_attention_heads": config.get("num_sliding_attention_heads") or heads,
+                    "num_attention_groups": kv_heads},
+                rope_theta=[rope[k]["rope_theta"] for k in kinds],
+                partial_rotary_factors=[rope[k].get("partial_rotary_factor", 1.0) for k in kinds], rope_scaling=None,
+                use_head_wise_attn_gate=True, moe_num_experts=r.num_experts, moe_top_k=r.top_k,
+                moe_router_scaling_factor=r.scale, norm_expert_weight=True,
+                moe_layers_enum=",".join(str(i) for i in moe_layers),
+                **{key: [v or 0 for v in config.get(key) or ()] for key in ("swiglu_limits", "swiglu_limits_shared")})
+
+
+def _kimi_linear(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # mlx-lm takes the delta-attention layers (numbered from 1) and their widths from the release's linear_attn_config
+    r = desc.routing
+    return _dense_first(config, desc, moe_layers) | dict(
+        linear_attn_config={"kda_layers": [i + 1 for i in desc.attention.mixer_layers],
+                            "num_heads": config["linear_num_heads"], "head_dim": config["linear_head_dim"],
+                            "short_conv_kernel_size": config["linear_conv_kernel_dim"]},
+        num_experts=r.num_experts, num_experts_per_token=r.top_k, moe_renormalize=r.normalise,
+        num_shared_experts=desc.shared_experts, moe_router_activation_func="sigmoid", num_expert_group=r.n_group)
+
+
+def _gemma4_full_layers(config: dict) -> list[dict]:
+    """transformers' per_layer_config entries of the full-attention layers (their head width, key/value heads)."""
+    overrides = config.get("per_layer_config") or {}
+    return [overrides.get(str(i), overrides.get(i)) or {}
+            for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
+
+
+def _gemma4_text(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # transformers keeps the full layers' head width and key/value heads in per_layer_config (global_head_dim and
+    # num_global_key_value_heads are null in its config.json); mlx-lm reads the two keys, and its defaults for the
+    # softcap (30), per-layer inputs (256 wide) and tied embeddings are not transformers'
+    full = next(iter(_gemma4_full_layers(config)), {})
+    k_eq_v = bool(config.get("attention_k_eq_v"))
+    return dict(global_head_dim=full.get("head_dim", desc.attention.head_dim),
+                num_global_key_value_heads=full.get("num_key_value_heads") if k_eq_v else None,
+                final_logit_softcapping=config.get("final_logit_softcapping"),
+                hidden_size_per_layer_input=config.get("hidden_size_per_layer_input") or 0,
+                tie_word_embeddings=config.get("tie_word_embeddings", True), enable_moe_block=True,
+                num_experts=desc.routing.num_experts, top_k_experts=desc.routing.top_k,
+                num_kv_shared_layers=0)
 
 
 def _deepseek_v2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
@@ -382,6 +463,81 @@ def _check_laguna(name: str, config: dict, desc: ModelDescription) -> None:
             "(one gate per head)")
 
 
+def _check_mimo_v2_flash(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_sigmoid_top1(name, config, desc)
+    _check_untied(name, config, desc)
+    sliding = desc.attention.sliding_layers  # mlx-lm takes each kind's mask from its first layer of that kind
+    require(0 < len(sliding) < desc.num_layers, f"{name}: mlx-lm's {name} needs both sliding and full attention layers")
+    rope = _rope_per_layer_type(name, config)
+    factors = {kind: rope.get(kind, {}).get("partial_rotary_factor", MIMO_ROTARY) for kind in rope}
+    require(len(set(factors.values())) == 1, f"{name}: rotary over {factors} of each head per layer type is not what "
+            f"mlx-lm's {name} computes (one partial_rotary_factor for both)")
+    width = int(desc.attention.head_dim * next(iter(factors.values())))
+    require(width % 2 == 0, f"{name}: a rotated part of {width} channels (head_dim · partial_rotary_factor) is not a "
+            f"whole number of pairs (transformers turns {(width + 1) // 2} pairs, mlx-lm's {name} {width} channels)")
+
+
+def _check_kimi_linear(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_sigmoid_top1(name, config, desc)
+    require(config.get("q_lora_rank") is None, f"{name}: q_lora_rank {config.get('q_lora_rank')} is not what mlx-lm's "
+            f"{name} builds (one q_proj)")
+    mixers = desc.attention.mixer_layers  # mlx-lm takes each kind's mask from its first layer of that kind
+    require(0 < len(mixers) < desc.num_layers, f"{name}: mlx-lm's {name} needs both delta-attention and MLA layers")
+
+
+def _check_gemma4_text(name: str, config: dict, desc: ModelDescription) -> None:
+    require(not config.get("hidden_size_per_layer_input"), f"{name}: per-layer input embeddings "
+            "(hidden_size_per_layer_input) are not exported to MLX")
+    # transformers' Gemma 4 fails to run layers that reuse earlier layers' keys and values beside a prompt's logits,
+    # so no export of them could be checked against the vault
+    require(not config.get("num_kv_shared_layers"), f"{name}: layers reusing earlier keys and values "
+            "(num_kv_shared_layers) are not exported to MLX")
+    require(config.get("use_bidirectional_attention") != "all", f"{name}: bidirectional attention is not what "
+            "mlx-lm's gemma4_text computes (causal)")
+    full, kv_heads = _gemma4_full_layers(config), config["num_key_value_heads"]
+    require(all(f == full[0] for f in full), f"{name}: full-attention layers of different widths or key/value heads "
+            "are not what mlx-lm's gemma4_text builds")
+    heads = (full[0] if full else {}).get("num_key_value_heads", kv_heads)
+    require(config.get("attention_k_eq_v") or heads == kv_heads, f"{name}: {heads} key/value heads on full layers "
+            f"without attention_k_eq_v is not what mlx-lm's gemma4_text builds ({kv_heads})")
+    rope = _rope(config)
+    for kind, allowed in (("sliding_attention", ("default",)), ("full_attention", ("default", "proportional"))):
+        params = rope.get(kind) or {}
+        kind_type = params.get("rope_type", "default")
+        require(kind_type in allowed, f"{name}: RoPE {kind_type!r} on {kind} layers is not exported to MLX")
+        if kind_type == "proportional":
+            # transformers turns floor(factor · width / 2) pairs, mlx-lm's ProportionalRoPE ceil(int(factor · width) / 2)
+            width = (full[0] if full else {}).get("head_dim", desc.attention.head_dim)
+            rotated = width * params.get("partial_rotary_factor", 1.0)
+            require((int(rotated) + 1) // 2 == int(rotated // 2), f"{name}: proportional RoPE over {rotated} of "
+                    f"{width} channels is not what mlx-lm's gemma4_text rotates")
+
+
+STEP3P7_KINDS = ("full_attention", "sliding_attention")
+
+
+def _check_step3p7(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_untied(name, config, desc)
+    kinds = set(config.get("layer_types") or ())
+    require(kinds <= set(STEP3P7_KINDS), f"{name}: layer types {sorted(kinds - set(STEP3P7_KINDS))} are not what "
+            "mlx-lm's step3p5 builds")
+    require(not desc.attention.sliding_layers or config.get("sliding_window"), f"{name}: sliding layers without a "
+            "sliding_window are not exported to MLX")
+    gating = config.get("gating", True)  # transformers gates per channel unless told per head
+    require(gating in (True, "per-head"), f"{name}: gating {gating!r} is not what mlx-lm's step3p5 computes (one "
+            "gate per head)")
+    for kind in sorted(kinds):
+        params = _rope(config).get(kind) or {}
+        require(params.get("rope_type", "default") == "default", f"{name}: RoPE scaling {params.get('rope_type')!r} "
+                f"on {kind} layers is not exported to MLX")
+        width = int(desc.attention.head_dim * params.get("partial_rotary_factor", 1.0))
+        require(width % 2 == 0, f"{name}: a rotated part of {width} channels on {kind} layers is not a whole number "
+                f"of pairs (transformers turns {(width + 1) // 2} pairs, mlx-lm's step3p5 {width} channels)")
+    limits = [v for key in ("swiglu_limits", "swiglu_limits_shared") for v in config.get(key) or () if v]
+    require(all(v > 0 for v in limits), f"{name}: negative SwiGLU limits are not what mlx-lm's step3p5 computes "
+            "(no clamp)")
+
+
 LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
 
 
@@ -406,6 +562,7 @@ def _check_llama4(name: str, config: dict, desc: ModelDescription) -> None:
 
 
 SOFTMAX = dict(scoring="softmax", correction_bias=False, n_group=1, scale=1.0)
+GEMMA4_ROUTING = "per-expert scales over a normalised router input"  # smoe.source.description's name for it
 SIGMOID_BIASED = dict(scoring="sigmoid", correction_bias=True, group_score="top2")
 FAMILIES = {
     "qwen3_moe": MlxFamily("mlp.switch_mlp", SOFTMAX, layers="any", qk_norms=("head",), config=_qwen3_moe),
@@ -436,6 +593,14 @@ FAMILIES = {
     "glm4_moe_lite": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="dense_first", extras=("interleaved_rotary",),
                                attention="mla", attention_bias=(False, True), shared="n_shared",
                                rope_types=("default", "yarn"), config=_deepseek_v3, check=_check_deepseek),
+    # DeepSeek-V3's layers with the indexer choosing index_topk keys per query (mlx-lm's indexer key norm takes
+    # LayerNorm's eps 1e-5, transformers' 1e-6: written as it is, the choice it moves is within the MLX tests' bounds);
+    # GLM-5 (glm_moe_dsa) is the same file with the indexer turning adjacent pairs, every layer its own indexer
+    **{f: MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="dense_first",
+                    extras=("interleaved_rotary", "sparse_attention", *more), attention="mla",
+                    attention_bias=(False, True), shared="n_shared", rope_types=("default", "yarn"),
+                    config=_deepseek_v32, check=_check_deepseek)
+       for f, more in (("deepseek_v32", ()), ("glm_moe_dsa", ("indexer_interleaved_rotary",)))},
     # DeepSeek-V3's MLA with the query temperature (llama_4_scaling_beta), softmax routing and grouped choice
     "mistral4": MlxFamily("mlp.switch_mlp", dict(scoring="softmax", correction_bias=False, group_score="top2"),
                           layers="dense_first", extras=("interleaved_rotary", "temperature_tuning"), attention="mla",
@@ -519,6 +684,45 @@ FAMILIES |= {
                             layers="any", renames=((r"^model\.layers\.", "backbone.layers."),),
                             extras=("no_rope_layers",), shared="own", activation="relu2", gated=False,
                             projections=("", "fc1", "fc2"), config=_nemotron_h, check=_check_nemotron_h),
+}
+FAMILIES |= {
+    # Step-3.7's text model (mlx-lm's step3p5), written from its text_config in the release's names, which mlx-lm's
+    # sanitize maps (router, correction bias, shared expert) as they are written here; its (1 + w) norms written as
+    # plain weights (the sanitize adds 1 only to a checkpoint it maps itself); the vision tower is not written
+    "step3p7": MlxFamily("mlp.switch_mlp", dict(scoring="sigmoid", correction_bias=True, normalise=True, n_group=1),
+                         layers="any", renames=((r"\.moe\.gate\.", ".mlp.gate.gate."),
+                                                (r"\.moe\.router_bias$", ".mlp.gate.router_bias"),
+                                                (r"\.share_expert\.", ".mlp.share_expert.")),
+                         extras=("norm_offset", "sigmoid_gate", "heads_per_layer", "partial_rotary",
+                                 "rope_per_layer_type", "swiglu_limit"),
+                         qk_norms=("head",), shared="own", sliding_window=True, config=_step3p7, check=_check_step3p7,
+                         edits=QWEN3_NEXT_EDITS[:1], drops=r"^(vision_model|vit_large_projector)\."),
+    # Gemma 4's text model: a dense MLP beside the experts on every layer, each with its own norms; the router's
+    # softmax over the chosen experts' logits is transformers' top-k of the full softmax renormalised. A multimodal
+    # checkpoint's text model is written under the text model's names, its vision and audio towers not written
+    "gemma4_text": MlxFamily("experts.switch_glu", SOFTMAX | dict(normalise=True, custom=GEMMA4_ROUTING),
+                             renames=((r"^model\.language_model\.", "model."),),
+                             drops=r"^model\.(vision_tower|embed_vision|audio_tower|embed_audio)\.",
+                             extras=("sandwich_norms", "partial_rotary", "multipliers"), qk_norms=("head",),
+                             shared="own", sliding_window=True, activation="gelu_pytorch_tanh", config=_gemma4_text,
+                             check=_check_gemma4_text),
+    # delta-attention layers between MLA layers without rotary, DeepSeek-V3's routing without groups (mlx-lm zeroes a
+    # dropped group's scores where transformers excludes them); the checkpoint's block_sparse_moe (dense layers' too)
+    # under mlx-lm's mlp. Its sanitize splits kv_b_proj and turns the convolutions channels-last for any checkpoint.
+    # mlx-lm's latent norm takes rms_norm_eps where transformers fixes 1e-6: written as it is, within the MLX tests'
+    # bounds at the release's 1e-5
+    "kimi_linear": MlxFamily("mlp.switch_mlp", dict(scoring="sigmoid", correction_bias=True, n_group=1),
+                             layers="dense_first", renames=((r"\.block_sparse_moe\.", ".mlp."),
+                                                            (r"\.gate\.e_score_correction_bias$", ".e_score_correction_bias")),
+                             extras=("no_rope_layers",), attention="mla", shared="n_shared", config=_kimi_linear,
+                             check=_check_kimi_linear),
+    # DeepSeek-V3's routing without shared experts; sliding layers with twice the key/value heads and sink logits (the
+    # checkpoint's attention_sink_bias, mlx-lm's name too), each layer type at its own rotary base, values narrower than
+    # the heads and scaled
+    "mimo_v2_flash": MlxFamily("mlp.switch_mlp", SIGMOID_BIASED, layers="any",
+                               extras=("partial_rotary", "rope_per_layer_type", "sliding_kv_heads", "sliding_sinks",
+                                       "value_head_dim", "value_scale"),
+                               sliding_window=True, config=_mimo_v2_flash, check=_check_mimo_v2_flash),
 }
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
 PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)

@@ -12,26 +12,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_mod
 
 import torch  # noqa: E402
 from export_models import (  # noqa: E402
-    VOCAB,
     agreement,
     causal_lm,
+    draw_around_unit_scale,
     exportable_config,
     exportable_vault,
     figures_line,
     integration_vault,
+    multimodal_model,
     prompt_ids,
     save_byte_level_tokenizer,
     smoe_logits,
     teacher_forced_agreement,
 )
 from llama_cpp import Llama  # noqa: E402
-from transformers import AutoModelForImageTextToText, AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from smoe.convert.sculpt import sculpt  # noqa: E402
 from smoe.export.gguf import write_gguf  # noqa: E402
 from smoe.export.source import ExportSource  # noqa: E402
 from smoe.export.writer import export  # noqa: E402
-from smoe.testing.tiny_models import TINY_CONFIGS, tiny_default_config  # noqa: E402
+from smoe.testing.tiny_models import TINY_CONFIGS  # noqa: E402
 
 # llama.cpp multiplies Q4_1 weights with activations it rounds to 8 bits (Q8_1) per 32 values, and a
 # BF16 trunk with BF16 activations: logits differ by a few hundredths typically, and a near-tie of
@@ -203,33 +204,17 @@ OFFSET_NORMS = {"step3p7"}  # RMSNorms scaled by 1 + w
 BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7"}
 
 
-def multimodal_model(family: str):
-    """transformers' default config of `family` shrunk, its text model's experts 32 wide, as exportable_config's."""
-    config = tiny_default_config(family)
-    text = {k: v for k, v in config.text_config.to_dict().items() if k != "per_layer_config"}  # derived: remade
-    config.text_config = type(config.text_config)(**text | ALSO_CONFIGS[family] | dict(vocab_size=VOCAB,
-                                                                                        moe_intermediate_size=32))
-    return AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-
-
 def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
     """exportable_vault's vault of `family`, or ALSO_CONFIGS' model with unit-scale norms for the families there."""
     if family not in ALSO_CONFIGS:
         return exportable_vault(tmp, family, bits)
     torch.manual_seed(0)
     if family in MULTIMODAL:
-        model = multimodal_model(family)
+        model = multimodal_model(family, ALSO_CONFIGS[family])
     else:
         model = causal_lm(family, exportable_config(family, architecture=ALSO_CONFIGS[family]))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            # q_norm, input_layernorm, DBRX's norm_1 and norm_f; around 0 where the norm scales by 1 + w
-            is_norm = "norm" in name.split(".")[-2] and family not in OFFSET_NORMS
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + is_norm)
-        for name, buffer in model.named_buffers():  # a correction bias that is a buffer, left 0 by from_config
-            if family in BIASED_BUFFERS and name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+    # q_norm, input_layernorm, DBRX's norm_1 and norm_f; around 0 where the norm scales by 1 + w
+    draw_around_unit_scale(model, family in OFFSET_NORMS, bias_buffers=family in BIASED_BUFFERS)
     model_dir, vault = tmp / f"{family}-model", tmp / f"{family}-q{bits}"
     model.save_pretrained(model_dir)
     save_byte_level_tokenizer(model_dir)

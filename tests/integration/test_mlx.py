@@ -10,19 +10,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/export_models.py
 
 import mlx.core as mx  # noqa: E402
+import torch  # noqa: E402
 from export_models import (  # noqa: E402
     agreement,
+    causal_lm,
+    draw_around_unit_scale,
+    exportable_config,
     figures_line,
     integration_vault,
     mlx_exportable_vault,
+    multimodal_model,
     prompt_ids,
+    save_byte_level_tokenizer,
     smoe_logits,
     teacher_forced_agreement,
 )
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate, generate_step  # noqa: E402
 
+from smoe.convert.sculpt import sculpt  # noqa: E402
 from smoe.export.writer import export  # noqa: E402
+from smoe.testing.tiny_models import TINY_CONFIGS  # noqa: E402
 
 
 def mlx_logits(model, ids: list[int]) -> np.ndarray:
@@ -72,6 +80,134 @@ def test_mlx_logits_follow_smoe_for_each_family(tmp_path, family, bits):
     print("\n" + figures_line(f"mlx-lm tiny {family} Q{bits}", a))
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
     assert a["mean_kl"] < 1e-4 and a["top1"] >= 0.99
+
+
+# the families whose tiny models are drawn here, each at its fullest where mlx-lm computes it, its norms drawn around 1
+# so that attention scores and router logits are of unit scale, its correction bias (a buffer from_config leaves 0)
+# drawn: DeepSeek-V3.2's indexer keeping 16 of the prompt's positions (its default 2048 keeps them all), 8 experts in
+# 4 groups of which 2 are used, YaRN with its two mscales apart (the rotated part's and the attention scale's);
+# GLM-5's (glm_moe_dsa) likewise, its indexer turning adjacent pairs; MiMo-V2-Flash's leading dense layer, sliding
+# layers narrower than the prompt (their own rotary base, twice the key/value heads, sink logits) between full ones,
+# values narrower than the heads and scaled, heads wide enough that the rotary part (0.334 of each) is a whole number
+# of pairs, 8 experts in 4 groups of which 2 are used; Step-3.7's text model, its (1 + w) norms drawn around 0: a leading
+# dense layer, sliding layers narrower than the prompt with twice the query heads between full ones, half of each head
+# turned on the full layers and all of it on the sliding ones at another base, a shared expert wider than the routed
+# ones, 8 experts, a routed scale, the SwiGLU clamped where it bites (experts and shared or dense MLPs, unclamped on one
+# layer each); Kimi-Linear's delta-attention layers before its MLA one, 8 experts, rms_norm_eps 1e-5 as released (the
+# latent norm's eps in mlx-lm, 1e-6 in transformers); Gemma 4's full layers wider than its sliding ones, with one
+# key/value head whose keys are its values, a final softcap that bites, 8 experts (the multimodal checkpoint's, gemma4,
+# alike). Each indexer has
+# as many heads as keep every query's 16th and 17th keys apart on its seed: keys that score an exact 0 (ReLU ties), or
+# within 1e-6, torch's topk and MLX's argpartition order otherwise
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}
+DRAWN_CONFIGS = {
+    "deepseek_v32": dict(index_topk=16, index_head_dim=32, index_n_heads=8, n_routed_experts=8, n_group=4,
+                         topk_group=2, rope_parameters=YARN),
+    "glm_moe_dsa": dict(index_topk=16, index_head_dim=32, index_n_heads=16, n_routed_experts=8, n_group=4,
+                        topk_group=2),
+    "mimo_v2_flash": dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                            "full_attention"],
+                          mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=16, head_dim=48,
+                          v_head_dim=32, n_routed_experts=8, n_group=4, topk_group=2),
+    "kimi_linear": dict(num_experts=8, rms_norm_eps=1e-5),
+    "gemma4_text": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                          "full_attention"],
+                        global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+                        final_logit_softcapping=5.0, num_experts=8),
+    "step3p7": dict(num_hidden_layers=4, layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                      "full_attention"],
+                    sliding_window=16, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                    num_sliding_attention_heads=8, n_routed_experts=8, share_expert_dim=64,
+                    moe_router_scaling_factor=2.5, query_pre_attn_scalar=16, swiglu_limits=[0.0, 0.3, None, 0.3],
+                    swiglu_limits_shared=[0.3, 0.0, 0.3, 0.3],
+                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                        "partial_rotary_factor": 0.5},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
+                                                           "partial_rotary_factor": 1.0}}),
+}
+DRAWN_CONFIGS["gemma4"] = ({k: v for k, v in TINY_CONFIGS["gemma4_text"].items() if k != "moe_intermediate_size"}
+                           | DRAWN_CONFIGS["gemma4_text"])
+DRAWN_MULTIMODAL = {"step3p7", "gemma4"}  # DRAWN_CONFIGS holds their text model's values
+OFFSET_NORMS = {"step3p7"}  # RMSNorms scaled by 1 + w: drawn around 0
+UNIT_SCALES = ("router.scale", "router.per_expert_scale")
+
+
+def drawn_model(family: str):
+    if family not in DRAWN_MULTIMODAL:
+        return causal_lm(family, exportable_config(family, architecture=DRAWN_CONFIGS[family]))
+    return multimodal_model(family, DRAWN_CONFIGS[family])
+
+
+def drawn_vault(tmp: Path, family: str, bits: int) -> Path:
+    """A tiny model of `family` with DRAWN_CONFIGS' values, unit-scale norms and a drawn correction bias, sculpted."""
+    torch.manual_seed(0)
+    model = drawn_model(family)
+    # q_a_layernorm, input_layernorm, the indexer's k_norm, ...; Gemma 4's router scales too, so that its router
+    # logits and expert weights are of unit scale
+    draw_around_unit_scale(model, family in OFFSET_NORMS, UNIT_SCALES)
+    model_dir, vault = tmp / f"{family}-model", tmp / f"{family}-q{bits}"
+    model.save_pretrained(model_dir)
+    save_byte_level_tokenizer(model_dir)
+    sculpt(model_dir, vault, bits=bits, progress=False)
+    return vault
+
+
+# Gemma 4 normalises the experts' output (post_feedforward_layernorm_2) and adds it beside the dense MLP's: the fp16
+# rounding of s/h moves its logits as much as the shared models' bf16 trunk moves theirs (tiny Q4 mean KL 2.2e-4,
+# median per-position max 1.6e-3 of the largest logit, top-1 100%), so it is held to their bounds; with the experts
+# decoded it computes smoe's logits to 6e-6 of the largest (the test below)
+SHARED_MODEL_BOUNDS = {"gemma4_text", "gemma4"}
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("family", list(DRAWN_CONFIGS))
+def test_mlx_logits_follow_smoe_for_each_drawn_family(tmp_path, family, bits):
+    """The drawn tiny models' trunks are fp32 too: the bounds of the other families' test."""
+    vault = drawn_vault(tmp_path, family, bits)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    ids = prompt_ids(vault)
+    a = agreement(smoe_logits(vault, ids), mlx_logits(model, ids))
+    print("\n" + figures_line(f"mlx-lm tiny {family} Q{bits}", a))
+    if family in SHARED_MODEL_BOUNDS:
+        assert a["mean_kl"] < 5e-3 and a["top1"] >= 0.95
+    else:
+        assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
+        assert a["mean_kl"] < 1e-4 and a["top1"] >= 0.99
+
+
+@pytest.mark.parametrize("family", list(DRAWN_CONFIGS))
+def test_mlx_lm_computes_smoe_logits_once_the_experts_are_decoded(tmp_path, family):
+    """The export's experts swapped in mlx-lm's model for smoe's own decoded weights (fp32): what is left is the
+    trunk, the config and the router as mlx-lm reads them, which must be smoe's to fp32 summation order."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    from smoe.export.mlx import expert_module
+    from smoe.export.mlx_families import FAMILIES
+    from smoe.export.source import ExportSource
+
+    vault = drawn_vault(tmp_path, family, 4)
+    model, _ = load(str(export(vault, "mlx", tmp_path / "mlx")))
+    source = ExportSource(vault)
+    try:
+        for layer in source.meta["moe_layers"]:
+            for role in source.roles:
+                weight = np.stack([e.decoded() for e in source.experts(layer, role)]).astype(np.float32)
+                *path, name = expert_module(FAMILIES[source.model_type], layer, role).split(".")
+                parent = model
+                for part in path:
+                    parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+                decoded = SwitchLinear(weight.shape[2], weight.shape[1], weight.shape[0], bias=False)
+                decoded.weight = mx.array(weight)
+                assert isinstance(getattr(parent, name), QuantizedSwitchLinear)  # the layer the export fills
+                setattr(parent, name, decoded)
+    finally:
+        source.close()
+    ids = prompt_ids(vault)
+    a = agreement(smoe_logits(vault, ids), mlx_logits(model, ids))
+    print("\n" + figures_line(f"mlx-lm tiny {family} Q4, experts decoded", a))
+    assert a["median_pos_max_abs"] < 1e-5 * a["ref_max_abs"]
+    assert a["mean_kl"] < 1e-8 and a["top1"] == 1.0
 
 
 def test_mlx_lm_gpt_oss_rotary_is_transformers_yarn(tmp_path):
