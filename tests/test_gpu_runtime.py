@@ -459,6 +459,12 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on one b
 @pytest.mark.parametrize("bits", [4, 2])
 @pytest.mark.parametrize("resident", [False, True])
 def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, resident, tmp_path):
+    cuda_decoder_matches_the_reference(tmp_path, family, bits, resident)
+
+
+def cuda_decoder_matches_the_reference(tmp_path, family: str, bits: int, resident: bool) -> GpuDecoder:
+    """A kernel-sized vault decoded in pieces on the GPU in fp32 (every expert resident, or the smallest cache)
+    matches the dequantised reference, its single-token steps replayed from captured graphs; the decoder."""
     vault, reference = kernel_sized_vault(tmp_path, family, bits)
     sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
     with Vault(vault) as v:
@@ -469,6 +475,7 @@ def test_cuda_decoder_with_graphs_matches_the_reference_in_fp32(family, bits, re
     # the single-token steps after the first replayed captured graphs
     assert (dec.whole_token if resident else dec.segments) is not None
     assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
+    return dec
 
 
 @needs_cuda
@@ -478,16 +485,8 @@ def test_cuda_decode_attention_kernel_matches_the_reference_in_fp32(family, resi
     """With SMOE_GPU_ATTENTION_KERNEL=1 every one-token step's attention runs in the kernel (per-head q/k norm,
     partial rotary, q/k/v bias, windows and sinks, an attention multiplier among these families)."""
     monkeypatch.setenv("SMOE_GPU_ATTENTION_KERNEL", "1")
-    vault, reference = kernel_sized_vault(tmp_path, family, 4)
-    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
-    with Vault(vault) as v:
-        budget = blob_slot_bytes(v) * len(v.entries) if resident else min_gpu_budget(v, v.meta["top_k"])
-    dec = GpuDecoder(sm, "cuda", budget, max_positions=64)
-    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(3)).tolist()
-    got = decode_in_pieces(dec, ids)
+    dec = cuda_decoder_matches_the_reference(tmp_path, family, 4, resident)
     assert dec.attention_kernel and all(w.kernel_attends for w in dec.layers)  # no layer fell back to torch ops
-    assert (dec.whole_token if resident else dec.segments) is not None
-    assert relative_error(load_reference(reference)(torch.tensor([ids]))[0], got) < TOLERANCE
 
 
 @needs_cuda

@@ -155,7 +155,7 @@ class GpuDecoder(HoldsSequence):
                                  and kernels_triton.triton is not None and GPU_ATTENTION_KERNEL.on())
         if self.attention_kernel:
             self.blocks["gqa_step"] = AttentionStep(compile_ok)
-        self.eager_kinds = set() if compile_ok else set(self.blocks)  # what a compiler failure leaves eager
+        self.eager_kinds = set() if compile_ok else set(EAGER_BLOCKS)  # what a compiler failure leaves eager
         self.segments: list | None = None  # captured CUDA graphs, one per segment
         self.whole_token = None  # one graph for the whole token when every expert is resident
         self.table = None  # [layers, experts] blob offsets in the pool (whole-token mode)
@@ -491,8 +491,8 @@ class GpuDecoder(HoldsSequence):
         try:
             return self.blocks[kind](x, added, pos, **args)
         except Exception as err:  # a compiler failure must not stop decoding: the same function, eager
-            if kind == "gqa_step" and kind in self.eager_kinds:  # the kernel itself failed: the torch ops instead
-                kernels_triton.warn_once(f"the decode-attention kernel failed ({type(err).__name__}); "
+            if kind == "gqa_step":  # the kernel (or its compiled ends) failed: the torch block instead
+                kernels_triton.warn_once(f"the decode-attention step failed ({type(err).__name__}); "
                                          "running the attention as torch ops")
                 self.attention_kernel = False
                 return self.run_block(layer, x, added, pos, args)
@@ -500,7 +500,7 @@ class GpuDecoder(HoldsSequence):
                 raise
             kernels_triton.warn_once(f"compiling the decode step failed ({type(err).__name__}); running it eagerly")
             self.eager_kinds.add(kind)
-            self.blocks[kind] = AttentionStep(compiled=False) if kind == "gqa_step" else EAGER_BLOCKS[kind]
+            self.blocks[kind] = EAGER_BLOCKS[kind]
             return self.blocks[kind](x, added, pos, **args)
 
     def experts_one(self, i: int, h, top_w, offsets):
