@@ -784,6 +784,17 @@ FAMILY_REFUSALS = [
     ("jamba", dict(mamba_proj_bias=True), "no Mamba projection biases"),
     ("jamba", dict(hidden_act="gelu"), "takes SiLU"),
     ("jamba", dict(head_dim=32), "heads that span the hidden size"),
+    ("hy_v4", dict(n_shared_experts=0), "adds a shared expert to every MoE layer"),
+    ("hy_v4", dict(hidden_act="gelu"), "takes SiLU MLPs"),
+    ("hy_v4", dict(swiglu_limit=1e-6), "takes a swiglu_limit at or below 1e-06 as none"),
+    ("hy_v4", dict(index_head_dim=8), r"indexer heads wider than the rotary part \(8\)"),
+    ("hy_v4", dict(indexer_types=["shared", "full", "full"]), "needs layer 0 to run its own indexer"),
+    ("hy_v4", dict(n_group=2, topk_group=1), "routes with n_group = 1"),
+    ("hy_v4", dict(mlp_layer_types=["sparse", "dense", "sparse"]), "dense layers only before the MoE ones"),
+    ("hy_v4", dict(attention_bias=True), "attention biases"),
+    ("hy_v4", dict(tie_word_embeddings=True), "reads an output matrix of its own"),
+    ("hy_v4", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                    "original_max_position_embeddings": 64}), "RoPE scaling 'yarn'"),
 ]
 
 
@@ -1084,6 +1095,197 @@ def test_gguf_families_with_deepseek_v3_s_attention_write_mla_and_route_as_smoe_
     if desc.routing.correction_bias:
         assert torch.equal(trunk_tensor(tensors, "blk.1.exp_probs_b.bias"),
                            trunk["model.layers.1.mlp.gate.e_score_correction_bias"].float())
+
+
+def test_hy_v4_description_routes_as_its_router():
+    """The export holds HY-V4's router to the row's routing through the description: route, from it, picks the experts
+    and weights of transformers' router (with a correction bias drawn)."""
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4TopkRouter
+
+    from smoe.moe.routing import route
+    from smoe.source.description import describe_model
+
+    config = exportable_config("hy_v4", architecture=dict(n_routed_experts=8, num_experts_per_tok=3))
+    router = HYV4TopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(8, generator=generator) * 0.1)
+    logits, want_w, want_ids = router(torch.randn(64, config.hidden_size, generator=generator))
+    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
+def rotary_rows_in_pairs(t: torch.Tensor, heads: int, rope: int) -> torch.Tensor:
+    """Each head's last `rope` rows reordered from halves [x0..x(r/2-1), y0..] to pairs [x0, y0, x1, y1, ...]."""
+    rows = t.reshape(heads, -1, *t.shape[1:]).clone()
+    half = rows[:, -rope:].clone()
+    rows[:, -rope::2], rows[:, -rope + 1::2] = half[:, : rope // 2], half[:, rope // 2:]
+    return rows.reshape(t.shape)
+
+
+@pytest.fixture(scope="module")
+def hy_v4_export(tmp_path_factory):
+    """A tiny HY-V4's vault (the names transformers saves: the release's) and its GGUF with a BF16 trunk."""
+    tmp = tmp_path_factory.mktemp("hy_v4")
+    vault = exportable_vault(tmp, "hy_v4", 4)
+    return vault, export(vault, "gguf", tmp / "m.gguf", trunk_type="bf16")
+
+
+def test_gguf_hy_v4_writes_its_hyper_connections_indexer_and_clamp_as_llama_cpp_reads_them(hy_v4_export):
+    vault, out = hy_v4_export
+    get, c = metadata(out, "hy_v4"), json.loads((vault / "config.json").read_text())
+    assert field(gguf.GGUFReader(out), "general.architecture") == "hy_v4"
+    assert (get("hyper_connection.count"), get("hyper_connection.magnitude")) == (c["hc_mult"], c["hc_magnitude"])
+    assert get("hyper_connection.epsilon") == pytest.approx(c["hc_eps"])
+    assert list(get("swiglu_clamp_exp")) == [c["swiglu_limit"]] * c["num_hidden_layers"]
+    assert (get("attention.indexer.head_count"), get("attention.indexer.key_length"), get("attention.indexer.top_k")) \
+        == (c["index_n_heads"], c["index_head_dim"], c["index_topk"])
+    assert list(get("attention.indexer.types")) == [t == "full" for t in c["indexer_types"]] == [True, True, False]
+    assert get("attention.head_count_kv") == 1 and get("attention.key_length_mla") == c["qk_head_dim"]
+    assert get("leading_dense_block_count") == 1 and get("expert_shared_count") == c["n_shared_experts"]
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+    assert get("expert_weights_scale") == pytest.approx(c["routed_scaling_factor"])
+    assert "hy_v4.expert_group_count" not in gguf.GGUFReader(out).fields  # the graph reads no groups
+
+
+def test_gguf_hy_v4_names_the_release_s_tensors_as_transformers_renames_them_keeping_the_mixings_f32(hy_v4_export):
+    vault, out = hy_v4_export
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    renamed = {"output_hc_fn.weight": "model.hc_pre.hc_head.hc_head_fn",
+               "output_hc_scale.weight": "model.hc_pre.hc_head.hc_head_scale",
+               "blk.1.hc_attn_fn.weight": "model.layers.1.hc_pre.hc_attn_layer.hc_fn",
+               "blk.1.hc_ffn_base.weight": "model.layers.1.hc_pre.hc_mlp_layer.hc_base",
+               "blk.1.attn_sinks.weight": "model.layers.1.self_attn.learnable_sink_param"}
+    for name, key in renamed.items():  # F32 whatever the trunk type, as the converter keeps them
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+        assert torch.equal(trunk_tensor(tensors, name), trunk[key])
+    bf16 = {"blk.1.attn_gate.weight": "model.layers.1.self_attn.linear_gate.weight",
+            "blk.0.ffn_gate.weight": "model.layers.0.mlp.linear_gate.weight",
+            "blk.1.ffn_gate_shexp.weight": "model.layers.1.mlp.shared_experts.linear_gate.weight"}
+    for name, key in bf16.items():
+        assert torch.equal(trunk_tensor(tensors, name).view(torch.bfloat16), trunk[key].to(torch.bfloat16))
+
+
+def test_gguf_hy_v4_turns_its_rotary_rows_into_the_adjacent_pairs_llama_cpp_rotates(hy_v4_export):
+    """transformers' HY-V4 rotates each head's rotary part as two halves, llama.cpp's hy_v4 adjacent pairs: the rows of
+    the queries, the shared rotary key and the indexer's q, k and key norm are reordered into pairs."""
+    vault, out = hy_v4_export
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    c = json.loads((vault / "config.json").read_text())
+    rope, attn = c["qk_rope_head_dim"], "model.layers.0.self_attn."
+    rows = {"attn_q_b.weight": ("q_b_proj.weight", c["num_attention_heads"]), "attn_kv_a_mqa.weight":
+            ("kv_a_proj_with_mqa.weight", 1), "indexer.attn_q_b.weight": ("indexer.wq_b.weight", c["index_n_heads"]),
+            "indexer.attn_k.weight": ("indexer.wk.weight", 1)}
+    for name, (key, heads) in rows.items():
+        want = rotary_rows_in_pairs(trunk[attn + key].to(torch.bfloat16), heads, rope)
+        assert torch.equal(trunk_tensor(tensors, f"blk.0.{name}").view(torch.bfloat16), want)
+    for suffix in ("weight", "bias"):
+        want = rotary_rows_in_pairs(trunk[attn + f"indexer.k_norm.{suffix}"], 1, rope)
+        assert torch.equal(trunk_tensor(tensors, f"blk.0.indexer.k_norm.{suffix}"), want)
+
+
+# MiniMax-M3's text model as llama.cpp's minimax-m3 computes it: a leading dense layer, block-sparse MoE layers with one
+# indexer head per key/value head, half of each head turned (rope_parameters' factor; transformers reads no rotary_dim)
+MINIMAX_M3 = dict(num_hidden_layers=3, head_dim=32, num_key_value_heads=2, index_n_heads=2, index_head_dim=32,
+                  index_block_size=16, index_topk_blocks=2, layer_types=["full_attention"] + ["minimax_m3_sparse"] * 2,
+                  mlp_layer_types=["dense", "sparse", "sparse"], intermediate_size=32, shared_intermediate_size=32,
+                  dense_intermediate_size=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                               "partial_rotary_factor": 0.5})
+
+
+def minimax_m3_config(**changes) -> dict:
+    """MiniMax-M3's config.json with MINIMAX_M3 and `changes` over its text model's values."""
+    from transformers import MiniMaxM3VLConfig
+
+    from smoe.testing.tiny_models import tiny_default_config
+
+    config = tiny_default_config("minimax_m3_vl").to_dict()
+    text = config["text_config"] | MINIMAX_M3 | dict(vocab_size=300) | changes
+    return MiniMaxM3VLConfig(**config | dict(text_config=text)).to_dict()
+
+
+@pytest.mark.parametrize("changes,shapes,named", [
+    ({}, {}, None),
+    (dict(swiglu_alpha=1.5), {}, "clamps SwiGLU at alpha 1.702, limit 7"),
+    (dict(swiglu_limit=5.0), {}, "clamps SwiGLU at alpha 1.702, limit 7"),
+    (dict(layer_types=["full_attention", "minimax_m3_sparse", "full_attention"]), {},
+     r"exactly the MoE layers \[1, 2\]; this model's sparse layers are \[1\]"),
+    (dict(index_n_heads=1), {}, "one indexer head per key/value head"),
+    (dict(index_head_dim=8), {}, "turns 16 dimensions of each indexer head"),
+    (dict(mlp_layer_types=["sparse", "dense", "sparse"], layer_types=["minimax_m3_sparse", "full_attention",
+                                                                       "minimax_m3_sparse"]),
+     {}, "dense layers only before the MoE ones"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.5,
+                           "original_max_position_embeddings": 64}), {}, "RoPE scaling 'yarn'"),
+    (dict(tie_word_embeddings=True), {}, "reads an output matrix of its own"),
+    ({}, {"model.language_model.layers.1.mlp.shared_experts.down_proj.weight": (64, 64)},
+     "shared experts 64 wide; llama.cpp's minimax-m3 takes 1 × the routed experts' 32"),
+])
+def test_gguf_refuses_what_minimax_m3_computes_differently(changes, shapes, named):
+    from smoe.errors import SmoeError
+    from smoe.export import gguf_families
+    from smoe.source.description import describe_model
+
+    config = minimax_m3_config(**changes)
+    desc = describe_model(config)
+    run = lambda: gguf_families.check("minimax_m3_vl", gguf_families.config_view("minimax_m3_vl", config), desc,
+                                      list(desc.moe_layers), shapes, 32)
+    if named is None:
+        assert run() is None
+        return
+    with pytest.raises(SmoeError, match=named):
+        run()
+
+
+@pytest.fixture(scope="module")
+def minimax_m3_export(tmp_path_factory):
+    """A tiny MiniMax-M3's vault (its text model and vision tower under the release's names) and its GGUF with a BF16
+    trunk."""
+    from export_models import multimodal_model, save_byte_level_tokenizer
+
+    from smoe.convert.sculpt import sculpt
+
+    tmp = tmp_path_factory.mktemp("minimax_m3")
+    torch.manual_seed(0)
+    multimodal_model("minimax_m3_vl", MINIMAX_M3).save_pretrained(tmp / "model")
+    save_byte_level_tokenizer(tmp / "model")
+    sculpt(tmp / "model", tmp / "vault", bits=4, progress=False)
+    return tmp / "vault", export(tmp / "vault", "gguf", tmp / "m.gguf", trunk_type="bf16")
+
+
+def test_gguf_minimax_m3_writes_its_indexer_and_the_rotary_width_transformers_turns(minimax_m3_export):
+    vault, out = minimax_m3_export
+    get, c = metadata(out, "minimax-m3"), json.loads((vault / "config.json").read_text())["text_config"]
+    assert field(gguf.GGUFReader(out), "general.architecture") == "minimax-m3"
+    assert (get("attention.indexer.head_count"), get("attention.indexer.key_length"), get("attention.indexer.top_k"),
+            get("attention.indexer.block_size"), get("attention.indexer.local_blocks")) == (
+        c["index_n_heads"], c["index_head_dim"], c["index_topk_blocks"], c["index_block_size"], c["index_local_blocks"])
+    assert get("rope.dimension_count") == c["head_dim"] // 2 != c["rotary_dim"]  # the factor's, not rotary_dim's
+    assert (get("feed_forward_length"), get("expert_feed_forward_length")) == (c["dense_intermediate_size"], 32)
+    assert get("leading_dense_block_count") == 1 and get("expert_shared_count") == 1
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+    assert get("expert_weights_scale") == pytest.approx(c["routed_scaling_factor"])
+
+
+def test_gguf_minimax_m3_writes_its_norms_as_1_plus_w_and_its_text_model_under_the_names_transformers_gives(
+        minimax_m3_export):
+    vault, out = minimax_m3_export
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    text = "language_model.model.layers.1."
+    for name, key in (("blk.1.attn_norm.weight", "input_layernorm"), ("blk.1.attn_q_norm.weight", "self_attn.q_norm"),
+                      ("blk.1.indexer.k_norm.weight", "self_attn.index_k_norm")):
+        assert torch.equal(trunk_tensor(tensors, name), trunk[text + key + ".weight"].float() + 1)
+    for name, key in (("blk.1.indexer.q_proj.weight", "self_attn.index_q_proj.weight"),  # F32, as the converter keeps
+                      ("blk.1.exp_probs_b.bias", "block_sparse_moe.e_score_correction_bias")):
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+        assert torch.equal(trunk_tensor(tensors, name), trunk[text + key].float())
+    for name, key in (("blk.1.ffn_up_shexp.weight", text + "block_sparse_moe.shared_experts.up_proj.weight"),
+                      ("blk.0.ffn_gate.weight", "language_model.model.layers.0.mlp.gate_proj.weight"),
+                      ("output.weight", "language_model.lm_head.weight")):
+        assert torch.equal(trunk_tensor(tensors, name).view(torch.bfloat16), trunk[key].to(torch.bfloat16))
+    assert not any("vision" in n or "mm" in n for n in tensors)  # the tower is llama.cpp's mmproj file's
 
 
 def test_gguf_phimoe_is_refused_naming_the_routing_llama_cpp_computes_otherwise(tmp_path):

@@ -94,7 +94,7 @@ def check_config(source: ExportSource, config: dict) -> None:
         gguf_families.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
                             source.expert_shape(source.roles[0])[0])
         return
-    if architecture(source).arch in gguf_mla.ARCHS:
+    if deepseek2_graph(name, architecture(source)):
         shapes = {key: source.trunk_shape(key) for key in source.trunk_names()}
         gguf_mla.check(name, config, describe_model(config), source.meta["moe_layers"], shapes,
                        source.expert_shape(source.roles[0])[0])
@@ -111,6 +111,12 @@ def check_config(source: ExportSource, config: dict) -> None:
     if name == "qwen3_moe":
         require(config.get("norm_topk_prob", False), "qwen3_moe: llama.cpp renormalises the top-k router weights; "
                 "this model has norm_topk_prob = false")
+
+
+def deepseek2_graph(model_type: str, arch: Architecture) -> bool:
+    """Whether smoe.export.gguf_mla writes the family (deepseek2's attention, metadata and tensors), not a row of
+    smoe.export.gguf_families that names its tensors as one of those architectures (HY-V4's, as glm-dsa's)."""
+    return arch.arch in gguf_mla.ARCHS and model_type not in gguf_families.FAMILIES
 
 
 def rope_theta(config: dict) -> float:
@@ -141,7 +147,7 @@ def write_hyperparameters(writer, source: ExportSource, config: dict, arch: Arch
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_head_count(gguf_families.head_count(source.model_type, config))
-    if arch.arch in gguf_mla.ARCHS:
+    if deepseek2_graph(source.model_type, arch):
         gguf_mla.write_attention(writer, config, describe_model(config))
         gguf_mla.write_moe(writer, describe_model(config), source.meta["moe_layers"], config["num_hidden_layers"])
     elif gguf_families.has_mla(source.model_type):  # Kimi-Linear's MLA layers beside its delta-attention ones
@@ -269,7 +275,8 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
             continue  # recomputed by every runtime
         for name, shape, transform in trunk_pieces(source.model_type, key, source.trunk_shape(key), names, config, arch):
             is_router = any(name == router.format(bid=b) + ".weight" for b in range(config["num_hidden_layers"]))
-            f32 = len(shape) <= 1 or name.endswith("_norm.weight") or is_router or key.endswith(gguf_families.F32_TRUNK)
+            f32 = (len(shape) <= 1 or name.endswith(("_norm.weight", *gguf_families.F32_GGUF)) or is_router
+                   or key.endswith(gguf_families.F32_TRUNK))
             if f32:
                 qtype = ggml_type("f32")  # llama.cpp reads norms, biases and routers as F32
             elif trunk_type == "q8_0" and shape[-1] % 32:
@@ -284,10 +291,10 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
 def trunk_pieces(model_type: str, key: str, shape: tuple[int, ...], names, config: dict,
                  arch: Architecture) -> list[gguf_mla.Piece]:
     """The GGUF tensors (name, shape, how to make it from the trunk tensor) one trunk tensor becomes."""
-    if arch.arch in gguf_mla.ARCHS and (split := gguf_mla.pieces(key, shape, config)) is not None:
+    deepseek2 = deepseek2_graph(model_type, arch)
+    if deepseek2 and (split := gguf_mla.pieces(key, shape, config)) is not None:
         return split
-    if arch.arch not in gguf_mla.ARCHS and (
-            split := gguf_families.pieces(model_type, key, shape, config, names)) is not None:
+    if not deepseek2 and (split := gguf_families.pieces(model_type, key, shape, config, names)) is not None:
         return split
     name = names.get_name(key, try_suffixes=(".weight", ".bias"))
     require(name is not None, f"trunk tensor {key}: no llama.cpp name for it in {arch.arch.lower()}")

@@ -141,11 +141,45 @@ MLPs; 0: none). Its graph turns the whole head on the sliding layers and half of
 is the whole head), scores by 1 / sqrt(head_dim) and asserts that a layer slides: other rotary parts, RoPE scaling, a
 query_pre_attn_scalar other than head_dim, a gate per channel, MLP biases and a model without sliding layers refused.
 
+hy_v4 (HY-V4) is `hy_v4`, a name the pinned gguf package lacks (tensors named as glm-dsa's, the hyper-connections' and
+the output gate's as llama.cpp's table names them); its vault holds the release's names (transformers saves them too),
+read as transformers renames them (HY_V4_RENAMES). DeepSeek-V3.2's MLA written as deepseek2's, with sink logits
+(learnable_sink_param) and the attention output times the sigmoid of linear_gate per value channel (attn_gate); its
+indexer's head count, width and top-k, and indexer_types as the converter writes them (the "shared" layers reuse the
+previous indexer's choice); DeepSeek-V3's routing without groups (its graph reads none: n_group > 1 refused), leading
+dense layers, a shared expert on every MoE layer (0 refused); the experts' SwiGLU clamped at swiglu_limit on every
+layer (swiglu_clamp_exp: the gate from above before SiLU, up both ways; the graph takes a limit at or below 1e-6 as
+none where transformers clamps at any: refused); the hyper-connections' stream count, eps and magnitude, their mixing
+matrices F32 as the converter keeps them. Its graph turns adjacent pairs where transformers' HY-V4 turns the two halves
+of each head's rotary part, and the converter writes the release's rows as they are: the rotary rows of q_b, kv_a and
+the indexer's q, k and key norm are reordered into pairs here (as for Llama), so that llama.cpp computes transformers'
+attention and the indexer's choice. It normalises the query and latent at rms_norm_eps where transformers builds those
+norms at 1e-6; written all the same, as the converter writes the release (1e-5): on the tiny model the decoded logits
+then differ by 1.5e-5 of their largest, 1.1e-6 at equal eps. It fixes the attention scale at 1 / sqrt(qk_head_dim)
+where transformers' grows with YaRN's mscale (RoPE scaling refused), runs SiLU on every MLP (another hidden_act, which
+transformers' dense and shared MLPs take, refused), needs indexer heads wider than the rotary part and layer 0 to run
+its own indexer. It keeps the indexer's keys in the K cache's type, as deepseek32 does (smoe.export.gguf_mla).
+
+minimax_m3_vl (MiniMax-M3's text model, which its vault keeps under language_model.model. beside the tower, in the
+release's names, read as transformers renames them: MINIMAX_M3_RENAMES) is `minimax-m3`, a name the pinned gguf package
+lacks (tensors named as minimax-m2's, the dense MLPs', the shared expert's and the indexer's as llama.cpp's table names
+them): DeepSeek-V3's sigmoid choice by score + correction bias without groups, normalised and scaled, a shared expert
+as wide as the routed ones (llama.cpp sizes it so), leading dense layers of dense_intermediate_size, gpt-oss's clamped
+SwiGLU on all of them at the graph's fixed alpha 1.702 and limit 7 (others refused), Gemma's (1 + w) RMSNorms written
+as 1 + w (the indexer's too), q/k norm per head. rope.dimension_count is what transformers turns, head_dim times
+rope_parameters' partial_rotary_factor: transformers' MiniMax-M3 reads no rotary_dim, which llama.cpp's converter
+writes. Its block-sparse attention: the indexer's heads, width, kept blocks, block size and local blocks, its
+projections in F32 as the converter writes them; the graph makes exactly the MoE layers block-sparse, with one indexer
+head per key/value head, turning the attention's rotary width of each indexer head (other layer_types, head counts and
+a rotary width beyond index_head_dim refused). llama.cpp attends block-sparsely only with flash attention (and one
+sequence, or a cache per sequence); without it, to every key. With flash attention (and the default F16 cache) the
+decoded logits of the tiny model differ from smoe's by 2.9e-4 of their largest, mean KL 1.5e-8.
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
-does not describe, so that the checks above have nothing to read: hy_v4 (`hy_v4`), glm5_next (`glm5-next`),
-deepseek_v4 (`deepseek4`), dots3_note (`dots3note`), qwen4_exp (`qwen4exp`) and minimax_m3_vl (`minimax-m3`).
+does not describe, so that the checks above have nothing to read: glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`),
+dots3_note (`dots3note`) and qwen4_exp (`qwen4exp`).
 """
 
 from __future__ import annotations
@@ -161,7 +195,7 @@ import torch
 from smoe.export import gguf_mla
 from smoe.export.source import require
 from smoe.source.description import ModelDescription
-from smoe.source.gguf import Architecture
+from smoe.source.gguf import Architecture, permute_rope
 
 SINKS = "self_attn.sinks"  # llama.cpp's converter names them attn_sinks.weight
 # under mlp.gate (GLM-4.5, dots.llm1), block_sparse_moe (MiniMax-M2), mlp (EXAONE-MoE), mlp.moe_statics (ERNIE, [1, E])
@@ -175,6 +209,14 @@ CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.w
 KIMI_CONV_KERNELS = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")
 # matrices llama.cpp reads as F32 whatever the trunk type: the kernels, and Mamba's A and D ([heads, 1])
 F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D", *KIMI_CONV_KERNELS, "self_attn.A_log")
+# and by their GGUF names: HY-V4's hyper-connection mixings, which its release and llama.cpp's converter keep in F32
+# and MiniMax-M3's indexer projections, which llama.cpp's converter writes in F32
+F32_GGUF = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight", "indexer.q_proj.weight",
+            "indexer.k_proj.weight")
+# the names of HY-V4's release (and of transformers' save_pretrained) as transformers renames them on load, in order
+HY_V4_RENAMES = ((r"\.hc_pre\.hc_", ".hc_"), (r"\.learnable_sink_param", ".sinks"), (r"\.linear_gate", ".gate_proj"),
+                 (r"\.hc_attn_layer\.hc_(fn|base|scale)", r".attn_hc.\1"),
+                 (r"\.hc_mlp_layer\.hc_(fn|base|scale)", r".ffn_hc.\1"), (r"\.hc_head_(fn|base|scale)", r".hc_\1"))
 SHARED_MLPS = (".shared_experts.", ".shared_mlp.", ".shared_expert.", ".share_expert.")
 AFMOE_NOPE_STEP = 4  # llama.cpp's afmoe leaves rotary out of every 4th layer (n_no_rope_layer_step, not read from the file)
 # llama.cpp's llama4 constants, whatever the file says: NoPE every 4th layer (n_no_rope_layer_step) and chunked
@@ -239,6 +281,13 @@ class GgufFamily:
     whole_head_rope: bool = False  # rope.dimension_count is the whole head, which the graph halves on the full layers
     # where a multimodal checkpoint's vault keeps its text model (Step-3.7's release layout: model., its tower beside)
     text_prefix: str = TEXT_PREFIX
+    # (pattern, replacement) applied in turn to a vault's tensor names: the release's as transformers renames them
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def renamed(self, key: str) -> str:
+        for pattern, replacement in self.renames:
+            key = re.sub(pattern, replacement, key)
+        return key
 
     @property
     def llama_name(self) -> str:
@@ -934,6 +983,131 @@ def _step3p7_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+# llama.cpp's hy_v4 clamps the experts' SwiGLU only at a limit above this (build_moe_ffn); transformers' at any
+SWIGLU_CLAMP_MIN = 1e-6
+# the trunk tensors whose rows hold rotary parts (the last qk_rope_head_dim rows of each head), with the config key of
+# their head count (None: one head)
+HY_V4_ROTARY_ROWS = {"self_attn.q_b_proj.weight": "num_attention_heads", "self_attn.kv_a_proj_with_mqa.weight": None,
+                     "self_attn.indexer.wq_b.weight": "index_n_heads", "self_attn.indexer.wk.weight": None,
+                     "self_attn.indexer.k_norm.weight": None, "self_attn.indexer.k_norm.bias": None}
+
+
+def _untied(name: str, arch: str, config: dict) -> None:
+    require(not config.get("tie_word_embeddings"), f"{name}: llama.cpp's {arch} reads an output matrix of its own; this "
+            "model ties it to the embeddings")
+
+
+def _hy_v4(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's hy_v4 builds a shared expert on every MoE layer and SiLU everywhere (transformers' HY-V4 takes
+    hidden_act on its dense and shared MLPs), clamps the experts only at a limit above 1e-6, turns the indexer's rotary
+    part inside its heads, needs the first layer to run its own indexer and reads an untied output matrix."""
+    require(desc.shared_experts >= 1, f"{name}: llama.cpp's hy_v4 adds a shared expert to every MoE layer; this model "
+            "has n_shared_experts = 0")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's hy_v4 takes SiLU MLPs; this model's hidden_act is "
+            f"{desc.experts.activation}")
+    require(config["swiglu_limit"] > SWIGLU_CLAMP_MIN, f"{name}: llama.cpp's hy_v4 takes a swiglu_limit at or below "
+            f"{SWIGLU_CLAMP_MIN} as none, transformers clamps at it; this model's is {config['swiglu_limit']}")
+    require(config["index_head_dim"] > config["qk_rope_head_dim"], f"{name}: llama.cpp's hy_v4 needs indexer heads "
+            f"wider than the rotary part ({config['qk_rope_head_dim']}); this model's index_head_dim is "
+            f"{config['index_head_dim']}")
+    require(config["indexer_types"][0] == "full", f"{name}: llama.cpp's hy_v4 needs layer 0 to run its own indexer; "
+            f"this model's indexer_types start with {config['indexer_types'][0]!r}")
+    _untied(name, "hy_v4", config)
+
+
+def _write_hy_v4(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The hyper-connections' stream count, eps and magnitude, and the experts' SwiGLU clamp on every layer."""
+    writer.add_uint32(f"{writer.arch}.hyper_connection.count", config["hc_mult"])
+    writer.add_float32(f"{writer.arch}.hyper_connection.epsilon", config["hc_eps"])
+    writer.add_float32(f"{writer.arch}.hyper_connection.magnitude", config["hc_magnitude"])
+    writer.add_swiglu_clamp_exp([float(config["swiglu_limit"])] * desc.num_layers)
+
+
+def _hy_v4_pieces(key: str, shape: tuple[int, ...], config: dict,
+                  names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """kv_b split as deepseek2's; the hyper-connections' fn, base and scale under llama.cpp's names; the output gate
+    as attn_gate; the rotary rows of the queries and keys (the indexer's too) reordered into adjacent pairs."""
+    if (split := gguf_mla.pieces(key, shape, config)) is not None:
+        return split
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.(attn|ffn)_hc\.(fn|base|scale)", key):
+        return [(f"blk.{m[1]}.hc_{m[2]}_{m[3]}.weight", shape, lambda t: t)]
+    if m := re.fullmatch(r"model\.hc_head\.hc_(fn|base|scale)", key):
+        return [(f"output_hc_{m[1]}.weight", shape, lambda t: t)]
+    if key.endswith("self_attn.gate_proj.weight"):
+        return [(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_GATE].format(bid=int(key.split('.')[2]))}.weight", shape,
+                 lambda t: t)]
+    rows = next((k for k in HY_V4_ROTARY_ROWS if key.endswith(k)), None)
+    if rows is not None:
+        heads = config[HY_V4_ROTARY_ROWS[rows]] if HY_V4_ROTARY_ROWS[rows] else 1
+        return [(names.get_name(key, try_suffixes=(".weight", ".bias")), shape,
+                 lambda t: rotary_in_pairs(t, heads, config["qk_rope_head_dim"]))]
+    return None
+
+
+def rotary_in_pairs(t: torch.Tensor, heads: int, rope: int) -> torch.Tensor:
+    """Each head's last `rope` rows from transformers' two halves to llama.cpp's adjacent pairs (permute_rope)."""
+    rows = t.reshape(heads, t.shape[0] // heads, *t.shape[1:])
+    turned = permute_rope(rows[:, -rope:].reshape(heads * rope, *t.shape[1:]), heads)
+    return torch.cat([rows[:, :-rope], turned.reshape(heads, rope, *t.shape[1:])], dim=1).reshape(t.shape)
+
+
+# the release names of MiniMax-M3's text model as transformers renames them on load (its experts are the vault's own)
+MINIMAX_M3_RENAMES = ((r"^language_model\.lm_head\.", "lm_head."),
+                      (r"^language_model\.model\.", "model.language_model."),
+                      (r"\.block_sparse_moe\.(gate|shared_experts)\.", r".mlp.\1."),
+                      (r"\.block_sparse_moe\.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+                      (r"\.self_attn\.index_(q|k)_(proj|norm)\.", r".self_attn.indexer.\1_\2."))
+MINIMAX_M3_SPARSE = "minimax_m3_sparse"  # the layer type whose attention its indexer makes block-sparse
+# the MLPs minimax-m3 names beside minimax-m2's tensors: the dense layers' and the shared expert's
+MINIMAX_M3_MLPS = {"mlp.gate_proj": gguf.MODEL_TENSOR.FFN_GATE, "mlp.up_proj": gguf.MODEL_TENSOR.FFN_UP,
+                   "mlp.down_proj": gguf.MODEL_TENSOR.FFN_DOWN,
+                   "mlp.shared_experts.gate_proj": gguf.MODEL_TENSOR.FFN_GATE_SHEXP,
+                   "mlp.shared_experts.up_proj": gguf.MODEL_TENSOR.FFN_UP_SHEXP,
+                   "mlp.shared_experts.down_proj": gguf.MODEL_TENSOR.FFN_DOWN_SHEXP}
+
+
+def _minimax_m3(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's minimax-m3 runs gpt-oss's SwiGLU at alpha 1.702 and limit 7, attends block-sparsely on exactly the
+    MoE layers with one indexer head per key/value head, turns the indexer's heads by the attention's rotary width and
+    reads an untied output matrix."""
+    require(desc.experts.clamp == OAI_CLAMP, f"{name}: llama.cpp's minimax-m3 clamps SwiGLU at alpha 1.702, limit 7; "
+            f"this model has {desc.experts.clamp}")
+    sparse = [i for i, t in enumerate(config["layer_types"]) if t == MINIMAX_M3_SPARSE]
+    require(sparse == list(desc.moe_layers), f"{name}: llama.cpp's minimax-m3 attends block-sparsely on exactly "
+            f"the MoE layers {list(desc.moe_layers)}; this model's sparse layers are {sparse}")
+    require(config["index_n_heads"] == desc.attention.kv_heads, f"{name}: llama.cpp's minimax-m3 takes one indexer "
+            f"head per key/value head ({desc.attention.kv_heads}); this model has index_n_heads "
+            f"{config['index_n_heads']}")
+    rotary = int(config["head_dim"] * gguf_mla.rope_parameters(config).get("partial_rotary_factor", 1.0))
+    require(rotary <= config["index_head_dim"], f"{name}: llama.cpp's minimax-m3 turns {rotary} dimensions of each "
+            f"indexer head; this model's index_head_dim is {config['index_head_dim']}")
+    _untied(name, "minimax-m3", config)
+
+
+def _write_minimax_m3(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The indexer: its heads, their width, the blocks of keys it keeps, their size and the local ones always kept."""
+    writer.add_indexer_head_count(config["index_n_heads"])
+    writer.add_indexer_key_length(config["index_head_dim"])
+    writer.add_indexer_top_k(config["index_topk_blocks"])
+    writer.add_uint32(f"{writer.arch}.attention.indexer.block_size", config["index_block_size"])
+    writer.add_uint32(f"{writer.arch}.attention.indexer.local_blocks", config["index_local_blocks"])
+
+
+def _minimax_m3_pieces(key: str, shape: tuple[int, ...], config: dict,
+                       names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """The (1 + w) RMSNorms as 1 + w (the indexer's too), as the converter writes them; the indexer, the dense MLPs and
+    the shared expert under minimax-m3's names."""
+    layer = key.split(".")[2] if key.startswith("model.layers.") else None
+    if m := re.fullmatch(r"model\.layers\.\d+\.self_attn\.indexer\.(q|k)_(proj|norm)\.weight", key):
+        offset = 1.0 if m[2] == "norm" else 0.0
+        return [(f"blk.{layer}.indexer.{m[1]}_{m[2]}.weight", shape, lambda t: t.float() + offset)]
+    if key.endswith("norm.weight"):
+        return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t: t.float() + 1)]
+    if m := re.fullmatch(r"model\.layers\.\d+\.(mlp\.(?:shared_experts\.)?\w+_proj)\.weight", key):
+        return [(f"{gguf.TENSOR_NAMES[MINIMAX_M3_MLPS[m[1]]].format(bid=int(layer))}.weight", shape, lambda t: t)]
+    return None
+
+
 # DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
 DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
              "max_position_embeddings": "max_seq_len"}
@@ -1134,6 +1308,23 @@ FAMILIES = {
                           qk_norms=("head",), sliding_window=True, moe_keys=True, shared_width=True,
                           any_moe_layers=True, sliding_heads_key="num_sliding_attention_heads", whole_head_rope=True,
                           text_prefix="model.", check=_step3p7, write=_write_step3p7, pieces=_step3p7_pieces),
+    # DeepSeek-V3.2's MLA and indexer written as deepseek2's, the layers marked "shared" reusing the previous indexer's
+    # choice, sink logits and a sigmoid gate per value channel; DeepSeek-V3's routing without groups, a shared expert
+    # and leading dense layers; hyper-connections; tensors named as glm-dsa's, the hyper-connections' in _hy_v4_pieces
+    "hy_v4": GgufFamily(_arch("GLM_DSA", "n_routed_experts"), SIGMOID_BIASED | dict(n_group=1),
+                        extras=("sparse_attention", "shared_indexer", "sigmoid_gate", "swiglu_gate_limit",
+                                "hyper_connections"),
+                        dense_first=True, moe_keys=True, mla=True, check=_hy_v4, write=_write_hy_v4,
+                        pieces=_hy_v4_pieces, name="hy_v4", renames=HY_V4_RENAMES),
+    # MiniMax-M3's text model: minimax-m2's attention with (1 + w) norms, block-sparse on the MoE layers; DeepSeek-V3's
+    # routing without groups, a shared expert and leading dense layers, gpt-oss's SwiGLU on all of them; tensors named
+    # as minimax-m2's, the indexer's, the dense MLPs' and the shared expert's in _minimax_m3_pieces
+    "minimax_m3_vl": GgufFamily(_arch("MINIMAXM2", "num_local_experts"),
+                                SIGMOID_BIASED | dict(normalise=True, n_group=1),
+                                extras=("norm_offset", "clamped_mlps", "partial_rotary", "block_sparse_attention"),
+                                qk_norms=("head",), dense_first=True, moe_keys=True,
+                                dense_width_key="dense_intermediate_size", check=_minimax_m3, write=_write_minimax_m3,
+                                pieces=_minimax_m3_pieces, name="minimax-m3", renames=MINIMAX_M3_RENAMES),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -1149,6 +1340,7 @@ def check(name: str, config: dict, desc: ModelDescription, moe_layers: list[int]
     """What the family's llama.cpp graph assumes that this config (and the trunk's `shapes`) could contradict."""
     family = FAMILIES[name]
     arch = family.llama_name
+    shapes = {family.renamed(key): shape for key, shape in shapes.items()}
     want, takes = moe_layout(family, config, moe_layers)
     require(moe_layers == want, f"{name}: llama.cpp's {arch} takes {takes}; this model's MoE layers are {moe_layers}")
     unsupported = [e for e in desc.extras if e not in family.extras]
@@ -1208,9 +1400,9 @@ def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]
         return [desc.attention.kv_heads * (family.sliding_kv_factor if i in sliding else 1) for i in range(desc.num_layers)]
     if family and family.global_heads:
         return [o.get("num_key_value_heads", desc.attention.kv_heads) for o in _layer_overrides(config)]
+    heads = 1 if family and family.mla else desc.attention.kv_heads  # MLA: one head of the latent
     if family is None or not family.recurrent_kv:
-        return desc.attention.kv_heads
-    heads = 1 if family.mla else desc.attention.kv_heads  # MLA: one head of the latent
+        return heads
     return [0 if i in desc.attention.mixer_layers else heads for i in range(desc.num_layers)]
 
 
@@ -1280,6 +1472,7 @@ def pieces(name: str, key: str, shape: tuple[int, ...], config: dict,
     family = FAMILIES.get(name)
     if not (family and "text_config" in config):  # config_view's of a multimodal checkpoint's vault keeps text_config
         return _pieces(family, key, shape, config, names)
+    key = family.renamed(key)
     if not key.startswith((family.text_prefix, "lm_head.")):
         return []
     key = key.replace(family.text_prefix, "model.", 1)
@@ -1292,6 +1485,16 @@ def pieces(name: str, key: str, shape: tuple[int, ...], config: dict,
 
 def _pieces(family: GgufFamily | None, key: str, shape: tuple[int, ...], config: dict,
             names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    renamed = family.renamed(key) if family else key
+    if (split := _renamed_pieces(family, renamed, shape, config, names)) is not None or renamed == key:
+        return split
+    tensor = names.get_name(renamed, try_suffixes=(".weight", ".bias"))
+    require(tensor is not None, f"trunk tensor {key}: no llama.cpp name for it in {family.llama_name}")
+    return [(tensor, shape, lambda t: t)]
+
+
+def _renamed_pieces(family: GgufFamily | None, key: str, shape: tuple[int, ...], config: dict,
+                    names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
     if family and family.pieces and (split := family.pieces(key, shape, config, names)) is not None:
         return split
     layer = key.split(".")[2] if key.startswith("model.layers.") else None

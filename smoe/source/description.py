@@ -57,6 +57,12 @@ EXTRAS = {
     "swiglu_limit": "SwiGLU's activated gate clamped from above and its up projection both ways, at a bound per layer",
     "mlp_bias": "biases on the dense and shared MLPs' projections",
     "bidirectional_attention": "attention to later positions as well as earlier ones",
+    "swiglu_gate_limit": "the experts' SwiGLU gate clamped from above before its activation, their up projection "
+                         "both ways",
+    "hyper_connections": "several residual streams, mixed into each branch's input and given its output by learned "
+                         "gates",
+    "block_sparse_attention": "an indexer choosing the blocks of keys each query attends to",
+    "clamped_mlps": "the dense and shared MLPs' SwiGLU clamped as the experts' (gpt-oss's alpha and limit)",
     "undescribed": "a family this description does not cover",
 }
 
@@ -694,6 +700,34 @@ def _step3p7(c, n):
                         *(("bidirectional_attention",) if c.get("use_bidirectional_attention") else ())))
 
 
+def _hy_v4(c, n):
+    """DeepSeek-V3.2's MLA and indexer, both turning the two halves of their rotary part, the layers indexer_types
+    marks "shared" reusing the previous indexer layer's choice; sink logits, and the attention output times the
+    sigmoid of gate_proj per value channel; DeepSeek-V3's routing with shared experts; the experts' SwiGLU clamped at
+    swiglu_limit (transformers clamps at any limit); hyper-connections (hc_mult residual streams)."""
+    shared = "shared" in (c.get("indexer_types") or ())
+    return dict(routing=_sigmoid_biased(c), **_mla(c), sinks=True,
+                shared_experts=c.get("n_shared_experts", default=1) or 0,
+                extras=("sparse_attention", *(("shared_indexer",) if shared else ()), "sigmoid_gate",
+                        "swiglu_gate_limit", "hyper_connections"))
+
+
+def _minimax_m3_vl(c, n):
+    """MiniMax-M3's text model: DeepSeek-V3's sigmoid choice by score + correction bias without groups, its weights
+    divided by their sum and times routed_scaling_factor; one shared expert; gpt-oss's clamped SwiGLU on the experts,
+    the shared expert and the dense layers; Gemma's (1 + w) RMSNorms, q/k norm per head; rotary over part of each head
+    (transformers reads rope_parameters' partial_rotary_factor, not rotary_dim); the layers layer_types marks
+    "minimax_m3_sparse" attending to the blocks of keys their indexer chooses."""
+    factor = c.get("rope_parameters.partial_rotary_factor", default=1.0)
+    sparse = "minimax_m3_sparse" in (c.get("layer_types") or ())
+    return dict(routing=dict(scoring="sigmoid", correction_bias=True, normalise=True, scale=_scale(c)),
+                qk_norm="head", shared_experts=1,
+                experts=dict(clamp=(float(c.get("swiglu_alpha", default=1.702)),
+                                    float(c.get("swiglu_limit", default=7.0)))),
+                extras=("norm_offset", "clamped_mlps", *(("partial_rotary",) if factor != 1.0 else ()),
+                        *(("block_sparse_attention",) if sparse else ())))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -710,5 +744,5 @@ _RULES = {
     "aria": _aria, "aria_text": _aria, "deepseek_ocr2": _deepseek_ocr2, "flint": _flint, "lara_mini": _lara_mini,
     "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
     "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash, "laguna": _laguna,
-    "step3p7": _step3p7,
+    "step3p7": _step3p7, "hy_v4": _hy_v4, "minimax_m3_vl": _minimax_m3_vl, "minimax_m3_vl_text": _minimax_m3_vl,
 }

@@ -50,9 +50,10 @@ TINY_TOP1 = {"qwen3_5_moe_text": 0.94, "glm_moe_dsa": 0.92}
 GGML_F32 = 0
 
 
-def load(path: Path, f32_cache: bool = False) -> Llama:
+def load(path: Path, f32_cache: bool = False, flash_attn: bool = False) -> Llama:
     cache = dict(type_k=GGML_F32, type_v=GGML_F32) if f32_cache else {}
-    return Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False, **cache)
+    return Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2, verbose=False, flash_attn=flash_attn,
+                 **cache)
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -102,8 +103,11 @@ def test_llama_cpp_greedy_tokens_are_smoe_argmax(tmp_path_factory, tmp_path):
 DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # llama.cpp's default F16 cache rounds the indexer's keys, which flips DeepSeek-V3.2's top-16 where two keys' scores lie
 # within 1e-4 (2 of the 128 positions: Δlogit 0.36 there, mean KL 6e-5); with F32 caches it computes smoe's logits to
-# 1e-6, the indexer's choice included
-F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa"}
+# 1e-6, the indexer's choice included. HY-V4's indexer likewise (keeping 16; with the F16 cache max |Δlogit| 0.86,
+# mean KL 2.9e-4)
+F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4"}
+# llama.cpp's minimax-m3 attends block-sparsely only with flash attention (without it, to every key)
+FLASH_ATTENTION = {"minimax_m3_vl"}
 
 
 # the families only written (smoe.export.gguf_families), on tiny models at their fullest (tests/export_models.py)
@@ -112,7 +116,7 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
                 "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
                 "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
                 "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4", "cohere2_moe",
-                "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7"]
+                "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7", "hy_v4", "minimax_m3_vl"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -144,7 +148,13 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # prompt with twice the query heads between full ones, half of each head turned on the full layers and all of it on
 # the sliding ones at another base, a shared expert wider than the routed ones, 8 experts, a routed scale, its
 # correction bias drawn, the SwiGLU clamped where it bites (experts and shared or dense MLPs, unclamped on one layer
-# each)
+# each); HY-V4's leading dense layer, its indexer on two layers each followed by one that reuses its choice, keeping 16
+# of the prompt's positions from 8 heads wider than the rotary part, 8 experts, its correction bias drawn, the experts'
+# SwiGLU clamped where it bites, the hyper-connections' eps and magnitude away from their defaults and their scales
+# drawn around 1 (so that each stream's gate follows its input), rms_norm_eps 1e-5 as released; MiniMax-M3's text
+# model, its (1 + w) norms drawn around 0: a leading dense layer wider than the experts, block-sparse layers keeping 2
+# blocks of 16 keys (the local one among them) for each of its 2 key/value heads, half of each head turned, 8 experts,
+# its correction bias drawn
 STEP3P7_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
@@ -196,12 +206,24 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4,
                                                                     "partial_rotary_factor": 0.5},
                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e3,
-                                                                       "partial_rotary_factor": 1.0}})}
+                                                                       "partial_rotary_factor": 1.0}}),
+                "hy_v4": dict(num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                              layer_types=["indexed_attention"] * 4, indexer_types=["full", "shared"] * 2,
+                              index_topk=16, index_head_dim=32, index_n_heads=8, n_routed_experts=8, swiglu_limit=0.5,
+                              hc_eps=0.05, hc_magnitude=1.5),
+                "minimax_m3_vl": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=2, index_n_heads=2,
+                                      index_head_dim=32, index_block_size=16, index_topk_blocks=2, index_local_blocks=1,
+                                      layer_types=["full_attention"] + ["minimax_m3_sparse"] * 3,
+                                      mlp_layer_types=["dense"] + ["sparse"] * 3, intermediate_size=32,
+                                      shared_intermediate_size=32, dense_intermediate_size=64, num_local_experts=8,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5})}
 # multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
 # model's values
-MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7"}
-OFFSET_NORMS = {"step3p7"}  # RMSNorms scaled by 1 + w
-BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7"}
+MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7", "minimax_m3_vl"}
+OFFSET_NORMS = {"step3p7", "minimax_m3_vl"}  # RMSNorms scaled by 1 + w
+BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7", "hy_v4", "minimax_m3_vl"}
+UNIT_PARAMETERS = {"hy_v4": ("hc.scale", "hc_scale")}  # drawn around 1, as norms are
 
 
 def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
@@ -214,7 +236,8 @@ def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
     else:
         model = causal_lm(family, exportable_config(family, architecture=ALSO_CONFIGS[family]))
     # q_norm, input_layernorm, DBRX's norm_1 and norm_f; around 0 where the norm scales by 1 + w
-    draw_around_unit_scale(model, family in OFFSET_NORMS, bias_buffers=family in BIASED_BUFFERS)
+    draw_around_unit_scale(model, family in OFFSET_NORMS, UNIT_PARAMETERS.get(family, ()),
+                           bias_buffers=family in BIASED_BUFFERS)
     model_dir, vault = tmp / f"{family}-model", tmp / f"{family}-q{bits}"
     model.save_pretrained(model_dir)
     save_byte_level_tokenizer(model_dir)
@@ -236,7 +259,7 @@ def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_facto
     else:
         vault = integration_vault(tmp_path_factory, family, 4)
     llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True),
-               f32_cache=family in F32_CACHE)
+               f32_cache=family in F32_CACHE, flash_attn=family.removeprefix("tiny-") in FLASH_ATTENTION)
     ids = prompt_ids(vault)
     llm.eval(ids)
     a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
@@ -263,7 +286,7 @@ def test_llama_cpp_laguna_gate_per_element_reproduces_smoe_when_weights_are_deco
 def test_llama_cpp_logits_follow_smoe_for_the_families_only_written(tmp_path, family, bits):
     """Q4_1 experts and the vault's F32 trunk, on the tiny models: the same bounds as the shared models'."""
     vault = tiny_vault(tmp_path, family, bits)
-    llm = load(export(vault, "gguf", tmp_path / "model.gguf"))
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf"), flash_attn=family in FLASH_ATTENTION)
     ids = prompt_ids(vault)
     llm.eval(ids)
     a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
