@@ -1224,13 +1224,17 @@ def minimax_m3_config(**changes) -> dict:
      "shared experts 64 wide; llama.cpp's minimax-m3 takes 1 × the routed experts' 32"),
 ])
 def test_gguf_refuses_what_minimax_m3_computes_differently(changes, shapes, named):
+    assert_gguf_check("minimax_m3_vl", minimax_m3_config(**changes), shapes, named)
+
+
+def assert_gguf_check(family: str, config: dict, shapes: dict, named: str | None) -> None:
+    """The family's export check on `config` passes (named None) or refuses with a message matching `named`."""
     from smoe.errors import SmoeError
     from smoe.export import gguf_families
     from smoe.source.description import describe_model
 
-    config = minimax_m3_config(**changes)
     desc = describe_model(config)
-    run = lambda: gguf_families.check("minimax_m3_vl", gguf_families.config_view("minimax_m3_vl", config), desc,
+    run = lambda: gguf_families.check(family, gguf_families.config_view(family, config), desc,
                                       list(desc.moe_layers), shapes, 32)
     if named is None:
         assert run() is None
@@ -1286,6 +1290,177 @@ def test_gguf_minimax_m3_writes_its_norms_as_1_plus_w_and_its_text_model_under_t
                       ("output.weight", "language_model.lm_head.weight")):
         assert torch.equal(trunk_tensor(tensors, name).view(torch.bfloat16), trunk[key].to(torch.bfloat16))
     assert not any("vision" in n or "mm" in n for n in tensors)  # the tower is llama.cpp's mmproj file's
+
+
+def test_dots3_note_description_routes_as_its_router():
+    """The export holds Dots3-Note's router to the row's routing through the description: route, from it, picks the
+    experts and weights of transformers' router (with a correction bias drawn)."""
+    from transformers.models.dots3_note.configuration_dots3_note import Dots3NoteTextConfig
+    from transformers.models.dots3_note.modeling_dots3_note import Dots3NoteTextTopkRouter
+
+    from smoe.moe.routing import route
+    from smoe.source.description import describe_model
+
+    config = dots3_note_config(n_routed_experts=8, num_experts_per_tok=3, routed_scaling_factor=2.5)
+    text = Dots3NoteTextConfig(**config["text_config"])
+    router = Dots3NoteTextTopkRouter(text)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(8, generator=generator) * 0.1)
+    logits, want_w, want_ids = router(torch.randn(64, text.hidden_size, generator=generator))
+    ids, weights = route(describe_model(config).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
+# Dots3-Note's text model as llama.cpp's dots3note computes it: a leading dense layer, two indexed layers, a sliding one
+# with twice the heads, its own latent rank and head widths (per_layer_config), 8 indexer heads of a Hadamard width
+DOTS3_SLIDING = dict(num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, qk_nope_head_dim=24, v_head_dim=24,
+                     head_dim=32)
+DOTS3_NOTE = dict(num_hidden_layers=3, layer_types=["indexed_attention", "indexed_attention", "sliding_attention"],
+                  mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16, index_topk=16, index_head_dim=64,
+                  index_n_heads=8, moe_intermediate_size=32, shared_experts_intermediate_size=32,
+                  per_layer_config={2: DOTS3_SLIDING})
+
+
+def dots3_note_config(**changes) -> dict:
+    """Dots3-Note's config.json with DOTS3_NOTE and `changes` over its text model's values (the rotary parameters and
+    per-layer sizes remade from them)."""
+    from transformers import Dots3NoteConfig
+
+    from smoe.testing.tiny_models import tiny_default_config
+
+    config = tiny_default_config("dots3_note").to_dict()
+    text = {k: v for k, v in config["text_config"].items() if k not in ("per_layer_config", "rope_parameters")}
+    return Dots3NoteConfig(**config | dict(text_config=text | DOTS3_NOTE | dict(vocab_size=300) | changes)).to_dict()
+
+
+def sliding_rotary_factor(config: dict) -> dict:
+    """The config with its sliding layers' partial_rotary_factor turning 16 of their 32 dimensions, not their 8."""
+    config["text_config"]["rope_parameters"]["sliding_attention"]["partial_rotary_factor"] = 0.5
+    return config
+
+
+@pytest.mark.parametrize("changes,edit,shapes,named", [
+    ({}, None, {}, None),
+    (dict(layer_types=["full_attention", "indexed_attention", "sliding_attention"]), None, {},
+     r"builds indexed_attention and sliding_attention layers only"),
+    (dict(layer_types=["indexed_attention"] * 3, per_layer_config={}), None, {}, "reads a sliding window"),
+    (dict(layer_types=["sliding_attention"] * 3, per_layer_config={i: DOTS3_SLIDING for i in range(3)}), None, {},
+     "reads the indexer's sizes"),
+    (dict(per_layer_config={2: DOTS3_SLIDING | dict(qk_rope_head_dim=16, head_dim=40)}), None, {},
+     r"one qk_rope_head_dim for every layer; this model's are \[8, 16\]"),
+    (dict(per_layer_config={2: DOTS3_SLIDING | dict(q_lora_rank=16)}), None, {}, "one q_lora_rank for every layer"),
+    (dict(rope_parameters={"indexed_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), None, {},
+     "RoPE scaling 'yarn' on the indexed_attention layers"),
+    ({}, sliding_rotary_factor, {}, "transformers turns 16 dimensions of the sliding_attention layers' heads"),
+    ({}, lambda c: c | dict(swa_kv_lora_rank=32), {}, r"a config in the release's layout \(swa_kv_lora_rank\)"),
+    (dict(hidden_act="gelu"), None, {}, "takes SiLU MLPs"),
+    (dict(index_head_dim=32), None, {}, "index_head_dim is 32"),
+    (dict(n_group=2, topk_group=1), None, {}, "routes with n_group = 1"),
+    (dict(mlp_layer_types=["sparse", "dense", "sparse"]), None, {}, "dense layers only before the MoE ones"),
+    (dict(attention_bias=True), None, {}, "attention biases"),
+    ({}, None, {"model.layers.1.mlp.shared_experts.down_proj.weight": (64, 64)},
+     "shared experts 64 wide; llama.cpp's dots3note takes 1 × the routed experts' 32"),
+])
+def test_gguf_refuses_what_dots3_note_computes_differently(changes, edit, shapes, named):
+    config = dots3_note_config(**changes)
+    assert_gguf_check("dots3_note", edit(config) if edit else config, shapes, named)
+
+
+@pytest.fixture(scope="module")
+def dots3_note_export(tmp_path_factory):
+    """A tiny Dots3-Note's vault (its text model under model., its towers beside, as the release names them), every
+    parameter drawn, and its GGUF with a BF16 trunk."""
+    from export_models import draw_around_unit_scale, multimodal_model, save_byte_level_tokenizer
+
+    from smoe.convert.sculpt import sculpt
+
+    tmp = tmp_path_factory.mktemp("dots3_note")
+    torch.manual_seed(0)
+    model = multimodal_model("dots3_note", DOTS3_NOTE)
+    draw_around_unit_scale(model)
+    model.save_pretrained(tmp / "model")
+    save_byte_level_tokenizer(tmp / "model")
+    sculpt(tmp / "model", tmp / "vault", bits=4, progress=False)
+    return tmp / "vault", export(tmp / "vault", "gguf", tmp / "m.gguf", trunk_type="bf16")
+
+
+def test_gguf_dots3_note_writes_each_layer_kind_s_mla_sizes_rotary_base_and_indexer_as_llama_cpp_reads_them(
+        dots3_note_export):
+    vault, out = dots3_note_export
+    get, c = metadata(out, "dots3note"), json.loads((vault / "config.json").read_text())["text_config"]
+    swa, rope = c["per_layer_config"]["2"], c["qk_rope_head_dim"]
+    assert field(gguf.GGUFReader(out), "general.architecture") == "dots3note"
+    assert list(get("attention.head_count")) == [c["num_attention_heads"]] * 2 + [swa["num_attention_heads"]]
+    assert get("attention.head_count_kv") == 1 and get("rope.dimension_count") == rope
+    assert (get("attention.kv_lora_rank"), get("attention.key_length"), get("attention.value_length")) == (
+        c["kv_lora_rank"], c["kv_lora_rank"] + rope, c["kv_lora_rank"])
+    assert (get("attention.kv_lora_rank_swa"), get("attention.key_length_swa"), get("attention.value_length_swa")) == (
+        swa["kv_lora_rank"], swa["kv_lora_rank"] + rope, swa["kv_lora_rank"])
+    assert (get("attention.key_length_mla"), get("attention.value_length_mla")) == (
+        c["qk_nope_head_dim"] + rope, c["v_head_dim"])
+    assert (get("attention.key_length_mla_swa"), get("attention.value_length_mla_swa")) == (
+        swa["qk_nope_head_dim"] + rope, swa["v_head_dim"])
+    assert (get("rope.freq_base"), get("rope.freq_base_swa")) == (
+        c["rope_parameters"]["indexed_attention"]["rope_theta"], c["rope_parameters"]["sliding_attention"]["rope_theta"])
+    assert get("attention.sliding_window") == c["sliding_window"]
+    assert list(get("attention.sliding_window_pattern")) == [False, False, True]
+    assert list(get("attention.indexer.types")) == [True, True, False]
+    assert (get("attention.indexer.head_count"), get("attention.indexer.key_length"), get("attention.indexer.top_k")) \
+        == (c["index_n_heads"], c["index_head_dim"], c["index_topk"])
+    assert get("leading_dense_block_count") == 1 and get("expert_shared_count") == c["n_shared_experts"]
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+
+
+def rotary_rows_in_halves(t: torch.Tensor, heads: int, rope: int) -> torch.Tensor:
+    """Each head's first `rope` rows reordered from pairs [x0, y0, x1, y1, ...] to halves [x0, x1, ..., y0, y1, ...]."""
+    rows = t.reshape(heads, -1, *t.shape[1:]).clone()
+    pairs = rows[:, :rope].clone()
+    rows[:, : rope // 2], rows[:, rope // 2: rope] = pairs[:, 0::2], pairs[:, 1::2]
+    return rows.reshape(t.shape)
+
+
+def test_gguf_dots3_note_folds_its_latent_scales_into_the_norms_and_splits_kv_b_by_each_layer_s_sizes(
+        dots3_note_export):
+    """transformers scales the normalised query and key/value latents by sqrt(hidden_size / rank), the rank of the
+    layer's kind; llama.cpp reads that scale in the norms' weights, as the converter folds it."""
+    vault, out = dots3_note_export
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    c = json.loads((vault / "config.json").read_text())["text_config"]
+    swa, hidden = c["per_layer_config"]["2"], c["hidden_size"]
+    for name, key, rank in (("blk.0.attn_q_a_norm", "model.layers.0.self_attn.q_a_layernorm", c["q_lora_rank"]),
+                            ("blk.0.attn_kv_a_norm", "model.layers.0.self_attn.kv_a_layernorm", c["kv_lora_rank"]),
+                            ("blk.2.attn_kv_a_norm", "model.layers.2.self_attn.kv_a_layernorm", swa["kv_lora_rank"])):
+        torch.testing.assert_close(trunk_tensor(tensors, f"{name}.weight"), trunk[f"{key}.weight"] * (hidden / rank) ** 0.5)
+    assert torch.equal(trunk_tensor(tensors, "blk.2.attn_k_norm.weight"),
+                       trunk["model.layers.2.self_attn.k_rope_only_layernorm.weight"])
+    assert torch.equal(trunk_tensor(tensors, "blk.2.attn_gate.weight").view(torch.bfloat16),
+                       trunk["model.layers.2.self_attn.g_proj.weight"].to(torch.bfloat16))
+    heads, nope = swa["num_attention_heads"], swa["qk_nope_head_dim"]
+    kv_b = trunk["model.layers.2.self_attn.kv_b_proj.weight"].to(torch.bfloat16).view(heads, nope + swa["v_head_dim"], -1)
+    assert torch.equal(trunk_tensor(tensors, "blk.2.attn_k_b.weight").view(torch.bfloat16),
+                       kv_b[:, :nope].transpose(1, 2))
+    assert torch.equal(trunk_tensor(tensors, "blk.2.attn_v_b.weight").view(torch.bfloat16), kv_b[:, nope:])
+    assert not any(n.startswith(("v.", "a.", "mm")) or "vision" in n or "audio" in n for n in tensors)
+
+
+def test_gguf_dots3_note_turns_its_indexer_rows_into_the_halves_llama_cpp_rotates(dots3_note_export):
+    """transformers' Dots3-Note indexer rotates the first qk_rope_head_dim of each head as adjacent pairs, llama.cpp's
+    dots3note as two halves (NeoX): the rows of the indexer's q, k and key norm are reordered into halves."""
+    vault, out = dots3_note_export
+    tensors, trunk = gguf_tensors(out), load_file(vault / TRUNK_FILE)
+    c = json.loads((vault / "config.json").read_text())["text_config"]
+    rope, attn = c["qk_rope_head_dim"], "model.layers.0.self_attn.indexer."
+    for name, key, heads in (("attn_q_b.weight", "wq_b.weight", c["index_n_heads"]), ("attn_k.weight", "wk.weight", 1)):
+        want = rotary_rows_in_halves(trunk[attn + key].to(torch.bfloat16), heads, rope)
+        assert torch.equal(trunk_tensor(tensors, f"blk.0.indexer.{name}").view(torch.bfloat16), want)
+    for suffix in ("weight", "bias"):
+        want = rotary_rows_in_halves(trunk[attn + f"k_norm.{suffix}"], 1, rope)
+        assert torch.equal(trunk_tensor(tensors, f"blk.0.indexer.k_norm.{suffix}"), want)
 
 
 def test_gguf_phimoe_is_refused_naming_the_routing_llama_cpp_computes_otherwise(tmp_path):

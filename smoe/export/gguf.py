@@ -121,7 +121,8 @@ def deepseek2_graph(model_type: str, arch: Architecture) -> bool:
 
 def rope_theta(config: dict) -> float:
     rope = config.get("rope_parameters") or {}
-    rope = rope.get("full_attention", rope)  # Mellum names one per layer type: the full layers' is the base
+    # Mellum names one per layer type: the full layers' is the base (Dots3-Note's indexed ones')
+    rope = rope.get("full_attention") or rope.get("indexed_attention") or rope
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
         # HunYuan's NTK-alpha: a fixed base (its rotary's own formula); every other family refuses "dynamic"

@@ -175,11 +175,31 @@ a rotary width beyond index_head_dim refused). llama.cpp attends block-sparsely 
 sequence, or a cache per sequence); without it, to every key. With flash attention (and the default F16 cache) the
 decoded logits of the tiny model differ from smoe's by 2.9e-4 of their largest, mean KL 1.5e-8.
 
+dots3_note (Dots3-Note's text model, which its vault keeps under model. beside the vision and audio towers, in the
+release's names) is `dots3note`, a name the pinned gguf package lacks (tensors named as glm-dsa's, the rotary key's norm
+as attn_k_norm and the output gate as attn_gate): DeepSeek-V3's MLA over adjacent rotary pairs with a sigmoid gate per
+head (g_proj), DeepSeek-V3.2's indexer on the indexed layers (its head count, width and top-k; indexer.types true on
+them), sliding layers with MLA sizes of their own (per_layer_config: heads as head_count per layer, the latent rank, key
+and value widths under the _swa keys) and their own rotary base (rope.freq_base_swa; the indexed layers' is
+rope.freq_base), DeepSeek-V3's routing without groups (n_group > 1 refused), leading dense layers and shared experts as
+wide as the routed ones (llama.cpp sizes them so). transformers scales the normalised query and key/value latents by
+sqrt(hidden_size / rank), the layer kind's rank: folded into q_a_norm and kv_a_norm, as the converter does only where
+the config says apply_mla_qkv_lora_rescale. Its graph turns the indexer's rotary part as two halves (NeoX) where
+transformers' indexer turns adjacent pairs, and the converter writes the release's rows as they are: the rotary rows of
+the indexer's q, k and key norm are reordered into halves here, so that llama.cpp chooses transformers' keys. Its graph
+reads one rotary width and one q_lora rank for both layer kinds, turns them without scaling, runs SiLU MLPs, rotates the
+indexer by a Hadamard matrix of a power of two from 64 and builds an indexer on every layer that does not slide, and
+needs a sliding window and the indexer's sizes (layers of both kinds): other configs, and a config.json in the release's
+layout (its swa_* keys, which transformers reads into per_layer_config), refused. It keeps the indexer's keys in the K
+cache's type, as deepseek32 does (on the tiny model its Q4 export with the default F16 cache: mean KL 3.0e-3; with F32
+caches 2.5e-5). The graph's other eps (the latent and rotary-key norms at rms_norm_eps, the indexer's key LayerNorm at
+1e-6) are transformers'.
+
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
-does not describe, so that the checks above have nothing to read: glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`),
-dots3_note (`dots3note`) and qwen4_exp (`qwen4exp`).
+does not describe, so that the checks above have nothing to read: glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`)
+and qwen4_exp (`qwen4exp`).
 """
 
 from __future__ import annotations
@@ -195,7 +215,7 @@ import torch
 from smoe.export import gguf_mla
 from smoe.export.source import require
 from smoe.source.description import ModelDescription
-from smoe.source.gguf import Architecture, permute_rope
+from smoe.source.gguf import Architecture, permute_rope, unpermute_rope
 
 SINKS = "self_attn.sinks"  # llama.cpp's converter names them attn_sinks.weight
 # under mlp.gate (GLM-4.5, dots.llm1), block_sparse_moe (MiniMax-M2), mlp (EXAONE-MoE), mlp.moe_statics (ERNIE, [1, E])
@@ -283,6 +303,7 @@ class GgufFamily:
     text_prefix: str = TEXT_PREFIX
     # (pattern, replacement) applied in turn to a vault's tensor names: the release's as transformers renames them
     renames: tuple[tuple[str, str], ...] = ()
+    layer_config_heads: bool = False  # head_count per layer from per_layer_config (Dots3-Note's sliding layers)
 
     def renamed(self, key: str) -> str:
         for pattern, replacement in self.renames:
@@ -1108,6 +1129,96 @@ def _minimax_m3_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+DOTS3_TYPES = ("indexed_attention", "sliding_attention")  # the layer types llama.cpp's dots3note builds
+
+
+def dots3_layer(config: dict, layer: int) -> dict:
+    """The config of one Dots3-Note layer: its per_layer_config values over the model's."""
+    return config | _layer_overrides(config)[layer]
+
+
+def _dots3_note(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's dots3note builds indexed and sliding layers (transformers holds each kind to one MLA geometry) with
+    one rotary width and one q_lora rank for both, rotary without scaling, SiLU MLPs and an indexer rotated by a
+    Hadamard matrix of a power of two from 64; it reads a sliding window and the indexer's sizes."""
+    release = sorted(k for k in config if k.startswith("swa_"))
+    require(not release, f"{name}: a config in the release's layout ({', '.join(release)}), whose sliding layers' sizes "
+            "transformers reads into per_layer_config; export a vault of the checkpoint as transformers saves it")
+    types = config["layer_types"]
+    require(set(types) <= set(DOTS3_TYPES), f"{name}: llama.cpp's dots3note builds {' and '.join(DOTS3_TYPES)} layers "
+            f"only (an indexer on every layer that does not slide); this model's layer types are {sorted(set(types))}")
+    for kind, what in (("sliding_attention", "a sliding window"), ("indexed_attention", "the indexer's sizes")):
+        require(kind in types, f"{name}: llama.cpp's dots3note reads {what}; this model has no {kind} layers")
+    for key in ("qk_rope_head_dim", "q_lora_rank"):
+        values = {dots3_layer(config, i)[key] for i in range(len(types))}
+        require(len(values) == 1, f"{name}: llama.cpp's dots3note takes one {key} for every layer; this model's are "
+                f"{sorted(values)}")
+    rope = gguf_mla.rope_parameters(config)
+    for kind in set(types):
+        layer = dots3_layer(config, types.index(kind))
+        turned = int(layer["head_dim"] * rope[kind].get("partial_rotary_factor", 1.0))
+        require(rope[kind].get("rope_type", "default") == "default", f"{name}: RoPE scaling "
+                f"{rope[kind].get('rope_type')!r} on the {kind} layers is not exported to GGUF")
+        require(turned == layer["qk_rope_head_dim"], f"{name}: transformers turns {turned} dimensions of the {kind} "
+                f"layers' heads (head_dim × partial_rotary_factor), llama.cpp's dots3note qk_rope_head_dim "
+                f"{layer['qk_rope_head_dim']}")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's dots3note takes SiLU MLPs; this model's hidden_act "
+            f"is {desc.experts.activation}")
+    width = config["index_head_dim"]
+    require(width >= gguf_mla.INDEXER_ROTATION and width & (width - 1) == 0 and config["qk_rope_head_dim"] <= width,
+            f"{name}: llama.cpp's dots3note rotates the indexer heads by a Hadamard matrix of a power of two from "
+            f"{gguf_mla.INDEXER_ROTATION}, at least the rotary part; this model's index_head_dim is {width}")
+
+
+def _write_dots3_note(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """The sliding layers' MLA sizes and rotary base, and which layers run the indexer (those that do not slide)."""
+    swa = dots3_layer(config, config["layer_types"].index("sliding_attention"))  # one MLA geometry per layer type
+    arch, latent, rope = writer.arch, swa["kv_lora_rank"], swa["qk_rope_head_dim"]
+    writer.add_uint32(f"{arch}.attention.kv_lora_rank_swa", latent)
+    writer.add_key_length_swa(latent + rope)
+    writer.add_value_length_swa(latent)
+    writer.add_uint32(f"{arch}.attention.key_length_mla_swa", swa["qk_nope_head_dim"] + rope)
+    writer.add_uint32(f"{arch}.attention.value_length_mla_swa", swa["v_head_dim"])
+    writer.add_rope_freq_base_swa(gguf_mla.rope_parameters(config)["sliding_attention"]["rope_theta"])
+    writer.add_array(f"{arch}.attention.indexer.types", [t == "indexed_attention" for t in config["layer_types"]])
+
+
+def _dots3_note_pieces(key: str, shape: tuple[int, ...], config: dict,
+                       names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """kv_b split by the layer's own sizes; the rotary key's norm as attn_k_norm, g_proj as attn_gate; the latents'
+    scale sqrt(hidden_size / rank) folded into their norms (as the converter does with apply_mla_qkv_lora_rescale;
+    transformers always scales); the indexer's rotary rows from adjacent pairs to the halves llama.cpp turns."""
+    if not key.startswith("model.layers."):
+        return None
+    bid = int(key.split(".")[2])
+    layer = dots3_layer(config, bid)
+    if (split := gguf_mla.pieces(key, shape, layer)) is not None:
+        return split
+    tensor = lambda t: f"{gguf.TENSOR_NAMES[t].format(bid=bid)}.weight"
+    if key.endswith("self_attn.k_rope_only_layernorm.weight"):
+        return [(tensor(gguf.MODEL_TENSOR.ATTN_K_NORM), shape, lambda t: t)]
+    if key.endswith("self_attn.g_proj.weight"):
+        return [(tensor(gguf.MODEL_TENSOR.ATTN_GATE), shape, lambda t: t)]
+    for norm, rank in (("q_a_layernorm", "q_lora_rank"), ("kv_a_layernorm", "kv_lora_rank")):
+        if key.endswith(f"self_attn.{norm}.weight"):
+            scale = (layer["hidden_size"] / layer[rank]) ** 0.5
+            return [(names.get_name(key, try_suffixes=(".weight",)), shape, lambda t, s=scale: t.float() * s)]
+    heads = {"indexer.wq_b.weight": layer["index_n_heads"], "indexer.wk.weight": 1, "indexer.k_norm.weight": 1,
+             "indexer.k_norm.bias": 1}
+    part = next((k for k in heads if key.endswith(f"self_attn.{k}")), None)
+    if part is not None:
+        return [(names.get_name(key, try_suffixes=(".weight", ".bias")), shape,
+                 lambda t: rotary_in_halves(t, heads[part], layer["qk_rope_head_dim"]))]
+    return None
+
+
+def rotary_in_halves(t: torch.Tensor, heads: int, rope: int) -> torch.Tensor:
+    """Each head's first `rope` rows from transformers' adjacent pairs to llama.cpp's NeoX halves (unpermute_rope)."""
+    rows = t.reshape(heads, t.shape[0] // heads, *t.shape[1:])
+    turned = unpermute_rope(rows[:, :rope].reshape(heads * rope, *t.shape[1:]), heads)
+    return torch.cat([turned.reshape(heads, rope, *t.shape[1:]), rows[:, rope:]], dim=1).reshape(t.shape)
+
+
 # DBRX's config names its sizes its own way (transformers' DbrxConfig maps them; config.json keeps them)
 DBRX_KEYS = {"num_hidden_layers": "n_layers", "hidden_size": "d_model", "num_attention_heads": "n_heads",
              "max_position_embeddings": "max_seq_len"}
@@ -1325,6 +1436,17 @@ FAMILIES = {
                                 qk_norms=("head",), dense_first=True, moe_keys=True,
                                 dense_width_key="dense_intermediate_size", check=_minimax_m3, write=_write_minimax_m3,
                                 pieces=_minimax_m3_pieces, name="minimax-m3", renames=MINIMAX_M3_RENAMES),
+    # Dots3-Note's text model: DeepSeek-V3's MLA with its latents scaled and its rotary key normalised, DeepSeek-V3.2's
+    # indexer on the indexed layers, sliding layers of their own MLA sizes, heads and rotary base, a sigmoid gate per
+    # head; DeepSeek-V3's routing without groups, shared experts and leading dense layers; tensors named as glm-dsa's,
+    # the rotary key's norm and the gate in _dots3_note_pieces
+    "dots3_note": GgufFamily(_arch("GLM_DSA", "n_routed_experts"), SIGMOID_BIASED | dict(n_group=1),
+                             extras=("interleaved_rotary", "latent_scale", "rope_key_norm", "sigmoid_gate",
+                                     "sparse_attention", "indexer_interleaved_rotary", "mla_per_layer_type",
+                                     "heads_per_layer", "rope_per_layer_type"),
+                             dense_first=True, sliding_window=True, moe_keys=True, mla=True, layer_config_heads=True,
+                             text_prefix="model.", check=_dots3_note, write=_write_dots3_note,
+                             pieces=_dots3_note_pieces, name="dots3note"),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -1410,6 +1532,8 @@ def head_count(name: str, config: dict) -> int | list[int]:
     """head_count: one number, or per layer where the family's layers have their own."""
     family = FAMILIES.get(name)
     heads = config.get(family.heads_key) if family and family.heads_key else None
+    if family and family.layer_config_heads:
+        heads = [o.get("num_attention_heads", config["num_attention_heads"]) for o in _layer_overrides(config)]
     if family and family.sliding_heads_key and config.get(family.sliding_heads_key):
         sliding = config[family.sliding_heads_key]
         heads = [sliding if t == "sliding_attention" else config["num_attention_heads"] for t in config.get("layer_types") or ()]

@@ -63,6 +63,9 @@ EXTRAS = {
                          "gates",
     "block_sparse_attention": "an indexer choosing the blocks of keys each query attends to",
     "clamped_mlps": "the dense and shared MLPs' SwiGLU clamped as the experts' (gpt-oss's alpha and limit)",
+    "latent_scale": "MLA's normalised query and key/value latents times sqrt(hidden_size / their rank)",
+    "rope_key_norm": "an RMSNorm on MLA's shared rotary key before it turns",
+    "mla_per_layer_type": "sliding layers with MLA sizes of their own (heads, latent rank, head widths)",
     "undescribed": "a family this description does not cover",
 }
 
@@ -728,6 +731,28 @@ def _minimax_m3_vl(c, n):
                         *(("block_sparse_attention",) if sparse else ())))
 
 
+# the sizes of an MLA layer that per_layer_config may give a layer of its own (Dots3-Note's sliding layers)
+MLA_SIZES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _dots3_note(c, n):
+    """Dots3-Note's text model: DeepSeek-V3's MLA over adjacent rotary pairs, its normalised latents times
+    sqrt(hidden_size / rank) and its shared rotary key normalised before it turns; DeepSeek-V3.2's indexer (turning
+    adjacent pairs) on the indexed layers, the sliding layers with MLA sizes and a rotary base of their own
+    (per_layer_config); the attention output times the sigmoid of g_proj per head; DeepSeek-V3's routing with shared
+    experts."""
+    types = c.get("layer_types") or ()
+    sizes = {key: {c.get(f"per_layer_config.{i}.{key}", default=c.get(key)) for i in range(n)} for key in MLA_SIZES}
+    bases = {c.get(f"rope_parameters.{t}.rope_theta") for t in set(types)}
+    return dict(routing=_sigmoid_biased(c), **_mla(c), shared_experts=c.get("n_shared_experts", default=1) or 0,
+                sliding_layers=_sliding(c, n),
+                extras=("interleaved_rotary", "latent_scale", "rope_key_norm", "sigmoid_gate",
+                        *(("sparse_attention", "indexer_interleaved_rotary") if "indexed_attention" in types else ()),
+                        *(("mla_per_layer_type",) if any(len(v) > 1 for v in sizes.values()) else ()),
+                        *(("heads_per_layer",) if len(sizes["num_attention_heads"]) > 1 else ()),
+                        *(("rope_per_layer_type",) if len(bases) > 1 else ())))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -745,4 +770,5 @@ _RULES = {
     "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
     "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash, "laguna": _laguna,
     "step3p7": _step3p7, "hy_v4": _hy_v4, "minimax_m3_vl": _minimax_m3_vl, "minimax_m3_vl_text": _minimax_m3_vl,
+    "dots3_note": _dots3_note, "dots3_note_text": _dots3_note,
 }

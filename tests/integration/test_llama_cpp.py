@@ -104,8 +104,9 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # llama.cpp's default F16 cache rounds the indexer's keys, which flips DeepSeek-V3.2's top-16 where two keys' scores lie
 # within 1e-4 (2 of the 128 positions: Δlogit 0.36 there, mean KL 6e-5); with F32 caches it computes smoe's logits to
 # 1e-6, the indexer's choice included. HY-V4's indexer likewise (keeping 16; with the F16 cache max |Δlogit| 0.86,
-# mean KL 2.9e-4)
-F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4"}
+# mean KL 2.9e-4); Dots3-Note's too (keeping 16 from 8 heads: its Q4 export with the F16 cache mean KL 3.0e-3, top-1
+# 95.3%, with F32 caches 2.5e-5 and 98.4%)
+F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4", "tiny-dots3_note"}
 # llama.cpp's minimax-m3 attends block-sparsely only with flash attention (without it, to every key)
 FLASH_ATTENTION = {"minimax_m3_vl"}
 
@@ -116,7 +117,8 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
                 "granitemoehybrid", "jamba", "solar_open", "sarvam_moe", "sarvam_mla", "glm4_moe_lite", "mistral4",
                 "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
                 "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4", "cohere2_moe",
-                "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7", "hy_v4", "minimax_m3_vl"]
+                "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7", "hy_v4", "minimax_m3_vl",
+                "dots3_note"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -154,7 +156,10 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # drawn around 1 (so that each stream's gate follows its input), rms_norm_eps 1e-5 as released; MiniMax-M3's text
 # model, its (1 + w) norms drawn around 0: a leading dense layer wider than the experts, block-sparse layers keeping 2
 # blocks of 16 keys (the local one among them) for each of its 2 key/value heads, half of each head turned, 8 experts,
-# its correction bias drawn
+# its correction bias drawn; Dots3-Note's text model: a leading dense layer, two indexed layers keeping 16 of the
+# prompt's positions from 8 heads (with 4, keys the ReLU leaves at 0 tie at the 16th place, which torch and ggml break
+# apart), two sliding layers of twice the heads, their own latent rank and head widths, narrower than the prompt, each
+# layer type at its own rotary base, 8 experts, a routed scale, its correction bias drawn
 STEP3P7_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
@@ -217,12 +222,20 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                       mlp_layer_types=["dense"] + ["sparse"] * 3, intermediate_size=32,
                                       shared_intermediate_size=32, dense_intermediate_size=64, num_local_experts=8,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                       "partial_rotary_factor": 0.5})}
+                                                       "partial_rotary_factor": 0.5}),
+                "dots3_note": dict(num_hidden_layers=4, layer_types=["indexed_attention"] * 2 + ["sliding_attention"] * 2,
+                                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_routed_experts=8,
+                                   routed_scaling_factor=2.5, sliding_window=16, index_topk=16, index_head_dim=64,
+                                   index_n_heads=8, shared_experts_intermediate_size=32,
+                                   per_layer_config={i: dict(num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32,
+                                                             qk_nope_head_dim=24, v_head_dim=24, head_dim=32)
+                                                     for i in (2, 3)})}
 # multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
 # model's values
-MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7", "minimax_m3_vl"}
+MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7", "minimax_m3_vl", "dots3_note"}
 OFFSET_NORMS = {"step3p7", "minimax_m3_vl"}  # RMSNorms scaled by 1 + w
-BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7", "hy_v4", "minimax_m3_vl"}
+BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7", "hy_v4", "minimax_m3_vl",
+                  "dots3_note"}
 UNIT_PARAMETERS = {"hy_v4": ("hc.scale", "hc_scale")}  # drawn around 1, as norms are
 
 
