@@ -67,7 +67,10 @@ FULLEST = {
 # away from 1
 GGUF_ARCHITECTURE = {"lfm2_moe": dict(tie_word_embeddings=True),
                      "granitemoehybrid": dict(attention_bias=True, mamba_n_groups=2, embedding_multiplier=0.5,
-                                              attention_multiplier=0.0625, residual_multiplier=2.0, logits_scaling=0.25)}
+                                              attention_multiplier=0.0625, residual_multiplier=2.0, logits_scaling=0.25),
+                     # DeepSeek-V4 without hash-routed layers, its output groups of whole heads and its indexer's heads
+                     # as wide as llama.cpp's smallest Hadamard rotation (each refused otherwise)
+                     "deepseek_v4": dict(mlp_layer_types=["moe"] * 3, o_groups=2, index_head_dim=64)}
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
 

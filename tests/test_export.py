@@ -16,6 +16,7 @@ from export_models import (
     exportable_config,
     exportable_vault,
     mlx_exportable_vault,
+    save_exportable_model,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -795,6 +796,20 @@ FAMILY_REFUSALS = [
     ("hy_v4", dict(tie_word_embeddings=True), "reads an output matrix of its own"),
     ("hy_v4", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                     "original_max_position_embeddings": 64}), "RoPE scaling 'yarn'"),
+    ("deepseek_v4", dict(mlp_layer_types=["hash_moe", "moe", "moe"]), "hash-routed layers are not exported"),
+    ("deepseek_v4", dict(o_groups=8), "8 o_groups do not divide its 4 heads"),
+    ("deepseek_v4", dict(compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}),
+     "compresses by"),
+    ("deepseek_v4", dict(hidden_act="gelu"), "takes SiLU MLPs"),
+    ("deepseek_v4", dict(index_head_dim=32), "indexer heads of a multiple of 64"),
+    ("deepseek_v4", dict(layer_types=["sliding_attention", "heavily_compressed_attention"] * 2),
+     "needs a compressed_sparse_attention layer"),
+    ("deepseek_v4", dict(swiglu_limit=1e-6), "takes a swiglu_limit at or below 1e-06 as none"),
+    ("deepseek_v4", dict(tie_word_embeddings=True), "reads an output matrix of its own"),
+    ("deepseek_v4", dict(rope_parameters={"main": {"rope_type": "default", "rope_theta": 1e4},
+                                          "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 4.0,
+                                                       "original_max_position_embeddings": 64}}),
+     r"RoPE scaling 'yarn' \(compress\)"),
 ]
 
 
@@ -1166,6 +1181,56 @@ def test_gguf_hy_v4_names_the_release_s_tensors_as_transformers_renames_them_kee
             "blk.1.ffn_gate_shexp.weight": "model.layers.1.mlp.shared_experts.linear_gate.weight"}
     for name, key in bf16.items():
         assert torch.equal(trunk_tensor(tensors, name).view(torch.bfloat16), trunk[key].to(torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4_export(tmp_path_factory):
+    """A tiny DeepSeek-V4's vault (the release's names, as transformers saves them) and its GGUF."""
+    tmp = tmp_path_factory.mktemp("deepseek_v4")
+    vault = exportable_vault(tmp, "deepseek_v4", 4)
+    return vault, export(vault, "gguf", tmp / "m.gguf")
+
+
+def test_gguf_deepseek_v4_writes_what_llama_cpp_s_converter_writes(deepseek_v4_export):
+    vault, out = deepseek_v4_export
+    get, c = metadata(out, "deepseek4"), json.loads((vault / "config.json").read_text())
+    assert field(gguf.GGUFReader(out), "general.architecture") == "deepseek4"
+    assert get("attention.head_count_kv") == 1 and get("attention.key_length") == c["head_dim"]
+    assert get("rope.dimension_count") == c["head_dim"] * c["rope_parameters"]["main"]["partial_rotary_factor"]
+    assert get("expert_gating_func") == 4 and get("expert_weights_scale") == c["routed_scaling_factor"]
+    rates = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    assert get("attention.compress_ratios") == [rates[t] for t in c["layer_types"]]
+    assert get("attention.compress_rope_freq_base") == c["rope_parameters"]["compress"]["rope_theta"]
+    assert (get("attention.output_group_count"), get("attention.output_lora_rank")) == (c["o_groups"], c["o_lora_rank"])
+    assert (get("hyper_connection.count"), get("hyper_connection.sinkhorn_iterations")) == (c["hc_mult"],
+                                                                                           c["hc_sinkhorn_iters"])
+    assert get("swiglu_clamp_exp") == get("swiglu_clamp_shexp") == [c["swiglu_limit"]] * c["num_hidden_layers"]
+    assert get("hash_layer_count") == 0 and get("embedding_length_out") == c["hidden_size"] * c["hc_mult"]
+
+
+def test_gguf_deepseek_v4_names_the_release_s_tensors_as_llama_cpp_keeping_the_mixings_f32(deepseek_v4_export):
+    vault, out = deepseek_v4_export
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    trunk = load_file(vault / TRUNK_FILE)
+    for name, key in (("blk.1.attn_output_a.weight", "model.layers.1.attn.wo_a.weight"),
+                      ("blk.2.indexer_compressor_ape.weight", "model.layers.2.attn.indexer.compressor.ape"),
+                      ("blk.0.hc_ffn_fn.weight", "model.layers.0.hc_ffn_fn"), ("output_hc_fn.weight", "model.hc_head.hc_fn")):
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+        assert torch.equal(trunk_tensor(tensors, name), trunk[key])
+    assert "blk.0.indexer.proj.weight" not in tensors  # only the sparse layer has an indexer
+
+
+def test_gguf_deepseek_v4_with_hash_routed_layers_is_refused_before_anything_is_written(tmp_path):
+    """Their token-id table is the vault's one integer trunk tensor, which the export names (gguf_families names the
+    layers themselves where a config is checked alone)."""
+    from smoe.convert.sculpt import sculpt
+    from smoe.errors import SmoeError
+
+    model = save_exportable_model("deepseek_v4", tmp_path / "model", architecture=dict(o_groups=2, index_head_dim=64))
+    sculpt(model, tmp_path / "vault", bits=4, progress=False)
+    with pytest.raises(SmoeError, match="ffn.gate.tid2eid: I64 in the vault"):
+        export(tmp_path / "vault", "gguf", tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_gguf_hy_v4_turns_its_rotary_rows_into_the_adjacent_pairs_llama_cpp_rotates(hy_v4_export):

@@ -122,7 +122,8 @@ def deepseek2_graph(model_type: str, arch: Architecture) -> bool:
 def rope_theta(config: dict) -> float:
     rope = config.get("rope_parameters") or {}
     # Mellum names one per layer type: the full layers' is the base (Dots3-Note's indexed ones')
-    rope = rope.get("full_attention") or rope.get("indexed_attention") or rope
+    # DeepSeek-V4's sliding layers turn at its "main" one
+    rope = rope.get("full_attention") or rope.get("indexed_attention") or rope.get("main") or rope
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if rope.get("rope_type") == "dynamic" and rope.get("alpha"):
         # HunYuan's NTK-alpha: a fixed base (its rotary's own formula); every other family refuses "dynamic"
@@ -139,7 +140,7 @@ def rotary_dim(config: dict) -> int:
     """The part of each head the rotary embedding turns (GLM-4.5: the first half; the full layers' part where the
     parameters are per layer type)."""
     rope = config.get("rope_parameters") or {}
-    rope = rope.get("full_attention", rope)
+    rope = rope.get("full_attention") or rope.get("main") or rope
     return int(head_dim(config) * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
 
 

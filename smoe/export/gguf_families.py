@@ -198,8 +198,23 @@ caches 2.5e-5). The graph's other eps (the latent and rotary-key norms at rms_no
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
 transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
 graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
-does not describe, so that the checks above have nothing to read: glm5_next (`glm5-next`), deepseek_v4 (`deepseek4`)
-and qwen4_exp (`qwen4exp`).
+does not describe, so that the checks above have nothing to read: glm5_next (`glm5-next`) and qwen4_exp (`qwen4exp`).
+
+deepseek_v4 (DeepSeek-V4, whose vault holds the release's names) is `deepseek4`, a name the pinned gguf package lacks
+(every tensor named here, _deepseek_v4_pieces, as llama.cpp's converter names the release's): hyper-connections (their
+stream count, Sinkhorn iterations and eps, the mixings F32), one key/value head whose keys are its values (head_count_kv
+1), the low-rank query with its unweighted norm per head, sink logits, rotary over adjacent pairs of each head's last
+part (llama.cpp turns them there too: no rows reordered) at the main base on the sliding layers and the compress base
+on the compressed ones, the output through o_groups low-rank projections; compress_ratios from layer_types (0, 4 or
+128), the compressors, and the indexer's head count, width and top-k on the sparse layers; the sqrt of softplus of the
+logits (expert_gating_func 4, which the pinned gguf package lacks) chosen with the correction bias, normalised and
+scaled, a shared expert; the SwiGLU clamp of the experts and the shared expert (swiglu_clamp_exp and _shexp). With F32
+caches llama.cpp computes smoe's logits to 1e-6 of their largest, the compressed keys and the indexer's choice
+included. Refused by name: hash-routed layers (their token-id table is an integer trunk tensor, which the export does not
+write), RoPE scaling, compressions other than 4 and 128, output groups that split heads (its graph asserts whole
+heads), indexer heads of other than a multiple of 64 and a model without a compressed_sparse_attention layer (its
+caches rotate the indexer's keys by Hadamard matrices of 64 or more, and divide by zero sizing them for an indexer on no
+layer), a swiglu_limit at or below 1e-6, another hidden_act, biases and tied embeddings.
 """
 
 from __future__ import annotations
@@ -304,6 +319,7 @@ class GgufFamily:
     # (pattern, replacement) applied in turn to a vault's tensor names: the release's as transformers renames them
     renames: tuple[tuple[str, str], ...] = ()
     layer_config_heads: bool = False  # head_count per layer from per_layer_config (Dots3-Note's sliding layers)
+    one_kv_head: bool = False  # one key/value head whatever num_key_value_heads says (DeepSeek-V4's)
 
     def renamed(self, key: str) -> str:
         for pattern, replacement in self.renames:
@@ -1065,6 +1081,106 @@ def _hy_v4_pieces(key: str, shape: tuple[int, ...], config: dict,
     return None
 
 
+DEEPSEEK_V4_ROUTING = "sqrt of softplus"  # the description's name of DeepSeek-V4's scores (llama.cpp's sqrtsoftplus)
+# the compression of each layer type llama.cpp's deepseek4 computes (its compress_ratios: 0 on the sliding layers)
+DEEPSEEK_V4_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+HADAMARD_MIN = 64  # the smallest Hadamard rotation llama.cpp's caches apply to the indexer's keys
+DEEPSEEK_V4_GATING = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS, which the pinned gguf package lacks
+# the release's tensor names (a vault keeps them) as llama.cpp's deepseek4 names them, by suffix within a layer
+DEEPSEEK_V4_LAYER = {"attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
+                     "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
+                     "attn.wkv.weight": "attn_kv.weight", "attn.norm.weight": "attn_kv_a_norm.weight",
+                     "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
+                     "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+                     "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
+                     "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
+                     "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
+                     "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
+                     "attn.compressor.ape": "attn_compressor_ape.weight",
+                     "attn.compressor.wkv.weight": "attn_compressor_kv.weight",
+                     "attn.compressor.wgate.weight": "attn_compressor_gate.weight",
+                     "attn.compressor.norm.weight": "attn_compressor_norm.weight",
+                     "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+                     "attn.indexer.weights_proj.weight": "indexer.proj.weight",
+                     "attn.indexer.compressor.ape": "indexer_compressor_ape.weight",
+                     "attn.indexer.compressor.wkv.weight": "indexer_compressor_kv.weight",
+                     "attn.indexer.compressor.wgate.weight": "indexer_compressor_gate.weight",
+                     "attn.indexer.compressor.norm.weight": "indexer_compressor_norm.weight",
+                     **{f"hc_{b}_{p}": f"hc_{b}_{p}.weight" for b in ("attn", "ffn") for p in ("fn", "base", "scale")}}
+DEEPSEEK_V4_ROOT = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "head.weight": "output.weight", "lm_head.weight": "output.weight",
+                    **{f"model.hc_head.hc_{p}": f"output_hc_{p}.weight" for p in ("fn", "base", "scale")}}
+
+
+def _deepseek_v4(name: str, config: dict, desc: ModelDescription) -> None:
+    """Not written: hash-routed layers (their token-id table is an integer trunk tensor). llama.cpp's deepseek4
+    compresses by 4 and 128 only, turns its rotary unscaled (as written), projects the output by groups of whole heads,
+    clamps only at a limit above 1e-6, runs SiLU and reads no biases and an untied output matrix."""
+    rates = config["compress_rates"]
+    require(rates == DEEPSEEK_V4_RATES, f"{name}: llama.cpp's deepseek4 compresses by {DEEPSEEK_V4_RATES}; this "
+            f"model's compress_rates are {rates}")
+    mlp = config["mlp_layer_types"]
+    require("hash_moe" not in mlp, f"{name}: hash-routed layers are not exported to GGUF (their token-id table tid2eid, "
+            f"which llama.cpp reads as I32, is an integer trunk tensor); this model's mlp_layer_types are {mlp}")
+    require(config["num_attention_heads"] % config["o_groups"] == 0, f"{name}: llama.cpp's deepseek4 projects the "
+            f"output by groups of whole heads; this model's {config['o_groups']} o_groups do not divide its "
+            f"{config['num_attention_heads']} heads")
+    require("compressed_sparse_attention" in config["layer_types"], f"{name}: llama.cpp's deepseek4 needs a "
+            "compressed_sparse_attention layer (its indexer's cache divides by zero without one); this model's "
+            f"layer_types are {config['layer_types']}")
+    require(config["index_head_dim"] % HADAMARD_MIN == 0, f"{name}: llama.cpp's deepseek4 rotates the indexer's keys "
+            f"by Hadamard matrices of {HADAMARD_MIN} or more and needs indexer heads of a multiple of {HADAMARD_MIN}; "
+            f"this model's index_head_dim is {config['index_head_dim']}")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's deepseek4 takes SiLU MLPs; this model's "
+            f"hidden_act is {desc.experts.activation}")
+    require(config["swiglu_limit"] > SWIGLU_CLAMP_MIN, f"{name}: llama.cpp's deepseek4 takes a swiglu_limit at or "
+            f"below {SWIGLU_CLAMP_MIN} as none, transformers clamps at it; this model's is {config['swiglu_limit']}")
+    for kind, rope in config["rope_parameters"].items():
+        require(rope.get("rope_type", "default") == "default", f"{name}: RoPE scaling {rope.get('rope_type')!r} "
+                f"({kind}) is not exported to GGUF")
+    require(not config.get("attention_bias") and not config.get("mlp_bias"), f"{name}: llama.cpp's deepseek4 reads "
+            "no biases on the attention or the MLPs")
+    _untied(name, "deepseek4", config)
+
+
+def _write_deepseek_v4(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """What llama.cpp's converter writes: the query's rank, the grouped output, the routing (sqrtsoftplus), the
+    clamps, the hyper-connections, the compression of each layer (0 on the sliding ones), no hash layers, and the
+    indexer's sizes."""
+    n, r = config["num_hidden_layers"], desc.routing
+    writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_expert_shared_count(desc.shared_experts)
+    writer.add_uint32(f"{writer.arch}.expert_gating_func", DEEPSEEK_V4_GATING)
+    writer.add_expert_weights_scale(r.scale)
+    writer.add_expert_weights_norm(r.normalise)
+    writer.add_swiglu_clamp_exp([float(config["swiglu_limit"])] * n)
+    writer.add_swiglu_clamp_shexp([float(config["swiglu_limit"])] * n)
+    writer.add_uint32(f"{writer.arch}.attention.indexer.head_count", config["index_n_heads"])
+    writer.add_uint32(f"{writer.arch}.attention.indexer.key_length", config["index_head_dim"])
+    writer.add_uint32(f"{writer.arch}.attention.indexer.top_k", config["index_topk"])
+    writer.add_uint32(f"{writer.arch}.attention.output_group_count", config["o_groups"])
+    writer.add_uint32(f"{writer.arch}.attention.output_lora_rank", config["o_lora_rank"])
+    ratios = [config["compress_rates"].get(t, 0) for t in config["layer_types"]]
+    writer.add_array(f"{writer.arch}.attention.compress_ratios", ratios)
+    writer.add_float32(f"{writer.arch}.attention.compress_rope_freq_base",
+                       float(config["rope_parameters"]["compress"]["rope_theta"]))
+    writer.add_uint32(f"{writer.arch}.hyper_connection.count", config["hc_mult"])
+    writer.add_uint32(f"{writer.arch}.hyper_connection.sinkhorn_iterations", config["hc_sinkhorn_iters"])
+    writer.add_float32(f"{writer.arch}.hyper_connection.epsilon", config["hc_eps"])
+    writer.add_uint32(f"{writer.arch}.hash_layer_count", 0)
+    writer.add_uint32(f"{writer.arch}.embedding_length_out", config["hidden_size"] * config["hc_mult"])
+
+
+def _deepseek_v4_pieces(key: str, shape: tuple[int, ...], config: dict,
+                        names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """Every trunk tensor under llama.cpp's deepseek4 name, as the release (and the vault) names it."""
+    if key in DEEPSEEK_V4_ROOT:
+        return [(DEEPSEEK_V4_ROOT[key], shape, lambda t: t)]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
+    require(m is not None and m[2] in DEEPSEEK_V4_LAYER, f"trunk tensor {key}: no llama.cpp name for it in deepseek4")
+    return [(f"blk.{m[1]}.{DEEPSEEK_V4_LAYER[m[2]]}", shape, lambda t: t)]
+
+
 def rotary_in_pairs(t: torch.Tensor, heads: int, rope: int) -> torch.Tensor:
     """Each head's last `rope` rows from transformers' two halves to llama.cpp's adjacent pairs (permute_rope)."""
     rows = t.reshape(heads, t.shape[0] // heads, *t.shape[1:])
@@ -1447,6 +1563,16 @@ FAMILIES = {
                              dense_first=True, sliding_window=True, moe_keys=True, mla=True, layer_config_heads=True,
                              text_prefix="model.", check=_dots3_note, write=_write_dots3_note,
                              pieces=_dots3_note_pieces, name="dots3note"),
+    # one key/value head whose keys are its values, sink logits, the grouped output, sliding and compressed layers;
+    # sqrtsoftplus scores chosen with the correction bias, a shared expert, SwiGLU clamped; hyper-connections; the
+    # release's names (_deepseek_v4_pieces); hash-routed layers refused in _deepseek_v4
+    "deepseek_v4": GgufFamily(_arch("GLM_DSA", "n_routed_experts"),
+                              dict(custom=DEEPSEEK_V4_ROUTING, correction_bias=True, normalise=True, n_group=1),
+                              extras=("shared_kv_head", "grouped_output", "partial_rotary", "interleaved_rotary",
+                                      "swiglu_gate_limit", "hyper_connections", "rope_per_layer_type",
+                                      "compressed_attention", "hash_routing"),
+                              sliding_window=True, one_kv_head=True, check=_deepseek_v4, write=_write_deepseek_v4,
+                              pieces=_deepseek_v4_pieces, name="deepseek4"),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
 # families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
@@ -1522,7 +1648,7 @@ def kv_heads(name: str, config: dict, desc: ModelDescription) -> int | list[int]
         return [desc.attention.kv_heads * (family.sliding_kv_factor if i in sliding else 1) for i in range(desc.num_layers)]
     if family and family.global_heads:
         return [o.get("num_key_value_heads", desc.attention.kv_heads) for o in _layer_overrides(config)]
-    heads = 1 if family and family.mla else desc.attention.kv_heads  # MLA: one head of the latent
+    heads = 1 if family and (family.mla or family.one_kv_head) else desc.attention.kv_heads  # MLA: the latent's
     if family is None or not family.recurrent_kv:
         return heads
     return [0 if i in desc.attention.mixer_layers else heads for i in range(desc.num_layers)]

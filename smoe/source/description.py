@@ -66,6 +66,12 @@ EXTRAS = {
     "latent_scale": "MLA's normalised query and key/value latents times sqrt(hidden_size / their rank)",
     "rope_key_norm": "an RMSNorm on MLA's shared rotary key before it turns",
     "mla_per_layer_type": "sliding layers with MLA sizes of their own (heads, latent rank, head widths)",
+    "shared_kv_head": "one key/value head whose keys are its values, the rotary part turned back on the output",
+    "grouped_output": "the attention output through a low-rank projection per group of heads, then one to the hidden "
+                      "size",
+    "compressed_attention": "keys compressed from blocks of positions beside the window's, on some layers chosen by "
+                            "an indexer",
+    "hash_routing": "layers whose experts the token id chooses (a fixed table), weighted by the router's scores",
     "undescribed": "a family this description does not cover",
 }
 
@@ -753,6 +759,23 @@ def _dots3_note(c, n):
                         *(("rope_per_layer_type",) if len(bases) > 1 else ())))
 
 
+def _deepseek_v4(c, n):
+    """DeepSeek-V4: one key/value head whose keys are its values, the query through a low-rank projection and an
+    unweighted norm per head, rotary over adjacent pairs of each head's last part (turned back on the output), sink
+    logits, the output through o_groups low-rank projections; sliding layers, compressed ones beside them; the sqrt of
+    softplus of the logits chosen with the correction bias, normalised and scaled, the hash_moe layers' experts chosen
+    by token id; a shared expert; the experts' and the shared expert's SwiGLU clamped at swiglu_limit;
+    hyper-connections (hc_mult residual streams)."""
+    types = c.get("layer_types") or ()
+    return dict(routing=dict(custom="sqrt of softplus", correction_bias=True, normalise=True, normalise_eps=1e-20,
+                             scale=_scale(c)),
+                sinks=True, sliding_layers=_sliding(c, n), shared_experts=1,
+                extras=("shared_kv_head", "grouped_output", "partial_rotary", "interleaved_rotary",
+                        "swiglu_gate_limit", "hyper_connections", "rope_per_layer_type",
+                        *(("compressed_attention",) if any(t != "sliding_attention" for t in types) else ()),
+                        *(("hash_routing",) if "hash_moe" in (c.get("mlp_layer_types") or ()) else ())))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -770,5 +793,5 @@ _RULES = {
     "axk1": _axk1, "kolibri1": _kolibri1, "kimi_linear": _kimi_linear, "granitemoe_swa": _granitemoe_swa,
     "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash, "laguna": _laguna,
     "step3p7": _step3p7, "hy_v4": _hy_v4, "minimax_m3_vl": _minimax_m3_vl, "minimax_m3_vl_text": _minimax_m3_vl,
-    "dots3_note": _dots3_note, "dots3_note_text": _dots3_note,
+    "dots3_note": _dots3_note, "dots3_note_text": _dots3_note, "deepseek_v4": _deepseek_v4,
 }

@@ -105,8 +105,9 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # within 1e-4 (2 of the 128 positions: Δlogit 0.36 there, mean KL 6e-5); with F32 caches it computes smoe's logits to
 # 1e-6, the indexer's choice included. HY-V4's indexer likewise (keeping 16; with the F16 cache max |Δlogit| 0.86,
 # mean KL 2.9e-4); Dots3-Note's too (keeping 16 from 8 heads: its Q4 export with the F16 cache mean KL 3.0e-3, top-1
-# 95.3%, with F32 caches 2.5e-5 and 98.4%)
-F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4", "tiny-dots3_note"}
+# 95.3%, with F32 caches 2.5e-5 and 98.4%); DeepSeek-V4's keys (with the F16 cache its decoded logits differ by 7.9e-4 of
+# their largest, mean KL 6.3e-8; with F32 caches 9.6e-7, 1.2e-13)
+F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4", "tiny-dots3_note", "tiny-deepseek_v4"}
 # llama.cpp's minimax-m3 attends block-sparsely only with flash attention (without it, to every key)
 FLASH_ATTENTION = {"minimax_m3_vl"}
 
@@ -118,7 +119,7 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
                 "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
                 "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4", "cohere2_moe",
                 "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7", "hy_v4", "minimax_m3_vl",
-                "dots3_note"]
+                "dots3_note", "deepseek_v4"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -159,7 +160,11 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # its correction bias drawn; Dots3-Note's text model: a leading dense layer, two indexed layers keeping 16 of the
 # prompt's positions from 8 heads (with 4, keys the ReLU leaves at 0 tie at the 16th place, which torch and ggml break
 # apart), two sliding layers of twice the heads, their own latent rank and head widths, narrower than the prompt, each
-# layer type at its own rotary base, 8 experts, a routed scale, its correction bias drawn
+# layer type at its own rotary base, 8 experts, a routed scale, its correction bias drawn; DeepSeek-V4: a sliding layer, a
+# sparse one (compressing by 4, its indexer keeping 8 of the prompt's 32 compressed keys from 8 heads as wide as llama.cpp's
+# smallest Hadamard rotation) and a heavily compressed one (by 128), a quarter of each head turned at each kind's base,
+# output groups of two heads, 8 experts, its correction bias drawn, the SwiGLU clamped where it bites, the
+# hyper-connections' eps away from its default and their scales drawn around 1
 STEP3P7_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
@@ -229,14 +234,21 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                    index_n_heads=8, shared_experts_intermediate_size=32,
                                    per_layer_config={i: dict(num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32,
                                                              qk_nope_head_dim=24, v_head_dim=24, head_dim=32)
-                                                     for i in (2, 3)})}
+                                                     for i in (2, 3)}),
+                "deepseek_v4": dict(layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                 "heavily_compressed_attention"], mlp_layer_types=["moe"] * 3,
+                                    sliding_window=16, index_topk=8, index_head_dim=64, index_n_heads=8, o_groups=2,
+                                    head_dim=32, n_routed_experts=8, swiglu_limit=0.5, hc_eps=0.05,
+                                    rope_parameters={t: {"rope_type": "default", "rope_theta": theta,
+                                                         "partial_rotary_factor": 0.25}
+                                                     for t, theta in (("main", 1e4), ("compress", 1.6e5))})}
 # multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
 # model's values
 MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7", "minimax_m3_vl", "dots3_note"}
 OFFSET_NORMS = {"step3p7", "minimax_m3_vl"}  # RMSNorms scaled by 1 + w
 BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7", "hy_v4", "minimax_m3_vl",
-                  "dots3_note"}
-UNIT_PARAMETERS = {"hy_v4": ("hc.scale", "hc_scale")}  # drawn around 1, as norms are
+                  "dots3_note", "deepseek_v4"}
+UNIT_PARAMETERS = {"hy_v4": ("hc.scale", "hc_scale"), "deepseek_v4": ("hc.scale", "hc_scale")}  # drawn around 1, as norms are
 
 
 def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
