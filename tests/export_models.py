@@ -68,9 +68,9 @@ FULLEST = {
 GGUF_ARCHITECTURE = {"lfm2_moe": dict(tie_word_embeddings=True),
                      "granitemoehybrid": dict(attention_bias=True, mamba_n_groups=2, embedding_multiplier=0.5,
                                               attention_multiplier=0.0625, residual_multiplier=2.0, logits_scaling=0.25),
-                     # DeepSeek-V4 without hash-routed layers, its output groups of whole heads and its indexer's heads
-                     # as wide as llama.cpp's smallest Hadamard rotation (each refused otherwise)
-                     "deepseek_v4": dict(mlp_layer_types=["moe"] * 3, o_groups=2, index_head_dim=64)}
+                     # DeepSeek-V4 with a hash-routed first layer, its output groups of whole heads and its indexer's
+                     # heads as wide as llama.cpp's smallest Hadamard rotation (each refused otherwise)
+                     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe", "moe"], o_groups=2, index_head_dim=64)}
 VOCAB = 300  # 256 byte symbols + merges + one special token
 
 
@@ -118,6 +118,7 @@ def save_exportable_model(family: str, out_dir: Path, expert_width: int = 32, se
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
             if family in UNIT_NORMS and name.endswith("norm.weight"):
                 param.add_(1.0)
+        draw_hash_tables(model, generator)
     model.save_pretrained(out_dir)
     save_byte_level_tokenizer(out_dir, pre)
     return out_dir
@@ -326,6 +327,17 @@ def draw_around_unit_scale(model, offset_norms: bool = False, unit_names: tuple[
         for name, buffer in model.named_buffers():
             if bias_buffers and name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+        draw_hash_tables(model, generator)
+
+
+def draw_hash_tables(model, generator: torch.Generator) -> None:
+    """DeepSeek-V4's hash-routed layers' token-id tables (from_config leaves every token on expert 0, top_k times): each
+    token's top_k experts drawn distinct, so that tokens go to different experts."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.get_submodule(name.rsplit(".", 1)[0]).weight.shape[0]
+                buffer.copy_(torch.rand(buffer.shape[0], experts, generator=generator).argsort(-1)[:, :buffer.shape[1]])
 
 
 def multimodal_model(family: str, text_values: dict | None = None):

@@ -16,7 +16,6 @@ from export_models import (
     exportable_config,
     exportable_vault,
     mlx_exportable_vault,
-    save_exportable_model,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -796,7 +795,8 @@ FAMILY_REFUSALS = [
     ("hy_v4", dict(tie_word_embeddings=True), "reads an output matrix of its own"),
     ("hy_v4", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                     "original_max_position_embeddings": 64}), "RoPE scaling 'yarn'"),
-    ("deepseek_v4", dict(mlp_layer_types=["hash_moe", "moe", "moe"]), "hash-routed layers are not exported"),
+    ("deepseek_v4", dict(mlp_layer_types=["moe", "hash_moe", "moe"]), "routes by the token id the first "
+     "hash_layer_count layers only"),
     ("deepseek_v4", dict(o_groups=8), "8 o_groups do not divide its 4 heads"),
     ("deepseek_v4", dict(compress_rates={"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}),
      "compresses by"),
@@ -1205,7 +1205,7 @@ def test_gguf_deepseek_v4_writes_what_llama_cpp_s_converter_writes(deepseek_v4_e
     assert (get("hyper_connection.count"), get("hyper_connection.sinkhorn_iterations")) == (c["hc_mult"],
                                                                                            c["hc_sinkhorn_iters"])
     assert get("swiglu_clamp_exp") == get("swiglu_clamp_shexp") == [c["swiglu_limit"]] * c["num_hidden_layers"]
-    assert get("hash_layer_count") == 0 and get("embedding_length_out") == c["hidden_size"] * c["hc_mult"]
+    assert get("hash_layer_count") == 1 and get("embedding_length_out") == c["hidden_size"] * c["hc_mult"]
 
 
 def test_gguf_deepseek_v4_names_the_release_s_tensors_as_llama_cpp_keeping_the_mixings_f32(deepseek_v4_export):
@@ -1220,16 +1220,35 @@ def test_gguf_deepseek_v4_names_the_release_s_tensors_as_llama_cpp_keeping_the_m
     assert "blk.0.indexer.proj.weight" not in tensors  # only the sparse layer has an indexer
 
 
-def test_gguf_deepseek_v4_with_hash_routed_layers_is_refused_before_anything_is_written(tmp_path):
-    """Their token-id table is the vault's one integer trunk tensor, which the export names (gguf_families names the
-    layers themselves where a config is checked alone)."""
-    from smoe.convert.sculpt import sculpt
-    from smoe.errors import SmoeError
+def test_gguf_deepseek_v4_writes_its_hash_routed_layer_s_token_id_table_as_i32(deepseek_v4_export):
+    """The first layer is hash-routed: its table tid2eid (the vault's one integer trunk tensor, [vocab, top_k]) is
+    written as llama.cpp's converter writes it, I32 ffn_gate_tid2eid, and that layer has no correction bias."""
+    vault, out = deepseek_v4_export
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    table = load_file(vault / TRUNK_FILE)["model.layers.0.ffn.gate.tid2eid"]
+    written = tensors["blk.0.ffn_gate_tid2eid.weight"]
+    assert written.tensor_type == gguf.GGMLQuantizationType.I32
+    assert np.array_equal(np.asarray(written.data).reshape(table.shape), table.numpy())
+    assert len({tuple(row) for row in table.tolist()}) > 1  # tokens go to different experts
+    assert "blk.0.exp_probs_b.bias" not in tensors and "blk.1.ffn_gate_tid2eid.weight" not in tensors
 
-    model = save_exportable_model("deepseek_v4", tmp_path / "model", architecture=dict(o_groups=2, index_head_dim=64))
-    sculpt(model, tmp_path / "vault", bits=4, progress=False)
-    with pytest.raises(SmoeError, match="ffn.gate.tid2eid: I64 in the vault"):
-        export(tmp_path / "vault", "gguf", tmp_path / "m.gguf")
+
+def test_gguf_an_integer_trunk_tensor_other_than_the_hash_table_is_refused_by_name(deepseek_v4_export, tmp_path):
+    """Only the token-id table may be integer: the hash-routed layer's router in int8 is damage, refused by name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from smoe.errors import SmoeError
+    from smoe.testing.vaults import reseal
+
+    vault = shutil.copytree(deepseek_v4_export[0], tmp_path / "v")
+    tensors = load_file(vault / TRUNK_FILE)
+    tensors["model.layers.0.ffn.gate.weight"] = tensors["model.layers.0.ffn.gate.weight"].to(torch.int8)
+    save_file(tensors, vault / TRUNK_FILE, metadata={"format": "pt"})
+    reseal(vault, TRUNK_FILE, (vault / TRUNK_FILE).read_bytes())
+    with pytest.raises(SmoeError, match=r"model\.layers\.0\.ffn\.gate\.weight: I8 in the vault"):
+        export(vault, "gguf", tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
 
 

@@ -19,7 +19,7 @@ import torch
 
 from smoe.errors import SmoeError
 from smoe.export import gguf_families, gguf_mla
-from smoe.export.source import ExpertTensor, ExportSource, Planned, produce, require, scales_over
+from smoe.export.source import HASH_TABLE, ExpertTensor, ExportSource, Planned, produce, require, scales_over
 from smoe.format import codec
 from smoe.format.dtypes import FLOAT_NAMES
 from smoe.format.jsonfile import read_json
@@ -279,7 +279,9 @@ def trunk_plan(source: ExportSource, config: dict, arch: Architecture, trunk_typ
             is_router = any(name == router.format(bid=b) + ".weight" for b in range(config["num_hidden_layers"]))
             f32 = (len(shape) <= 1 or name.endswith(("_norm.weight", *gguf_families.F32_GGUF)) or is_router
                    or key.endswith(gguf_families.F32_TRUNK))
-            if f32:
+            if key.endswith(HASH_TABLE):
+                qtype = ggml_type("i32")  # token ids to expert ids, as llama.cpp's converter writes them
+            elif f32:
                 qtype = ggml_type("f32")  # llama.cpp reads norms, biases and routers as F32
             elif trunk_type == "q8_0" and shape[-1] % 32:
                 qtype = ggml_type("f16")  # as llama.cpp's converter does for rows Q8_0 cannot hold
@@ -310,6 +312,8 @@ def trunk_pieces(model_type: str, key: str, shape: tuple[int, ...], names, confi
 
 
 def tensor_bytes(t: torch.Tensor, qtype) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.I32:
+        return t.to(torch.int32).contiguous().numpy().view(np.uint8).reshape(*t.shape[:-1], -1)
     if qtype == gguf.GGMLQuantizationType.BF16:
         return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8).reshape(*t.shape[:-1], -1)
     data = gguf.quants.quantize(t.float().numpy(), qtype)

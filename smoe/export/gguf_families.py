@@ -210,11 +210,15 @@ on the compressed ones, the output through o_groups low-rank projections; compre
 logits (expert_gating_func 4, which the pinned gguf package lacks) chosen with the correction bias, normalised and
 scaled, a shared expert; the SwiGLU clamp of the experts and the shared expert (swiglu_clamp_exp and _shexp). With F32
 caches llama.cpp computes smoe's logits to 1e-6 of their largest, the compressed keys and the indexer's choice
-included. Refused by name: hash-routed layers (their token-id table is an integer trunk tensor, which the export does not
-write), RoPE scaling, compressions other than 4 and 128, output groups that split heads (its graph asserts whole
-heads), indexer heads of other than a multiple of 64 and a model without a compressed_sparse_attention layer (its
-caches rotate the indexer's keys by Hadamard matrices of 64 or more, and divide by zero sizing them for an indexer on no
-layer), a swiglu_limit at or below 1e-6, another hidden_act, biases and tied embeddings.
+included. Its hash-routed layers (mlp_layer_types "hash_moe", hash_layer_count of them) choose their experts by the
+token id through the table tid2eid, written as llama.cpp's converter writes it (I32 ffn_gate_tid2eid, the one integer
+trunk tensor the export reads) and weighted as transformers weighs them (the sqrt of softplus of the chosen experts'
+logits, no correction bias, normalised and scaled). Refused by name: hash-routed layers that are not the first ones
+(llama.cpp's deepseek4 hashes layers below hash_layer_count), RoPE scaling, compressions other than 4 and 128, output
+groups that split heads (its graph asserts whole heads), indexer heads of other than a multiple of 64 and a model
+without a compressed_sparse_attention layer (its caches rotate the indexer's keys by Hadamard matrices of 64 or more,
+and divide by zero sizing them for an indexer on no layer), a swiglu_limit at or below 1e-6, another hidden_act, biases
+and tied embeddings.
 """
 
 from __future__ import annotations
@@ -1093,6 +1097,7 @@ DEEPSEEK_V4_LAYER = {"attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": 
                      "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
                      "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
                      "ffn.gate.weight": "ffn_gate_inp.weight", "ffn.gate.bias": "exp_probs_b.bias",
+                     "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight",  # [vocab, top_k], written I32 (HASH_TABLE)
                      "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
                      "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
                      "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
@@ -1113,15 +1118,16 @@ DEEPSEEK_V4_ROOT = {"model.embed_tokens.weight": "token_embd.weight", "model.nor
 
 
 def _deepseek_v4(name: str, config: dict, desc: ModelDescription) -> None:
-    """Not written: hash-routed layers (their token-id table is an integer trunk tensor). llama.cpp's deepseek4
-    compresses by 4 and 128 only, turns its rotary unscaled (as written), projects the output by groups of whole heads,
-    clamps only at a limit above 1e-6, runs SiLU and reads no biases and an untied output matrix."""
+    """llama.cpp's deepseek4 routes by the token id the first hash_layer_count layers only, compresses by 4 and 128
+    only, turns its rotary unscaled (as written), projects the output by groups of whole heads, clamps only at a limit
+    above 1e-6, runs SiLU and reads no biases and an untied output matrix."""
     rates = config["compress_rates"]
     require(rates == DEEPSEEK_V4_RATES, f"{name}: llama.cpp's deepseek4 compresses by {DEEPSEEK_V4_RATES}; this "
             f"model's compress_rates are {rates}")
     mlp = config["mlp_layer_types"]
-    require("hash_moe" not in mlp, f"{name}: hash-routed layers are not exported to GGUF (their token-id table tid2eid, "
-            f"which llama.cpp reads as I32, is an integer trunk tensor); this model's mlp_layer_types are {mlp}")
+    hashed = deepseek_v4_hash_layers(config)
+    require(mlp[:hashed] == ["hash_moe"] * hashed, f"{name}: llama.cpp's deepseek4 routes by the token id the first "
+            f"hash_layer_count layers only; this model's mlp_layer_types are {mlp}")
     require(config["num_attention_heads"] % config["o_groups"] == 0, f"{name}: llama.cpp's deepseek4 projects the "
             f"output by groups of whole heads; this model's {config['o_groups']} o_groups do not divide its "
             f"{config['num_attention_heads']} heads")
@@ -1143,10 +1149,15 @@ def _deepseek_v4(name: str, config: dict, desc: ModelDescription) -> None:
     _untied(name, "deepseek4", config)
 
 
+def deepseek_v4_hash_layers(config: dict) -> int:
+    """llama.cpp's hash_layer_count: how many mlp_layer_types are "hash_moe" (_deepseek_v4 checks they come first)."""
+    return list(config["mlp_layer_types"]).count("hash_moe")
+
+
 def _write_deepseek_v4(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
     """What llama.cpp's converter writes: the query's rank, the grouped output, the routing (sqrtsoftplus), the
-    clamps, the hyper-connections, the compression of each layer (0 on the sliding ones), no hash layers, and the
-    indexer's sizes."""
+    clamps, the hyper-connections, the compression of each layer (0 on the sliding ones), the hash layers' count, and
+    the indexer's sizes."""
     n, r = config["num_hidden_layers"], desc.routing
     writer.add_q_lora_rank(config["q_lora_rank"])
     writer.add_expert_shared_count(desc.shared_experts)
@@ -1167,7 +1178,7 @@ def _write_deepseek_v4(writer: gguf.GGUFWriter, config: dict, desc: ModelDescrip
     writer.add_uint32(f"{writer.arch}.hyper_connection.count", config["hc_mult"])
     writer.add_uint32(f"{writer.arch}.hyper_connection.sinkhorn_iterations", config["hc_sinkhorn_iters"])
     writer.add_float32(f"{writer.arch}.hyper_connection.epsilon", config["hc_eps"])
-    writer.add_uint32(f"{writer.arch}.hash_layer_count", 0)
+    writer.add_uint32(f"{writer.arch}.hash_layer_count", deepseek_v4_hash_layers(config))
     writer.add_uint32(f"{writer.arch}.embedding_length_out", config["hidden_size"] * config["hc_mult"])
 
 
@@ -1565,7 +1576,7 @@ FAMILIES = {
                              pieces=_dots3_note_pieces, name="dots3note"),
     # one key/value head whose keys are its values, sink logits, the grouped output, sliding and compressed layers;
     # sqrtsoftplus scores chosen with the correction bias, a shared expert, SwiGLU clamped; hyper-connections; the
-    # release's names (_deepseek_v4_pieces); hash-routed layers refused in _deepseek_v4
+    # release's names (_deepseek_v4_pieces); the hash-routed layers' token-id table I32
     "deepseek_v4": GgufFamily(_arch("GLM_DSA", "n_routed_experts"),
                               dict(custom=DEEPSEEK_V4_ROUTING, correction_bias=True, normalise=True, n_group=1),
                               extras=("shared_kv_head", "grouped_output", "partial_rotary", "interleaved_rotary",

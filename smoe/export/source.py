@@ -28,6 +28,10 @@ from smoe.source.config_checks import check_vault_config
 TRUNK_DTYPES = {SAFETENSORS_NAMES[t]: t for t in FLOATS.values()}
 
 
+# DeepSeek-V4's hash-routed layers' token-id table (the suffix of its trunk name), the one integer trunk tensor an export
+# reads (GGUF writes it I32)
+HASH_TABLE = ".ffn.gate.tid2eid"
+
 @dataclass
 class ExpertTensor:
     """One projection of one expert as stored: packed codes and fp16 scales (a layer's experts are
@@ -74,8 +78,10 @@ class ExportSource:
             raise SmoeError(f"{self.vault.dir}: no config.json")
         check_vault_config(self.vault.config, self.vault.meta, self.vault.dir)
         self._trunk = self.vault.check_trunk()
-        for name, stored in self._trunk.items():  # every exported trunk tensor is a weight: an int8 norm is damage
-            require(SAFETENSORS[stored.dtype].is_floating_point,
+        # every exported trunk tensor is a weight (an int8 norm is damage) but DeepSeek-V4's hash-routed layers'
+        # token-id table tid2eid, whose integers choose each token's experts (its GGUF export writes it I32)
+        for name, stored in self._trunk.items():
+            require(SAFETENSORS[stored.dtype].is_floating_point or name.endswith(HASH_TABLE),
                     f"trunk tensor {name}: {stored.dtype} in the vault, the exports take floating trunk tensors only")
         self._trunk_fd = os.open(self.vault.trunk_path, os.O_RDONLY)
 

@@ -106,7 +106,7 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # 1e-6, the indexer's choice included. HY-V4's indexer likewise (keeping 16; with the F16 cache max |Δlogit| 0.86,
 # mean KL 2.9e-4); Dots3-Note's too (keeping 16 from 8 heads: its Q4 export with the F16 cache mean KL 3.0e-3, top-1
 # 95.3%, with F32 caches 2.5e-5 and 98.4%); DeepSeek-V4's keys (with the F16 cache its decoded logits differ by 7.9e-4 of
-# their largest, mean KL 6.3e-8; with F32 caches 9.6e-7, 1.2e-13)
+# their largest, mean KL 6.3e-8; with F32 caches, its first layer hash-routed, 8.6e-7, 1.1e-13)
 F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4", "tiny-dots3_note", "tiny-deepseek_v4"}
 # llama.cpp's minimax-m3 attends block-sparsely only with flash attention (without it, to every key)
 FLASH_ATTENTION = {"minimax_m3_vl"}
@@ -164,7 +164,8 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # sparse one (compressing by 4, its indexer keeping 8 of the prompt's 32 compressed keys from 8 heads as wide as llama.cpp's
 # smallest Hadamard rotation) and a heavily compressed one (by 128), a quarter of each head turned at each kind's base,
 # output groups of two heads, 8 experts, its correction bias drawn, the SwiGLU clamped where it bites, the
-# hyper-connections' eps away from its default and their scales drawn around 1
+# hyper-connections' eps away from its default and their scales drawn around 1, the first layer hash-routed (its
+# token-id table drawn, each token's experts distinct: draw_hash_tables)
 STEP3P7_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
@@ -236,7 +237,8 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                                              qk_nope_head_dim=24, v_head_dim=24, head_dim=32)
                                                      for i in (2, 3)}),
                 "deepseek_v4": dict(layer_types=["sliding_attention", "compressed_sparse_attention",
-                                                 "heavily_compressed_attention"], mlp_layer_types=["moe"] * 3,
+                                                 "heavily_compressed_attention"],
+                                    mlp_layer_types=["hash_moe", "moe", "moe"],
                                     sliding_window=16, index_topk=8, index_head_dim=64, index_n_heads=8, o_groups=2,
                                     head_dim=32, n_routed_experts=8, swiglu_limit=0.5, hc_eps=0.05,
                                     rope_parameters={t: {"rope_type": "default", "rope_theta": theta,
