@@ -1252,6 +1252,28 @@ def test_gguf_an_integer_trunk_tensor_other_than_the_hash_table_is_refused_by_na
     assert not (tmp_path / "m.gguf").exists()
 
 
+def test_gguf_a_hash_table_naming_an_expert_the_model_lacks_is_refused_and_nothing_is_written(deepseek_v4_export,
+                                                                                                tmp_path):
+    """llama.cpp looks the table's expert ids up unchecked: an id past the last expert is refused by name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from smoe.errors import SmoeError
+    from smoe.testing.vaults import reseal
+
+    vault = shutil.copytree(deepseek_v4_export[0], tmp_path / "v")
+    tensors = load_file(vault / TRUNK_FILE)
+    experts = json.loads((vault / "config.json").read_text())["n_routed_experts"]
+    tensors["model.layers.0.ffn.gate.tid2eid"][3, 0] = experts
+    save_file(tensors, vault / TRUNK_FILE, metadata={"format": "pt"})
+    reseal(vault, TRUNK_FILE, (vault / TRUNK_FILE).read_bytes())
+    with pytest.raises(SmoeError, match=rf"tid2eid: expert ids outside 0..{experts - 1}"):
+        export(vault, "gguf", tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+    assert not list(tmp_path.glob("m.gguf*"))
+
+
 def test_gguf_hy_v4_turns_its_rotary_rows_into_the_adjacent_pairs_llama_cpp_rotates(hy_v4_export):
     """transformers' HY-V4 rotates each head's rotary part as two halves, llama.cpp's hy_v4 adjacent pairs: the rows of
     the queries, the shared rotary key and the indexer's q, k and key norm are reordered into pairs."""

@@ -232,7 +232,7 @@ import numpy as np
 import torch
 
 from smoe.export import gguf_mla
-from smoe.export.source import require
+from smoe.export.source import HASH_TABLE, require
 from smoe.source.description import ModelDescription
 from smoe.source.gguf import Architecture, permute_rope, unpermute_rope
 
@@ -1189,7 +1189,15 @@ def _deepseek_v4_pieces(key: str, shape: tuple[int, ...], config: dict,
         return [(DEEPSEEK_V4_ROOT[key], shape, lambda t: t)]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
     require(m is not None and m[2] in DEEPSEEK_V4_LAYER, f"trunk tensor {key}: no llama.cpp name for it in deepseek4")
-    return [(f"blk.{m[1]}.{DEEPSEEK_V4_LAYER[m[2]]}", shape, lambda t: t)]
+    keep = (lambda t: expert_ids(key, t, config["n_routed_experts"])) if key.endswith(HASH_TABLE) else (lambda t: t)
+    return [(f"blk.{m[1]}.{DEEPSEEK_V4_LAYER[m[2]]}", shape, keep)]
+
+
+def expert_ids(key: str, table: torch.Tensor, experts: int) -> torch.Tensor:
+    """The token-id table as it is, once every entry is an expert llama.cpp can look up (it reads the ids unchecked)."""
+    require(table.numel() == 0 or (int(table.min()) >= 0 and int(table.max()) < experts),
+            f"trunk tensor {key}: expert ids outside 0..{experts - 1} (from {int(table.min())} to {int(table.max())})")
+    return table
 
 
 def rotary_in_pairs(t: torch.Tensor, heads: int, rope: int) -> torch.Tensor:
@@ -1739,9 +1747,7 @@ def pieces(name: str, key: str, shape: tuple[int, ...], config: dict,
     key = key.replace(family.text_prefix, "model.", 1)
     if (split := _pieces(family, key, shape, config, names)) is not None:
         return split
-    tensor = names.get_name(key, try_suffixes=(".weight", ".bias"))
-    require(tensor is not None, f"trunk tensor {key}: no llama.cpp name for it in {family.llama_name}")
-    return [(tensor, shape, lambda t: t)]
+    return _as_named(family, key, key, shape, names)
 
 
 def _pieces(family: GgufFamily | None, key: str, shape: tuple[int, ...], config: dict,
@@ -1749,6 +1755,12 @@ def _pieces(family: GgufFamily | None, key: str, shape: tuple[int, ...], config:
     renamed = family.renamed(key) if family else key
     if (split := _renamed_pieces(family, renamed, shape, config, names)) is not None or renamed == key:
         return split
+    return _as_named(family, key, renamed, shape, names)
+
+
+def _as_named(family: GgufFamily, key: str, renamed: str, shape: tuple[int, ...],
+              names: gguf.TensorNameMap) -> list[gguf_mla.Piece]:
+    """The trunk tensor `key` whole, under the llama.cpp name of its transformers name `renamed`."""
     tensor = names.get_name(renamed, try_suffixes=(".weight", ".bias"))
     require(tensor is not None, f"trunk tensor {key}: no llama.cpp name for it in {family.llama_name}")
     return [(tensor, shape, lambda t: t)]
