@@ -5,6 +5,8 @@
 # PART=prepare: start the llama.cpp build in the background (sources in LLAMA_SRC, default .dev/llama.cpp,
 # llama-cpp-python's vendored tree with the other backends removed) and write the vaults and GGUFs;
 # PART=bench: wait for the build, then both benchmarks. Each part starts from nothing if it must.
+# PART=pack: wait for the build, then write llama-bench xz-compressed into $OUT in 15 MB pieces; copied into
+# .dev/llama-bin/ and carried, a later call on a fresh machine unpacks them instead of building.
 # TESTS="pytest arguments": the prepare part also runs these tests while the build finishes.
 # MODELS="qwen3-30b-a3b" (default: both), BUDGETS (default 1,0.25,0.1), PREFILL="512,2048" (prompt lengths timed
 # beside llama-bench -p; default none), PROFILE=1: the bench part first runs scripts/gpu_profile_prefill.py.
@@ -24,6 +26,7 @@ set -uo pipefail
 source scripts/device_env.sh
 src=${LLAMA_SRC:-.dev/llama.cpp}
 build=/tmp/llama-build
+packed=${LLAMA_PACKED:-.dev/llama-bin/llama-bench.txz}  # PART=pack's pieces, where a later call carries them
 bench=$build/bin/llama-bench
 work=/tmp/bench
 qwen_layers=${QWEN_LAYERS:-8}
@@ -31,10 +34,14 @@ models=${MODELS:-deepseek-v2-lite qwen3-30b-a3b}
 
 start_build() {
   [ -x "$bench" ] && return
+  if ls $packed.* >/dev/null 2>&1; then  # a build packed by an earlier call (PART=pack), carried back
+    mkdir -p $build/bin && cat $packed.* | xz -d | tar -x -C $build/bin && [ -x "$bench" ] && return
+  fi
   pgrep -f "cmake --build $build" >/dev/null && return
+  # static: one self-contained binary, which PART=pack can bring back for later machines
   setsid nohup bash -c "cmake -S $src -B $build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
-    && cmake --build $build --target llama-bench -j $(nproc)" > /tmp/llama-build.log 2>&1 < /dev/null &
+    -DBUILD_SHARED_LIBS=OFF && cmake --build $build --target llama-bench -j $(nproc)" > /tmp/llama-build.log 2>&1 < /dev/null &
 }
 
 prepare() {
@@ -55,7 +62,12 @@ PY
 }
 
 start_build
-if [ "${PART:-prepare}" = prepare ]; then
+if [ "${PART:-prepare}" = pack ]; then  # wait for the build (until WAIT_UNTIL_S), then xz it into $OUT in pieces
+  while [ ! -x "$bench" ] && [ "$SECONDS" -lt "${WAIT_UNTIL_S:-560}" ] && pgrep -f "cmake --build $build" >/dev/null; do sleep 5; done
+  [ -x "$bench" ] || { tail -5 /tmp/llama-build.log; exit 1; }
+  tar -C $build/bin -cf - llama-bench | xz -T0 -6 | split -b 15M - "$OUT/llama-bench.txz."
+  ls -l "$OUT"/llama-bench.txz.*
+elif [ "${PART:-prepare}" = prepare ]; then
   prepare
   if [ -n "${TESTS:-}" ]; then  # the CUDA tests meanwhile (the build still running beside them)
     timeout 240 python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -6
