@@ -58,7 +58,8 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = F.linear(x, w).float()
-        ok = [t for t in TILES if k % t[1] == 0 and (triton_gemv(x, w, t).float() - ref).abs().max() < 0.1]
+        tol = 2e-2 * ref.abs().max()  # bf16 output: rounded at ~8 bits
+        ok = [t for t in TILES if k % t[1] == 0 and (triton_gemv(x, w, t).float() - ref).abs().max() < tol]
         rounds = []
         for _ in range(2):
             torch_us = graph_us(lambda: F.linear(x, w))

@@ -64,6 +64,8 @@ CASES = [
     BASE | dict(name="gpt-oss: sliding window and sinks", norm=False, sinks=True, window=16, pos=45, seed=4),
     BASE | dict(name="window wider than the sequence, sinks", norm=False, sinks=True, window=128, pos=20, seed=5),
     BASE | dict(name="no rotary, a head width not a power of two", rot=0, hd=80, heads=6, kv=3, pos=33, seed=6),
+    BASE | dict(name="more blocks than splits: several blocks a split, the window across splits", capacity=2200,
+                pos=2150, heads=4, kv=1, sinks=True, window=1000, seed=7),
 ]
 BOUND = {"float32": 1e-5, "bfloat16": 2e-2}  # bf16: the kernel rounds where the torch ops round, not always alike
 

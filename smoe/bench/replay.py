@@ -22,18 +22,17 @@ class ReplayDecoder(GpuDecoder):
         super().__init__(*args, **kwargs)
         self.route_replay = route_replay.to(device=self.device, dtype=torch.int64)
         self.replay_step = 0
-        self.replay_index = torch.zeros(1, dtype=torch.int64, device=self.device)  # read inside the graphs
-        self.replay_stage = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # the step's recorded routes [layers, k], read inside the graphs: one copy a token on the compute stream,
+        # so that a layer's replayed routing costs no indexing kernel (the router's own costs none either)
+        self.token_routes = torch.zeros_like(self.route_replay[0])
         self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0}  # host seconds per phase of step()
 
     def step(self, token: int) -> torch.Tensor:
-        # ordered on the compute stream like the token's own upload (StaticBuffers.upload)
-        self.replay_stage[0] = self.replay_step
-        self.replay_index.copy_(self.replay_stage, non_blocking=True)
+        self.token_routes.copy_(self.route_replay[self.replay_step])
         return super().step(token)
 
     def routed(self, seg: int, top_i):
-        return self.route_replay[self.replay_index, seg]
+        return self.token_routes[seg: seg + 1]
 
     def run_whole_token(self) -> None:
         clock = time.perf_counter()

@@ -509,7 +509,9 @@ class GpuDecoder(HoldsSequence):
         # straight to the decode kernels where they run: experts_forward checks the offsets' alignment
         # on the host, a sync that a captured graph cannot hold (the cache's slots are aligned by design)
         if self.device.type == "cuda" and self.kernel_path != "reference" and layout.unsupported() is None:
-            return kernels_triton.decode_forward(self.cache.pool, layout, h, offsets, top_w[0])
+            # written in fp32, the residual's dtype: no conversion kernel between the experts and the residual
+            out = torch.empty(1, layout.hidden, dtype=ACT, device=h.device)
+            return kernels_triton.decode_forward(self.cache.pool, layout, h, offsets, top_w[0], out=out)
         return kernels_triton.experts_forward(self.cache.pool, layout, h, offsets[None], top_w, path=self.kernel_path)
 
     def idle(self, seg: int) -> bool:
@@ -770,18 +772,21 @@ class StaticBuffers:
         self.logits = torch.zeros(1, dec.lm_head.shape[0], dtype=ACT, device=dev)
         pinned = dev.type == "cuda"
         self.stage = torch.zeros(2 + k, dtype=torch.int64, pin_memory=pinned)
+        # written through numpy (no tensor made per token: host time between two tokens' graphs is GPU idle time)
+        self.staged = self.stage.numpy()
+        self.stage_inputs, self.stage_offsets = self.stage[:2], self.stage[2:]
 
-    def upload(self, dst: torch.Tensor, values: list[int], at: int) -> None:
+    def upload(self, dst: torch.Tensor, values: list[int], stage: torch.Tensor, at: int) -> None:
         # the host reaches this point only after a sync on the compute stream (reading top-k or the
         # previous logits), so the previous copy out of the staging area has finished
-        self.stage[at: at + len(values)] = torch.tensor(values, dtype=torch.int64)
-        dst.copy_(self.stage[at: at + len(values)].view(dst.shape), non_blocking=True)
+        self.staged[at: at + len(values)] = values
+        dst.copy_(stage.view(dst.shape), non_blocking=True)
 
     def set_token(self, token: int, pos: int) -> None:
-        self.upload(self.inputs, [token, pos], 0)
+        self.upload(self.inputs, [token, pos], self.stage_inputs, 0)
 
     def set_offsets(self, offsets: list[int]) -> None:
-        self.upload(self.offsets, offsets, 2)
+        self.upload(self.offsets, offsets, self.stage_offsets, 2)
 
 
 def capture(fn, device, pool=None):
