@@ -30,7 +30,7 @@ def decoder(sm, routing, setting: dict):
     os.environ.update(setting)
     try:
         everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
-        dec = ReplayDecoder(sm, torch.device("cuda"), everything, routing.shape[0] + 8, route_replay=routing)
+        dec = ReplayDecoder(sm, torch.device("cuda"), everything, 256, route_replay=routing)  # room for every round
         token, _ = replay(dec, range(32))  # compile, capture, warm
     finally:
         for k, v in saved.items():
