@@ -19,15 +19,18 @@ import torch
 from smoe.bench.decode import MODELS, write_model_vault
 from smoe.bench.replay import ReplayDecoder, replay
 from smoe.bench.runtime import skewed_routing
+from smoe.runtime.cuda import gemv
 from smoe.runtime.cuda.cache import blob_slot_bytes
 from smoe.runtime.model import OpenedVault
 from smoe.source.description import describe_model
+from smoe.switches import GPU_GEMV
 
 
 def decoder(sm, routing, setting: dict):
     """A resident ReplayDecoder built under `setting` (the switches are read when a decoder is built), warmed up."""
     saved = {k: os.environ.get(k) for k in setting}
     os.environ.update(setting)
+    gemv.ENABLED = GPU_GEMV.on()  # read at import; the graphs keep the kernels they are captured with
     try:
         everything = blob_slot_bytes(sm.vault) * len(sm.vault.entries)
         dec = ReplayDecoder(sm, torch.device("cuda"), everything, 256, route_replay=routing)  # room for every round

@@ -37,8 +37,12 @@ GPU_PROMPT_GRAPHS = Switch("SMOE_GPU_PROMPT_GRAPHS", "1",
 GPU_ATTENTION_KERNEL = Switch("SMOE_GPU_ATTENTION_KERNEL", "0",
                               "1 runs a one-token step's attention on the GPU in the decode-attention kernel instead "
                               "of torch ops (SDPA over the whole KV cache under a mask); off until measured on a GPU")
+GPU_GEMV = Switch("SMOE_GPU_GEMV", "0",
+                  "1 runs a one-token step's trunk projections (q/k/v, o, router) on the GPU in a Triton "
+                  "matrix-vector kernel instead of cuBLAS; off until measured on a GPU")
 PREFETCH = Switch("SMOE_PREFETCH", "0",
                   "1 guesses the next layer's experts from the current hidden state and reads them early")
 DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",
                     "a model directory `smoe demo` runs on instead of the shipped models/smoe-demo-6m")
-SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, GPU_PROMPT_GRAPHS, GPU_ATTENTION_KERNEL, PREFETCH, DEMO_MODEL)
+SWITCHES = (CPU_COMPILED, GPU_INDUCTOR, GPU_IN_PLACE, GPU_PROMPT_GRAPHS, GPU_ATTENTION_KERNEL, GPU_GEMV, PREFETCH,
+            DEMO_MODEL)

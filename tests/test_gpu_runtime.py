@@ -406,18 +406,23 @@ dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=
 ids = list(range(5, 17))
 logits = torch.cat([dec.forward(ids[:8]), *[dec.forward([t]) for t in ids[8:]]])
 assert dec.attention_kernel == (sys.argv[3] == "1"), "the attention kernel was not used throughout"
+from smoe.runtime.cuda import gemv
+assert gemv.ENABLED == (sys.argv[4] == "1") and gemv.covered(torch.zeros(1, 4), torch.zeros(2, 4)) == gemv.ENABLED
 torch.save(logits, sys.argv[2])
 """
 
 
 # gpt-oss: expert biases, clamped SwiGLU, sinks, windows; Granite-MoE-Hybrid: a Mamba layer through its own module,
-# its experts by the kernels too; with SMOE_GPU_ATTENTION_KERNEL=1 the one-token steps' attention by its kernel
-@pytest.mark.parametrize("family, attention", [("qwen3_moe", "0"), ("gpt_oss", "0"), ("granitemoehybrid", "0"),
-                                               ("gpt_oss", "1")])
-def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, attention, tmp_path):
+# its experts by the kernels too; with SMOE_GPU_ATTENTION_KERNEL=1 the one-token steps' attention by its kernel,
+# with SMOE_GPU_GEMV=1 their projections by the one-row kernel
+@pytest.mark.parametrize("family, attention, gemv", [("qwen3_moe", "0", "0"), ("gpt_oss", "0", "0"),
+                                                     ("granitemoehybrid", "0", "0"), ("gpt_oss", "1", "0"),
+                                                     ("qwen3_moe", "1", "1")])
+def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, attention, gemv, tmp_path):
     kernel_sized_vault(tmp_path, family)
-    env = dict(os.environ, TRITON_INTERPRET="1", SMOE_GPU_ATTENTION_KERNEL=attention)
-    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt"), attention],
+    env = dict(os.environ, TRITON_INTERPRET="1", SMOE_GPU_ATTENTION_KERNEL=attention, SMOE_GPU_GEMV=gemv)
+    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt"), attention,
+                    gemv],
                    check=True, env=env, timeout=600)
     got = torch.load(tmp_path / "out.pt")
     want = load_reference(tmp_path / "reference")(torch.tensor([list(range(5, 17))]))[0]

@@ -55,6 +55,7 @@ from smoe.hf.experts import attach_routed, empty_parameters, is_experts_module
 from smoe.hf.model import new_cache, run_layer
 from smoe.hf.trunk import model_trunk
 from smoe.moe.dispatch import expert_groups
+from smoe.runtime.cuda import gemv
 from smoe.runtime.cuda import kernels as kernels_triton
 from smoe.runtime.cuda.attention import covers, decode_attention
 from smoe.runtime.cuda.cache import GpuExpertCache
@@ -706,16 +707,16 @@ def attention_in(x, added, *, input_norm, qkv, qkv_bias, eps: float, dtype):
     if added is not None:
         x = x + added
     h = F.rms_norm(x, x.shape[-1:], input_norm, eps).to(dtype)
-    return x, F.linear(h, qkv, qkv_bias)
+    return x, gemv.linear(h, qkv, qkv_bias)
 
 
 def attention_out(x, out, *, o, o_bias, attention_out_norm, post_norm, router, router_bias, description, eps: float,
                   dtype):
     """A block's end from the heads' output: the residual after the attention branch, the experts' input and the
     router's logits (None for a dense layer)."""
-    x = x + branch(F.linear(out, o, o_bias), attention_out_norm, multipliers(description).residual, eps)
+    x = x + branch(gemv.linear(out, o, o_bias), attention_out_norm, multipliers(description).residual, eps)
     h = F.rms_norm(x, x.shape[-1:], post_norm, eps).to(dtype)
-    return x, h, F.linear(h, router, router_bias) if router is not None else None
+    return x, h, gemv.linear(h, router, router_bias) if router is not None else None
 
 
 class AttentionStep:
