@@ -57,7 +57,10 @@ out = []
 for c in cases:
     cfg = kt.DecodeConfig(**c["tiles"]) if c["tiles"] else None
     layout = kt.ExpertLayout(**c["layout"])
-    out.append(kt.experts_forward(c["pool"], layout, c["x"], c["offsets"], c["weights"], path="triton", config=cfg))
+    if "ids" in c:  # the offsets looked up by expert id inside the kernels
+        out.append(kt.decode_forward(c["pool"], layout, c["x"], c["table"], c["weights"][0], ids=c["ids"]))
+    else:
+        out.append(kt.experts_forward(c["pool"], layout, c["x"], c["offsets"], c["weights"], path="triton", config=cfg))
 torch.save(out, sys.argv[2])
 """
 
@@ -76,8 +79,9 @@ def pools():
 
 
 def test_interpreted_kernels_match_decode_then_matmul(pools, tmp_path):
-    """One token with k = 1..8 experts (decode kernels) and several tokens (grouped kernels), both
-    depths and mixed, fp32 and bf16 activations, odd shapes, experts in arbitrary slots."""
+    """One token with k = 1..8 experts (decode kernels; their offsets given, or looked up in the layer's table by
+    expert id) and several tokens (grouped kernels), both depths and mixed, fp32 and bf16 activations, odd shapes,
+    experts in arbitrary slots."""
     cases = []
     for bits, (pool, layout, offsets) in pools.items():
         for k in (range(1, 9) if bits[0] == bits[1] else (3, 8)):
@@ -85,6 +89,7 @@ def test_interpreted_kernels_match_decode_then_matmul(pools, tmp_path):
             x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(k))
             cases.append({"pool": pool, "layout": vars(layout), "x": x, "offsets": offsets[idx], "weights": w,
                           "tiles": ODD_TILES if k % 2 else None})
+        cases.append(dict(cases[-1], table=offsets, ids=idx[0], tiles=None))  # the layer's table and expert ids
         for tokens, k in ((3, 2), (6, 4)):
             idx, w = routing(len(offsets), tokens, k, seed=tokens)
             idx[1] = idx[0]  # two tokens with the same experts: one run each, several pairs
@@ -234,7 +239,8 @@ def test_cuda_decode_matches_reference_at_real_shapes_and_is_deterministic(bits,
     y = kt.decode_forward(pool, layout, x, sel[0], w[0], out=out).clone()
     again = kt.decode_forward(pool, layout, x, sel[0], w[0])
     ref = kt.reference_forward(pool, layout, x.float(), sel, w)
-    assert torch.isfinite(y).all() and torch.equal(y, again)
+    by_id = kt.decode_forward(pool, layout, x, offsets, w[0], ids=idx[0].cuda())  # the table looked up in the kernels
+    assert torch.isfinite(y).all() and torch.equal(y, again) and torch.equal(y, by_id)
     assert relative_error(y, ref) < 1e-2
 
 

@@ -330,13 +330,14 @@ class GpuDecoder(HoldsSequence):
 
     def mlp(self, i: int, h, top_i, top_w, one=None):
         """Layer i's MLP branch as it joins the residual stream: its routed experts (one token: from the segment's
-        offsets `one`) plus its shared experts, or its dense MLP; then the norm on its output and the residual
-        multiplier where the model has them (branch)."""
+        offsets `one`, or the layer's offset table `one` at the expert ids top_i) plus its shared experts, or its
+        dense MLP; then the norm on its output and the residual multiplier where the model has them (branch)."""
         w = self.layers[i]
         if not w.moe:
             out = dense_mlp(w.dense, h)
         else:
-            out = self.experts_one(i, h, top_w, one) if one is not None else self.experts_chunked(i, h, top_i, top_w)
+            out = self.experts_one(i, h, top_w, one, top_i) if one is not None else self.experts_chunked(i, h, top_i,
+                                                                                                           top_w)
             out = out if w.shared is None else out + shared_mlp(w.shared, w.shared_gate, h)
         return branch(out, w.mlp_out_norm, multipliers(self.description).residual, self.eps)
 
@@ -452,19 +453,20 @@ class GpuDecoder(HoldsSequence):
             s.top_i.copy_(top_i)
             s.top_w.copy_(top_w)
 
-    def segment_on(self, seg: int, x, h, top_w, offsets):
+    def segment_on(self, seg: int, x, h, top_w, offsets, ids=None):
         """Experts of layer seg-1, then attention and routing of layer seg (or the LM head, into the static logits:
         None). x: the residual before layer seg-1's MLP branch; h, top_w, offsets: that layer's expert input,
-        weights and blob offsets. Returns the next segment's (x, h, top_i, top_w). Where layer seg-1 is one the
-        family's own module runs, the residual holds its whole output (nothing to add); where layer seg is, the
-        segment ends with the residual it starts from, plus layer seg-1's branch."""
+        weights and blob offsets (with ids, its expert ids: offsets is then the layer's offset table). Returns the
+        next segment's (x, h, top_i, top_w). Where layer seg-1 is one the family's own module runs, the residual
+        holds its whole output (nothing to add); where layer seg is, the segment ends with the residual it starts
+        from, plus layer seg-1's branch."""
         s = self.static
         if seg == 0:
             x, added = self.embedded(s.token), None
         elif self.layers[seg - 1] is None:
             added = None
         else:
-            added = self.mlp(seg - 1, h, None, top_w, one=offsets)
+            added = self.mlp(seg - 1, h, ids, top_w, one=offsets)
         if seg == len(self.layers):
             s.logits.copy_(self.logits(x if added is None else x + added))
             return None
@@ -504,15 +506,17 @@ class GpuDecoder(HoldsSequence):
             self.blocks[kind] = EAGER_BLOCKS[kind]
             return self.blocks[kind](x, added, pos, **args)
 
-    def experts_one(self, i: int, h, top_w, offsets):
-        """Layer i's routed experts for one token: h [1, hidden], top_w [1, k], offsets [k] of their blobs."""
+    def experts_one(self, i: int, h, top_w, offsets, ids=None):
+        """Layer i's routed experts for one token: h [1, hidden], top_w [1, k], offsets [k] of their blobs (with ids
+        [k], the layer's offset table by expert id)."""
         layout = self.layouts[i]
         # straight to the decode kernels where they run: experts_forward checks the offsets' alignment
         # on the host, a sync that a captured graph cannot hold (the cache's slots are aligned by design)
         if self.device.type == "cuda" and self.kernel_path != "reference" and layout.unsupported() is None:
             # written in fp32, the residual's dtype: no conversion kernel between the experts and the residual
             out = torch.empty(1, layout.hidden, dtype=ACT, device=h.device)
-            return kernels_triton.decode_forward(self.cache.pool, layout, h, offsets, top_w[0], out=out)
+            return kernels_triton.decode_forward(self.cache.pool, layout, h, offsets, top_w[0], out=out, ids=ids)
+        offsets = offsets if ids is None else offsets[ids]
         return kernels_triton.experts_forward(self.cache.pool, layout, h, offsets[None], top_w, path=self.kernel_path)
 
     def idle(self, seg: int) -> bool:
@@ -580,12 +584,12 @@ class GpuDecoder(HoldsSequence):
         s = self.static
         x, h, top_i, top_w = s.x, s.h, s.top_i, s.top_w
         for seg in segments:
-            offsets = None
+            offsets = ids = None
             if seg > 0 and self.layers[seg - 1] is not None and self.layers[seg - 1].moe:
-                offsets = self.table[seg - 1][top_i[0]]
+                offsets, ids = self.table[seg - 1], top_i[0]  # looked up inside the expert kernels
                 if self.placement is not None:
-                    self.placement.record(seg - 1, top_i[0])
-            out = self.segment_on(seg, x, h, top_w, offsets)
+                    self.placement.record(seg - 1, ids)
+            out = self.segment_on(seg, x, h, top_w, offsets, ids)
             if out is None:  # the LM head
                 return
             x, h, top_i, top_w = out

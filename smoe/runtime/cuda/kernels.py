@@ -231,12 +231,20 @@ if triton is not None:
         return tl.load(bias_ptr + unit * BU + at + rows, mask=row_ok, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _gate_up(words_ptr, halves_ptr, offsets_ptr, route_ptr, xp_ptr, hp_ptr,
+    def _blob_unit(offsets_ptr, ids_ptr, e, BY_ID: tl.constexpr):
+        """Expert slot e's blob offset in 64-byte units: offsets[e], or with BY_ID the offset table's entry for
+        the expert id ids[e] (the lookup inside the kernel instead of an indexing kernel before it)."""
+        if BY_ID:
+            return tl.load(offsets_ptr + tl.load(ids_ptr + e)) // 64
+        return tl.load(offsets_ptr + e) // 64
+
+    @triton.jit
+    def _gate_up(words_ptr, halves_ptr, offsets_ptr, ids_ptr, route_ptr, xp_ptr, hp_ptr,
                  gate_w, gate_s, up_w, up_s, one, bias_ptr, gate_b, up_b, ALPHA, LIMIT,
                  n_rows: tl.constexpr, n_in: tl.constexpr,
                  BITS: tl.constexpr, BITS_OUT: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr,
                  STAGES: tl.constexpr, PREFETCH: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                 BU: tl.constexpr):
+                 BU: tl.constexpr, BY_ID: tl.constexpr):
         """Program (row block, expert e): hp[e] = route[e] * silu(gate_e x) * up_e x, field-major for
         the down projection's depth. gate_w/up_w: in-blob word offsets; gate_s/up_s: fp16 offsets.
         STAGES > 1: Triton pipelines the loop's loads through shared memory; PREFETCH: the codes and
@@ -246,7 +254,7 @@ if triton is not None:
         wpr: tl.constexpr = n_in * BITS // 32
         gpr: tl.constexpr = n_in // 64
         e = tl.program_id(1)
-        unit = tl.load(offsets_ptr + e) // 64  # the blob's offset in 64-byte units
+        unit = _blob_unit(offsets_ptr, ids_ptr, e, BY_ID)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         row_ok = rows < n_rows
         gw_ptr = words_ptr + unit * 16 + gate_w
@@ -291,10 +299,10 @@ if triton is not None:
         tl.store(hp_ptr + e * n_rows + f * (n_rows // PW_O) + rows // PW_O, h * scale, mask=row_ok)
 
     @triton.jit
-    def _down(words_ptr, halves_ptr, offsets_ptr, hp_ptr, part_ptr, count_ptr, y_ptr, down_w, down_s, one,
+    def _down(words_ptr, halves_ptr, offsets_ptr, ids_ptr, hp_ptr, part_ptr, count_ptr, y_ptr, down_w, down_s, one,
               route_ptr, bias_ptr, down_b, n_rows: tl.constexpr, n_in: tl.constexpr, k: tl.constexpr,
               BITS: tl.constexpr, BN: tl.constexpr, GW: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BU: tl.constexpr):
+              HAS_BIAS: tl.constexpr, BU: tl.constexpr, BY_ID: tl.constexpr):
         """Program (row block, expert e): part[e] = down_e hp[e] (routing already in hp). The last
         program of a row block to finish sums the k parts in expert order into y (deterministic),
         and resets the block's counter for the next call."""
@@ -306,7 +314,7 @@ if triton is not None:
         e = tl.program_id(1)
         rows = rb * BN + tl.arange(0, BN)
         row_ok = rows < n_rows
-        unit = tl.load(offsets_ptr + e) // 64
+        unit = _blob_unit(offsets_ptr, ids_ptr, e, BY_ID)
         w_ptr = words_ptr + unit * 16 + down_w
         s_ptr = halves_ptr + unit * 32 + down_s
         xp = hp_ptr + e * n_in
@@ -521,15 +529,17 @@ def experts_forward(pool: torch.Tensor, layout: ExpertLayout, x: torch.Tensor, o
 
 
 def decode_forward(pool, layout: ExpertLayout, x: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor,
-                   config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
     """One token (x [1, hidden], contiguous) through its k experts: offsets int64 [k] (blob byte offsets,
-    multiples of 64: not checked here, so that the call can be captured in a CUDA graph), weights [k].
-    Three launches and no host synchronisation."""
+    multiples of 64: not checked here, so that the call can be captured in a CUDA graph), weights [k]; or, with
+    ids int64 [k] (expert ids), offsets is the layer's table of blob offsets by expert id, looked up in the
+    kernels. Three launches and no host synchronisation."""
     config = config or decode_config(layout)
     xp = launch_prep(x, layout.bits_gate_up)
-    hp = launch_gate_up(pool, layout, xp, offsets, weights, config.gate_up)
+    hp = launch_gate_up(pool, layout, xp, offsets, weights, config.gate_up, ids)
     y = out if out is not None else torch.empty(1, layout.hidden, dtype=x.dtype, device=x.device)
-    launch_down(pool, layout, hp, offsets, y, config.down, weights)
+    launch_down(pool, layout, hp, offsets, y, config.down, weights, ids)
     return y
 
 
@@ -541,35 +551,38 @@ def launch_prep(x: torch.Tensor, bits: int) -> torch.Tensor:
     return xp
 
 
-def launch_gate_up(pool, layout: ExpertLayout, xp, offsets, weights, tiles: tuple[int, int, int]) -> torch.Tensor:
+def launch_gate_up(pool, layout: ExpertLayout, xp, offsets, weights, tiles: tuple[int, int, int],
+                   ids=None) -> torch.Tensor:
     """h' [k, inter] fp32: routing weight * silu(gate x) * up x, field-major for the down projection."""
     words, halves = pool_views(pool)
-    k = offsets.numel()
+    k = (ids if ids is not None else offsets).numel()
     hp = torch.empty(k, layout.inter, dtype=torch.float32, device=xp.device)
     bn, gw, nw, stages, prefetch = tiles
     b = bias_arguments(pool, layout)
     _gate_up[(triton.cdiv(layout.inter, bn), k)](
-        words, halves, offsets, weights, xp, hp,
+        words, halves, offsets, ids if ids is not None else offsets, weights, xp, hp,
         layout.gate_codes // 4, layout.gate_scales // 2, layout.up_codes // 4, layout.up_scales // 2, ONE_BITS,
         b.view, b.gate, b.up, *activation_arguments(layout),
         layout.inter, layout.hidden, BITS=layout.bits_gate_up, BITS_OUT=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
-        PREFETCH=bool(prefetch), HAS_BIAS=b.present, CLAMPED=layout.clamp is not None, BU=b.per_unit, num_warps=nw)
+        PREFETCH=bool(prefetch), HAS_BIAS=b.present, CLAMPED=layout.clamp is not None, BU=b.per_unit,
+        BY_ID=ids is not None, num_warps=nw)
     return hp
 
 
-def launch_down(pool, layout: ExpertLayout, hp, offsets, y, tiles: tuple[int, int, int], weights=None) -> None:
+def launch_down(pool, layout: ExpertLayout, hp, offsets, y, tiles: tuple[int, int, int], weights=None,
+                ids=None) -> None:
     """y [1, hidden] = sum over the k experts of down_e h'_e (+ weights[e] * the down bias where there is one)."""
     words, halves = pool_views(pool)
-    k = offsets.numel()
+    k = (ids if ids is not None else offsets).numel()
     bn, gw, nw, stages, prefetch = tiles
     blocks = triton.cdiv(layout.hidden, bn)
     part = torch.empty(k, layout.hidden, dtype=torch.float32, device=hp.device)
     b = bias_arguments(pool, layout)
     _down[(blocks, k)](
-        words, halves, offsets, hp, part, arrival_counters(hp.device, blocks), y,
+        words, halves, offsets, ids if ids is not None else offsets, hp, part, arrival_counters(hp.device, blocks), y,
         layout.down_codes // 4, layout.down_scales // 2, ONE_BITS, weights if weights is not None else hp,
         b.view, b.down, layout.hidden, layout.inter, k, BITS=layout.bits_down, BN=bn, GW=gw, STAGES=stages,
-        PREFETCH=bool(prefetch), HAS_BIAS=b.present, BU=b.per_unit, num_warps=nw)
+        PREFETCH=bool(prefetch), HAS_BIAS=b.present, BU=b.per_unit, BY_ID=ids is not None, num_warps=nw)
 
 
 @dataclass(frozen=True)
