@@ -34,12 +34,12 @@ GPU_IN_PLACE = Switch("SMOE_GPU_IN_PLACE", "1",
 GPU_PROMPT_GRAPHS = Switch("SMOE_GPU_PROMPT_GRAPHS", "1",
                            "0 runs a prompt's layers eagerly on the GPU instead of padded to a captured length and "
                            "replayed as a CUDA graph (when every expert is resident)")
-GPU_ATTENTION_KERNEL = Switch("SMOE_GPU_ATTENTION_KERNEL", "0",
-                              "1 runs a one-token step's attention on the GPU in the decode-attention kernel instead "
-                              "of torch ops (SDPA over the whole KV cache under a mask); off until measured on a GPU")
-GPU_GEMV = Switch("SMOE_GPU_GEMV", "0",
-                  "1 runs a one-token step's trunk projections (q/k/v, o, router) on the GPU in a Triton "
-                  "matrix-vector kernel instead of cuBLAS; off until measured on a GPU")
+GPU_ATTENTION_KERNEL = Switch("SMOE_GPU_ATTENTION_KERNEL", "1",
+                              "0 runs a one-token step's attention on the GPU as torch ops (SDPA over the whole KV "
+                              "cache under a mask) instead of the decode-attention kernels")
+GPU_GEMV = Switch("SMOE_GPU_GEMV", "1",
+                  "0 runs a one-token step's trunk projections (q/k/v, o, router, LM head) on the GPU through "
+                  "cuBLAS instead of the one-row Triton kernel")
 PREFETCH = Switch("SMOE_PREFETCH", "0",
                   "1 guesses the next layer's experts from the current hidden state and reads them early")
 DEMO_MODEL = Switch("SMOE_DEMO_MODEL", "",

@@ -44,6 +44,8 @@ CASES = [
     dict(name="width not a power of two, rows not a multiple of the program's", n=1029, k=96 * 7, bias=True,
          dtype="float32", seed=2),
     dict(name="bf16", n=300, k=256, bias=False, dtype="bfloat16", seed=3),
+    dict(name="many narrow rows (q/k/v's tiles), width not a multiple of the step", n=4100, k=320, bias=True,
+         dtype="float32", seed=4),
 ]
 BOUND = {"float32": 1e-5, "bfloat16": 1e-2}  # bf16: the output rounded to 8 bits
 

@@ -17,6 +17,7 @@ from test_layer_library import KIND_VARIANTS, sharpened
 from smoe.errors import SmoeError
 from smoe.format.vault import DATA_FILE, Vault
 from smoe.quality.evaluate import load_reference
+from smoe.runtime.cuda import gemv
 from smoe.runtime.cuda.cache import GpuExpertCache, blob_slot_bytes, min_gpu_budget
 from smoe.runtime.cuda.decode import GpuDecoder
 from smoe.runtime.model import OpenedVault
@@ -486,12 +487,17 @@ def cuda_decoder_matches_the_reference(tmp_path, family: str, bits: int, residen
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe", "gpt_oss", "granitemoe"])
 @pytest.mark.parametrize("resident", [False, True])
-def test_cuda_decode_attention_kernel_matches_the_reference_in_fp32(family, resident, tmp_path, monkeypatch):
-    """With SMOE_GPU_ATTENTION_KERNEL=1 every one-token step's attention runs in the kernel (per-head q/k norm,
-    partial rotary, q/k/v bias, windows and sinks, an attention multiplier among these families)."""
-    monkeypatch.setenv("SMOE_GPU_ATTENTION_KERNEL", "1")
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_cuda_one_token_attention_and_projections_match_the_reference_in_fp32_either_way(family, resident, kernels,
+                                                                                         tmp_path, monkeypatch):
+    """With SMOE_GPU_ATTENTION_KERNEL and SMOE_GPU_GEMV at 1 (the defaults) every one-token step's attention runs in
+    the decode-attention kernels (per-head q/k norm, partial rotary, q/k/v bias, windows and sinks, an attention
+    multiplier among these families) and its projections in the one-row kernel; at 0 as torch ops and cuBLAS."""
+    monkeypatch.setenv("SMOE_GPU_ATTENTION_KERNEL", kernels)
+    monkeypatch.setattr(gemv, "ENABLED", kernels == "1")
     dec = cuda_decoder_matches_the_reference(tmp_path, family, 4, resident)
-    assert dec.attention_kernel and all(w.kernel_attends for w in dec.layers)  # no layer fell back to torch ops
+    # no layer fell back to torch ops, or none used the kernel
+    assert dec.attention_kernel == (kernels == "1") and all(w.kernel_attends for w in dec.layers)
 
 
 @needs_cuda

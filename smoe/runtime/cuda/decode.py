@@ -403,7 +403,7 @@ class GpuDecoder(HoldsSequence):
 
     def logits(self, x):
         """Logits [T, V] (fp32), divided by the logits multiplier (layers.final_logits')."""
-        logits = F.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
+        logits = gemv.linear(F.rms_norm(x, x.shape[-1:], self.final_norm, self.eps).to(self.dtype), self.lm_head).float()
         divisor = multipliers(self.description).logits
         return logits if divisor == 1 else logits / divisor
 
