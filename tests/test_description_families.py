@@ -214,3 +214,45 @@ def test_step3p7_names_what_its_config_switches_on(changes, extra):
     assert named == ({extra} if extra else set())
     scaling = Step3p7Attention(config.text_config.per_layer_config[0], 0).scaling
     assert (d.multipliers.attention if d.multipliers else config.text_config.head_dim ** -0.5) == scaling
+
+
+def glm5_next_config(**changes):
+    """GLM-5.3's tiny config, its text model's values changed."""
+    from transformers import Glm5NextConfig
+
+    config = tiny_default_config("glm5_next").to_dict()
+    return Glm5NextConfig(**config | dict(text_config=config["text_config"] | changes))
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(n_routed_experts=8, num_experts_per_tok=3, norm_topk_prob=False)])
+def test_glm5_next_route_picks_the_experts_and_weights_of_its_router(changes):
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextTopkRouter
+
+    config = glm5_next_config(**changes)
+    router = Glm5NextTextTopkRouter(config.text_config)
+    generator = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(router.weight, generator=generator)
+    router.e_score_correction_bias.copy_(torch.randn(router.num_experts, generator=generator) * 0.1)
+    logits, want_w, want_ids = router(torch.randn(64, config.text_config.hidden_size, generator=generator))
+    ids, weights = route(describe_model(config.to_dict()).routing, logits, router.e_score_correction_bias)
+    order, want_order = ids.sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(-1, order.indices), want_w.gather(-1, want_order.indices))
+
+
+@pytest.mark.parametrize("types", [["full"] * 4, ["full", "full", "shared", "full"]])
+def test_glm5_next_describes_its_delta_attention_mla_layers_and_shared_indexers(types):
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention, Glm5NextTextDecoderLayer
+
+    layer_types = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"]
+    config = glm5_next_config(num_hidden_layers=4, layer_types=layer_types, indexer_types=types,
+                              mlp_layer_types=["dense", "sparse", "sparse", "sparse"], rms_norm_eps=1e-5)
+    layers = [Glm5NextTextDecoderLayer(config.text_config, i) for i in range(4)]
+    mla = [i for i, layer in enumerate(layers) if isinstance(layer.self_attn, Glm5NextTextAttention)]
+    shared = any(layers[i].self_attn.skip_topk for i in mla)
+    d = describe_model(config.to_dict())
+    assert d.attention.kind == "mla" and d.attention.mixer_layers == (0, 3) and d.attention.nope_layers == tuple(mla)
+    assert d.attention.latent_norm_eps == layers[1].self_attn.q_a_layernorm.variance_epsilon == 1e-5
+    assert d.shared_experts == 1 and d.moe_layers == (1, 2, 3) and ("shared_indexer" in d.extras) == shared
+    gaps = f"block_sparse_attention, hyper_connections, {'shared_indexer, ' if shared else ''}swiglu_gate_limit"
+    assert fast_decoder_gap(d) == gaps and fast_decoder_gap(d, "cuda") == f"{gaps}, MLA layers without rotary"

@@ -1,12 +1,22 @@
 """GGUF export of the families written under names the pinned gguf package lacks (mellum, hy_v3, cohere2moe), of DBRX,
 Qwen3.5-MoE, Gemma 4, Nemotron-H, MiniMax, Qwen3-VL-MoE's text model, Kimi-Linear, Granite-MoE-SWA, MiMo-V2-Flash and
-the indexers of DeepSeek-V3.2 and GLM-5 (glm_moe_dsa), Laguna, Step-3.7's text model (step35), and the q/k rows
-llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is refused by name."""
+the indexers of DeepSeek-V3.2 and GLM-5 (glm_moe_dsa), Laguna, Step-3.7's text model (step35), GLM-5.3's text model
+(glm5-next), and the q/k rows llama.cpp's adjacent-pair RoPE takes: what each llama.cpp graph computes differently is
+refused by name, and Qwen4-Exp, whose llama.cpp graph is marked for reimplementation, as a whole."""
+
+import json
 
 import gguf
 import pytest
 import torch
-from export_models import exportable_config, exportable_vault, save_exportable_model
+from export_models import (
+    draw_around_unit_scale,
+    exportable_config,
+    exportable_vault,
+    multimodal_model,
+    save_byte_level_tokenizer,
+    save_exportable_model,
+)
 from safetensors.torch import load_file
 
 from smoe.convert.sculpt import sculpt
@@ -197,3 +207,128 @@ def test_gguf_takes_q_lora_at_the_depths_deepseek2_reads_as_lite_for_the_indexed
     desc = describe_model(config)
     deep = config | dict(num_hidden_layers=27)
     assert gguf_mla.check(family, deep, desc, list(range(1, 27)), {}, 32) is None
+
+
+# GLM-5.3's text model: delta-attention layers on either side of two MLA ones, the second reusing the first's indexer
+GLM5_NEXT = dict(num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention", "indexed_attention",
+                                                   "linear_attention"],
+                 mlp_layer_types=["dense", "sparse", "sparse", "sparse"], indexer_types=["full", "full", "shared", "full"],
+                 index_topk=16, index_kpool=4, index_head_dim=32, index_n_heads=8, n_routed_experts=8, swiglu_limit=0.5)
+
+
+def glm5_next_config(**changes) -> dict:
+    """GLM-5.3's config.json with its text model's values changed."""
+    from transformers import Glm5NextConfig
+
+    config = tiny_default_config("glm5_next").to_dict()
+    return Glm5NextConfig(**config | dict(text_config=config["text_config"] | GLM5_NEXT | changes)).to_dict()
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({}, None),
+    (dict(linear_num_heads=2), "glm5_next: llama.cpp's glm5-next takes as many delta-attention heads as attention heads"),
+    (dict(hc_mult=2), "takes 4 hyper-connection streams; this model's hc_mult is 2"),
+    (dict(index_kpool=1), "pools more than one key; this model's index_kpool is 1"),
+    (dict(index_kpool_always_select_tail=False), "attends to no key before the first full pool"),
+    (dict(hidden_act="gelu"), "takes SiLU convolutions and MLPs"),
+    (dict(n_shared_experts=0), "adds a shared expert to every MoE layer"),
+    (dict(swiglu_limit=1e-6), "takes a swiglu_limit at or below 1e-06 as none"),
+    (dict(tie_word_embeddings=True), "reads an output matrix of its own"),
+    (dict(n_group=2, topk_group=1), "routes with n_group = 1"),
+    (dict(mlp_layer_types=["dense", "sparse", "dense", "sparse"]), "dense layers only before the MoE ones"),
+    (dict(attention_bias=True), "attention biases"),
+])
+def test_gguf_refuses_what_glm5_next_computes_differently(changes, named):
+    config = glm5_next_config(**changes)
+    desc = describe_model(config)
+    run = lambda: gguf_families.check("glm5_next", gguf_families.config_view("glm5_next", config), desc,
+                                      list(desc.moe_layers), {}, 32)
+    if named is None:
+        assert run() is None
+        return
+    with pytest.raises(SmoeError, match=named):
+        run()
+
+
+@pytest.fixture(scope="module", params=[-5.0, None], ids=["gate-bound", "softplus-gate"])
+def glm5_next_export(request, tmp_path_factory):
+    """A tiny GLM-5.3's vault (the release's names, as transformers saves them; its forget gate bounded or softplus)
+    and its GGUF with a BF16 trunk."""
+    tmp = tmp_path_factory.mktemp("glm5_next")
+    torch.manual_seed(0)
+    model = multimodal_model("glm5_next", GLM5_NEXT | dict(linear_lower_bound=request.param))
+    draw_around_unit_scale(model)
+    model.save_pretrained(tmp / "model")
+    save_byte_level_tokenizer(tmp / "model")
+    sculpt(tmp / "model", tmp / "vault", bits=4, progress=False)
+    return tmp / "vault", export(tmp / "vault", "gguf", tmp / "m.gguf", trunk_type="bf16")
+
+
+def test_gguf_glm5_next_writes_what_llama_cpp_s_converter_writes(glm5_next_export):
+    vault, out = glm5_next_export
+    reader = gguf.GGUFReader(out)
+    get = lambda key: reader.fields[f"glm5-next.{key}"].contents()
+    c = json.loads((vault / "config.json").read_text())["text_config"]
+    assert reader.fields["general.architecture"].contents() == "glm5-next"
+    assert get("attention.head_count_kv") == [0, 1, 1, 0]  # the delta-attention layers have none
+    assert (get("attention.q_lora_rank"), get("attention.kv_lora_rank"), get("rope.dimension_count")) == (
+        c["q_lora_rank"], c["kv_lora_rank"], 0)
+    assert (get("attention.key_length_mla"), get("attention.value_length_mla")) == (c["qk_nope_head_dim"],
+                                                                                    c["v_head_dim"])
+    assert (get("ssm.conv_kernel"), get("kda.head_dim")) == (c["linear_conv_kernel_dim"], c["linear_head_dim"])
+    bound = reader.fields.get("glm5-next.kda.gate_lower_bound")  # none: llama.cpp's softplus gate
+    assert (bound.contents() if bound else None) == c["linear_lower_bound"]
+    assert (get("attention.indexer.head_count"), get("attention.indexer.key_length"), get("attention.indexer.top_k"),
+            get("attention.indexer.kpool"), get("attention.indexer.kpool_select_tail")) == (
+        c["index_n_heads"], c["index_head_dim"], c["index_topk"], c["index_kpool"], True)
+    assert get("attention.indexer.types") == [True, True, False, True]
+    assert get("attention.layer_norm_epsilon") == pytest.approx(1e-6)  # the indexer's key norm
+    assert (get("hyper_connection.count"), get("hyper_connection.sinkhorn_iterations")) == (c["hc_mult"],
+                                                                                           c["hc_sinkhorn_iters"])
+    assert get("hyper_connection.epsilon") == pytest.approx(c["hc_eps"])
+    assert get("swiglu_clamp_exp") == get("swiglu_clamp_shexp") == [c["swiglu_limit"]] * c["num_hidden_layers"]
+    assert get("leading_dense_block_count") == 1 and get("expert_shared_count") == c["n_shared_experts"]
+    assert get("expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID and get("expert_weights_norm")
+    assert get("expert_weights_scale") == pytest.approx(c["routed_scaling_factor"])
+    assert "glm5-next.expert_group_count" not in reader.fields  # the graph reads no groups
+
+
+def test_gguf_glm5_next_names_the_release_s_tensors_as_llama_cpp_keeping_the_small_ones_f32(glm5_next_export):
+    vault, out = glm5_next_export
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    trunk = load_file(vault / TRUNK_FILE)
+    layer = "model.language_model.layers.{}."
+    as_is = {"blk.1.hc_attn_fn.weight": layer.format(1) + "hc_attn_fn",
+             "blk.2.hc_ffn_scale.weight": layer.format(2) + "hc_ffn_scale",
+             "blk.1.indexer_compressor_gate.weight": layer.format(1) + "self_attn.indexer.index_kpool_compress_gate",
+             "blk.1.indexer_compressor_ape.weight": layer.format(1) + "self_attn.indexer.index_kpool_compress_ape",
+             "blk.1.indexer.k_norm.bias": layer.format(1) + "self_attn.indexer.k_norm.bias",
+             "blk.0.ssm_dt.bias": layer.format(0) + "self_attn.dt_bias",
+             "blk.3.ssm_conv1d_q.weight": layer.format(3) + "self_attn.q_conv1d.weight"}
+    for name, key in as_is.items():  # F32 whatever the trunk type, as the converter keeps them
+        assert tensors[name].tensor_type == gguf.GGMLQuantizationType.F32
+        assert torch.equal(torch.from_numpy(tensors[name].data.copy()).reshape(trunk[key].shape), trunk[key])
+    a = torch.from_numpy(tensors["blk.0.ssm_a"].data.copy())
+    assert torch.equal(a, -torch.exp(trunk[layer.format(0) + "self_attn.A_log"]))
+    names = set(tensors)
+    assert {"blk.1.indexer.attn_q_b.weight", "blk.1.indexer.proj.weight", "blk.1.attn_k_b.weight",
+            "blk.3.ssm_f_a.weight", "blk.0.ffn_gate.weight", "blk.1.ffn_up_shexp.weight"} <= names
+    assert not any(n.startswith("blk.2.indexer") for n in names)  # the shared layer reuses layer 1's choice
+    assert not any("visual" in n or n.startswith("v.") for n in names)  # the tower is llama.cpp's mmproj file's
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp_text", "qwen4_exp"])
+def test_gguf_qwen4_exp_is_refused_naming_the_graph_llama_cpp_marks_for_reimplementation(tmp_path, family):
+    """llama.cpp 0.3.36's qwen4exp graph is marked pending complete reimplementation (TAG_QWEN4_REIMPLEMENT): nothing
+    could check an export against it."""
+    if family == "qwen4_exp":
+        multimodal_model(family, {}).save_pretrained(tmp_path / "model")
+        save_byte_level_tokenizer(tmp_path / "model")
+    else:
+        save_exportable_model(family, tmp_path / "model")
+    sculpt(tmp_path / "model", tmp_path / "vault", bits=4, progress=False)
+    with pytest.raises(SmoeError) as refused:
+        export(tmp_path / "vault", "gguf", tmp_path / "m.gguf")
+    message = str(refused.value)
+    assert message.startswith(f"{family}: llama.cpp's qwen4exp graph is marked pending complete reimplementation")
+    assert message.endswith("not exported to GGUF") and "\n" not in message and not (tmp_path / "m.gguf").exists()

@@ -196,9 +196,9 @@ caches 2.5e-5). The graph's other eps (the latent and rotary-key norms at rms_no
 1e-6) are transformers'.
 
 Refused by name (REFUSED): phimoe, whose llama.cpp graph weighs the chosen experts by a plain softmax where
-transformers' sparsemixer does not. Not written yet (no row, refused as unsupported), though llama.cpp 0.3.36 has a
-graph for each (named here): the families smoe runs through transformers' own modules, which smoe.source.description
-does not describe, so that the checks above have nothing to read: glm5_next (`glm5-next`) and qwen4_exp (`qwen4exp`).
+transformers' sparsemixer does not; qwen4_exp and its text model qwen4_exp_text (`qwen4exp`), whose graph llama.cpp
+0.3.36 marks pending complete reimplementation, not to be used as a reference (TAG_QWEN4_REIMPLEMENT), so that an
+export could not be checked against it.
 
 deepseek_v4 (DeepSeek-V4, whose vault holds the release's names) is `deepseek4`, a name the pinned gguf package lacks
 (every tensor named here, _deepseek_v4_pieces, as llama.cpp's converter names the release's): hyper-connections (their
@@ -219,6 +219,27 @@ groups that split heads (its graph asserts whole heads), indexer heads of other 
 without a compressed_sparse_attention layer (its caches rotate the indexer's keys by Hadamard matrices of 64 or more,
 and divide by zero sizing them for an indexer on no layer), a swiglu_limit at or below 1e-6, another hidden_act, biases
 and tied embeddings.
+
+glm5_next (GLM-5.3's text model, which its vault keeps under model.language_model. beside the vision tower, in the
+release's names) is `glm5-next`, a name the pinned gguf package lacks (tensors named as kimi-linear's, the indexer's and
+the hyper-connections' as llama.cpp's table names them): kimi_linear's delta-attention layers, told apart by their 0
+key/value heads (A = -exp(A_log), dt_bias as ssm_dt's bias, the [channels, 1, width] kernels in F32; the forget gate's
+lower bound written where the config has one, without which the graph computes the softplus gate as transformers does),
+beside MLA layers without rotary (qk_rope_head_dim 0) written as deepseek2's (smoe.export.gguf_mla), whose indexer
+scores pools of index_kpool keys (each a softmax-weighted sum of its keys, the compressor's gate and position terms in
+F32 as the converter keeps them), keeps index_topk / index_kpool pools and the incomplete last one (kpool_select_tail),
+the layers indexer_types marks "shared" reusing the previous indexer's choice, its key LayerNorm at transformers' 1e-6
+(layer_norm_epsilon); DeepSeek-V3's routing without groups (its graph reads none: n_group > 1 refused), leading dense
+layers, a shared expert on every MoE layer; every MLP's SwiGLU clamped at swiglu_limit (swiglu_clamp_exp on the experts,
+swiglu_clamp_shexp, which the graph takes for the dense MLPs too, on the others); the hyper-connections' stream count,
+Sinkhorn iterations and eps, their mixings F32, the streams averaged before the final norm. Its graph's eps are
+transformers': the delta-attention's q/k L2 norm at 1e-6, the query, latent, output and stream norms at rms_norm_eps.
+With F32 caches llama.cpp computes smoe's logits of the tiny model to 3.3e-6 of their largest (mean KL 1.1e-12); its
+default F16 cache rounds the latents and the pooled keys (max |Δlogit| 0.14, mean KL 1.8e-5). Refused by name: other
+than four hyper-connection streams (the graph asserts four), pools of one key, other than as many delta-attention heads
+as attention heads, the incomplete last pool left out (index_kpool_always_select_tail false: llama.cpp's queries before
+the first full pool then attend to no key, and its logits are NaN), another hidden_act, a swiglu_limit at or below 1e-6,
+no shared expert and tied embeddings.
 """
 
 from __future__ import annotations
@@ -246,8 +267,12 @@ GRANITE_SHARED_IN = "shared_mlp.input_linear.weight"  # [2 · width, hidden]: ga
 CONV_KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.weight", "mixer.conv1d.weight")
 # Kimi's delta-attention kernels, [channels, 1, width] as llama.cpp's kimi-linear reads them
 KIMI_CONV_KERNELS = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight")
-# matrices llama.cpp reads as F32 whatever the trunk type: the kernels, and Mamba's A and D ([heads, 1])
-F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D", *KIMI_CONV_KERNELS, "self_attn.A_log")
+# GLM-5.3's k-pool compressor, which llama.cpp's converter keeps in F32 (indexer_compressor_gate and _ape)
+GLM5_NEXT_KPOOL = ("indexer.index_kpool_compress_gate", "indexer.index_kpool_compress_ape")
+# matrices llama.cpp reads as F32 whatever the trunk type: the kernels, Mamba's A and D ([heads, 1]), GLM-5.3's k-pool
+# compressor
+F32_TRUNK = (*CONV_KERNELS, "mamba.A_log", "mamba.D", "mixer.A_log", "mixer.D", *KIMI_CONV_KERNELS, "self_attn.A_log",
+             *GLM5_NEXT_KPOOL)
 # and by their GGUF names: HY-V4's hyper-connection mixings, which its release and llama.cpp's converter keep in F32
 # and MiniMax-M3's indexer projections, which llama.cpp's converter writes in F32
 F32_GGUF = ("hc_attn_fn.weight", "hc_ffn_fn.weight", "output_hc_fn.weight", "indexer.q_proj.weight",
@@ -778,6 +803,73 @@ def _kimi_linear_pieces(key: str, shape: tuple[int, ...], config: dict,
     if re.search(r"\.block_sparse_moe\.(gate|up|down)_proj\.weight$", key):
         return [(names.get_name(key.replace("block_sparse_moe", "mlp"), try_suffixes=(".weight",)), shape, lambda t: t)]
     return None
+
+
+GLM5_NEXT_HC_STREAMS = 4  # llama.cpp's glm5-next asserts four hyper-connection streams
+GLM5_NEXT_INDEXER_KEY_NORM_EPS = 1e-6  # transformers' GLM-5.3 builds the indexer's key LayerNorm at this eps
+# the indexer's tensors under llama.cpp's names, by their transformers names within self_attn.indexer
+GLM5_NEXT_INDEXER = {"wq_b.weight": "indexer.attn_q_b.weight", "wk.weight": "indexer.attn_k.weight",
+                     "k_norm.weight": "indexer.k_norm.weight", "k_norm.bias": "indexer.k_norm.bias",
+                     "weights_proj.weight": "indexer.proj.weight",
+                     "index_kpool_compress_gate": "indexer_compressor_gate.weight",
+                     "index_kpool_compress_ape": "indexer_compressor_ape.weight"}
+
+
+def _glm5_next(name: str, config: dict, desc: ModelDescription) -> None:
+    """llama.cpp's glm5-next runs as many delta-attention heads as MLA ones, four hyper-connection streams, pools of
+    more than one key (a query before the first full pool attends to the incomplete one only), SiLU everywhere, a shared
+    expert on every MoE layer, clamps only at a limit above 1e-6, and reads an untied output matrix."""
+    require(config["linear_num_heads"] == config["num_attention_heads"], f"{name}: llama.cpp's glm5-next takes as many "
+            f"delta-attention heads as attention heads; this model has {config['linear_num_heads']} and "
+            f"{config['num_attention_heads']}")
+    require(config["hc_mult"] == GLM5_NEXT_HC_STREAMS, f"{name}: llama.cpp's glm5-next takes {GLM5_NEXT_HC_STREAMS} "
+            f"hyper-connection streams; this model's hc_mult is {config['hc_mult']}")
+    require(config["index_kpool"] > 1, f"{name}: llama.cpp's glm5-next pools more than one key; this model's "
+            f"index_kpool is {config['index_kpool']}")
+    require(config["index_kpool_always_select_tail"], f"{name}: llama.cpp's glm5-next attends to no key before the "
+            "first full pool unless it appends the incomplete one (its logits there are NaN); this model has "
+            "index_kpool_always_select_tail = false")
+    require(desc.experts.activation == "silu", f"{name}: llama.cpp's glm5-next takes SiLU convolutions and MLPs; this "
+            f"model's hidden_act is {desc.experts.activation}")
+    require(desc.shared_experts >= 1, f"{name}: llama.cpp's glm5-next adds a shared expert to every MoE layer; this "
+            "model has n_shared_experts = 0")
+    require(config["swiglu_limit"] > SWIGLU_CLAMP_MIN, f"{name}: llama.cpp's glm5-next takes a swiglu_limit at or "
+            f"below {SWIGLU_CLAMP_MIN} as none, transformers clamps at it; this model's is {config['swiglu_limit']}")
+    _untied(name, "glm5-next", config)
+
+
+def _write_glm5_next(writer: gguf.GGUFWriter, config: dict, desc: ModelDescription, moe_layers: list[int]) -> None:
+    """What llama.cpp's converter writes beside the MLA keys: the delta-attention's kernel, head width and gate bound
+    (none: softplus), the indexer's sizes and pools, the indexer's key-norm eps, the hyper-connections and every
+    MLP's SwiGLU clamp."""
+    arch, limit = writer.arch, float(config["swiglu_limit"])
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_kda_head_dim(config["linear_head_dim"])
+    if config.get("linear_lower_bound") is not None:
+        writer.add_float32(f"{arch}.kda.gate_lower_bound", float(config["linear_lower_bound"]))
+    writer.add_indexer_head_count(config["index_n_heads"])
+    writer.add_indexer_key_length(config["index_head_dim"])
+    writer.add_indexer_top_k(config["index_topk"])
+    writer.add_uint32(f"{arch}.attention.indexer.kpool", config["index_kpool"])
+    writer.add_bool(f"{arch}.attention.indexer.kpool_select_tail", bool(config["index_kpool_always_select_tail"]))
+    writer.add_layer_norm_eps(GLM5_NEXT_INDEXER_KEY_NORM_EPS)
+    writer.add_uint32(f"{arch}.hyper_connection.count", config["hc_mult"])
+    writer.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", config["hc_sinkhorn_iters"])
+    writer.add_float32(f"{arch}.hyper_connection.epsilon", config["hc_eps"])
+    writer.add_swiglu_clamp_exp([limit] * desc.num_layers)
+    writer.add_swiglu_clamp_shexp([limit] * desc.num_layers)  # the graph clamps the dense MLPs with it too
+
+
+def _glm5_next_pieces(key: str, shape: tuple[int, ...], config: dict,
+                      names: gguf.TensorNameMap) -> list[gguf_mla.Piece] | None:
+    """kimi-linear's rewrites (kv_b split, A = -exp(A_log), dt_bias as ssm_dt's bias); the hyper-connections' fn, base
+    and scale and the indexer's tensors (the k-pool compressor's included) under llama.cpp's names."""
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.hc_(attn|ffn)_(fn|base|scale)", key):
+        return [(f"blk.{m[1]}.hc_{m[2]}_{m[3]}.weight", shape, lambda t: t)]
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.indexer\.(.+)", key):
+        require(m[2] in GLM5_NEXT_INDEXER, f"trunk tensor {key}: no llama.cpp name for it in glm5-next")
+        return [(f"blk.{m[1]}.{GLM5_NEXT_INDEXER[m[2]]}", shape, lambda t: t)]
+    return _kimi_linear_pieces(key, shape, config, names)
 
 
 def _granite_swa(name: str, config: dict, desc: ModelDescription) -> None:
@@ -1521,6 +1613,15 @@ FAMILIES = {
     "kimi_linear": GgufFamily(_arch("KIMI_LINEAR", "num_experts"), SIGMOID_BIASED | dict(normalise=True),
                               extras=("no_rope_layers",), dense_first=True, moe_keys=True, recurrent_kv=True, mla=True,
                               check=_kimi_linear, write=_write_kimi_linear, pieces=_kimi_linear_pieces),
+    # GLM-5.3's text model: delta-attention (KDA) layers, told apart by their 0 key/value heads, beside MLA ones without
+    # rotary whose indexer chooses pools of keys (shared by the layers that reuse its choice); DeepSeek-V3's routing
+    # without groups, leading dense layers and shared experts, every MLP's SwiGLU clamped; hyper-connections; tensors
+    # named as kimi-linear's, the indexer's and the hyper-connections' in _glm5_next_pieces
+    "glm5_next": GgufFamily(_arch("KIMI_LINEAR", "n_routed_experts"), SIGMOID_BIASED | dict(n_group=1),
+                            extras=("no_rope_layers", "block_sparse_attention", "shared_indexer", "swiglu_gate_limit",
+                                    "hyper_connections"),
+                            dense_first=True, moe_keys=True, recurrent_kv=True, mla=True, check=_glm5_next,
+                            write=_write_glm5_next, pieces=_glm5_next_pieces, name="glm5-next"),
     # attention and the MLP side by side on one norm, rotary over adjacent pairs on the sliding and leading dense layers
     # only, shared experts averaged with the routed ones, the logits scaled; tensors named as glm4moe's
     "cohere2_moe": GgufFamily(_arch("GLM4_MOE", "num_experts"), dict(correction_bias=False, n_group=1),
@@ -1594,10 +1695,16 @@ FAMILIES = {
                               pieces=_deepseek_v4_pieces, name="deepseek4"),
 }
 ARCHITECTURES = {name: f.arch for name, f in FAMILIES.items()}
-# families llama.cpp has an architecture for whose graph computes otherwise, refused by name with what differs
+# qwen4exp: llama.cpp 0.3.36 marks its graph (src/models/qwen4exp.cpp, TAG_QWEN4_REIMPLEMENT) "pending complete
+# reimplementation - do not use it as a reference"
+QWEN4_EXP = ("llama.cpp's qwen4exp graph is marked pending complete reimplementation, not to be used as a reference, "
+             "so an export could not be checked against it")
+# families llama.cpp has an architecture for whose graph computes otherwise, or cannot be checked against, refused by
+# name with why
 REFUSED = {"phimoe": "llama.cpp's phimoe weighs the two chosen experts by a softmax over their logits; transformers' "
                      "phimoe routes with sparsemixer (each chosen expert's weight a softmax over the logits within its "
-                     "jitter band, the second chosen with the first masked out)"}
+                     "jitter band, the second chosen with the first masked out)",
+           "qwen4_exp": QWEN4_EXP, "qwen4_exp_text": QWEN4_EXP}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
 PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)
 

@@ -99,7 +99,8 @@ class Attention:
     latent_dim: int = 0  # MLA: width of the compressed K/V latent (kv_lora_rank), what a cache keeps per token
     rope_key_dim: int = 0  # MLA: width of the rotary key all heads share (qk_rope_head_dim), cached beside it
     # MLA: the eps of the query and latent norms. transformers' MLA modules (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash,
-    # Mistral 4) build q_a_layernorm and kv_a_layernorm without rms_norm_eps, so with their RMSNorm's default.
+    # Mistral 4) build q_a_layernorm and kv_a_layernorm without rms_norm_eps, so with their RMSNorm's default;
+    # GLM-5.3's with rms_norm_eps.
     latent_norm_eps: float = 1e-6
 
 
@@ -199,6 +200,7 @@ def describe_model(config: dict) -> ModelDescription:
         latent_dim=facts.pop("latent_dim", 0), rope_key_dim=facts.pop("rope_key_dim", 0),
         nope_layers=facts.pop("nope_layers", ()), query_temperature=facts.pop("query_temperature", None),
         output_gate=facts.pop("output_gate", False), query_gate=facts.pop("query_gate", False),
+        latent_norm_eps=facts.pop("latent_norm_eps", Attention.latent_norm_eps),
     )
     if attention.sliding_window is None:
         attention = replace(attention, sliding_layers=())
@@ -776,6 +778,22 @@ def _deepseek_v4(c, n):
                         *(("hash_routing",) if "hash_moe" in (c.get("mlp_layer_types") or ()) else ())))
 
 
+def _glm5_next(c, n):
+    """GLM-5.3's text model: delta-attention (KDA) mixers (layer_types' linear_attention) between MLA layers without
+    rotary (qk_rope_head_dim 0), whose query and latent norms take rms_norm_eps; their indexer chooses pools of
+    index_kpool keys (the incomplete last pool appended where index_kpool_always_select_tail), the layers
+    indexer_types marks "shared" reusing the previous indexer layer's choice; DeepSeek-V3's routing with shared
+    experts; every MLP's SwiGLU (dense, shared and experts) clamped at swiglu_limit; hyper-connections (hc_mult
+    residual streams, averaged before the final norm)."""
+    mixers = _typed_layers(c, ("linear_attention",))
+    shared = "shared" in (c.get("indexer_types") or ())
+    return dict(routing=_sigmoid_biased(c), **_mla(c), latent_norm_eps=float(c.get("rms_norm_eps", default=1e-6)),
+                mixer_layers=mixers, nope_layers=tuple(i for i in range(n) if i not in mixers),
+                shared_experts=c.get("n_shared_experts", default=1) or 0,
+                extras=("no_rope_layers", "block_sparse_attention", *(("shared_indexer",) if shared else ()),
+                        "swiglu_gate_limit", "hyper_connections"))
+
+
 _RULES = {
     "qwen2_moe": _qwen2_moe, "qwen3_moe": _standard, "qwen3_next": _qwen3_next,
     "qwen3_5_moe": lambda c, n: _qwen3_next(c, n, normalise=True), "olmoe": _olmoe, "deepseek_v2": _deepseek_v2,
@@ -794,4 +812,5 @@ _RULES = {
     "flex_olmo": _flex_olmo, "cohere2_moe": _cohere2_moe, "mimo_v2_flash": _mimo_v2_flash, "laguna": _laguna,
     "step3p7": _step3p7, "hy_v4": _hy_v4, "minimax_m3_vl": _minimax_m3_vl, "minimax_m3_vl_text": _minimax_m3_vl,
     "dots3_note": _dots3_note, "dots3_note_text": _dots3_note, "deepseek_v4": _deepseek_v4,
+    "glm5_next": _glm5_next, "glm5_next_text": _glm5_next,
 }

@@ -106,8 +106,10 @@ DECODED_MEAN_KL = {"deepseek_v3": 1e-4}
 # 1e-6, the indexer's choice included. HY-V4's indexer likewise (keeping 16; with the F16 cache max |Δlogit| 0.86,
 # mean KL 2.9e-4); Dots3-Note's too (keeping 16 from 8 heads: its Q4 export with the F16 cache mean KL 3.0e-3, top-1
 # 95.3%, with F32 caches 2.5e-5 and 98.4%); DeepSeek-V4's keys (with the F16 cache its decoded logits differ by 7.9e-4 of
-# their largest, mean KL 6.3e-8; with F32 caches, its first layer hash-routed, 8.6e-7, 1.1e-13)
-F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4", "tiny-dots3_note", "tiny-deepseek_v4"}
+# their largest, mean KL 6.3e-8; with F32 caches, its first layer hash-routed, 8.6e-7, 1.1e-13); GLM-5.3's pooled keys and
+# latents (with the F16 cache max |Δlogit| 0.14, mean KL 1.8e-5; with F32 caches 3.3e-6 of their largest, 1.1e-12)
+F32_CACHE = {"tiny-deepseek_v32", "tiny-glm_moe_dsa", "tiny-hy_v4", "tiny-dots3_note", "tiny-deepseek_v4",
+             "tiny-glm5_next"}
 # llama.cpp's minimax-m3 attends block-sparsely only with flash attention (without it, to every key)
 FLASH_ATTENTION = {"minimax_m3_vl"}
 
@@ -119,7 +121,7 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
                 "mellum", "hy_v3", "dbrx", "qwen3_5_moe_text", "gemma4_text", "deepseek_v32", "nemotron_h", "minimax",
                 "qwen3_vl_moe", "glm4v_moe", "kimi_linear", "granitemoe_swa", "qwen3_5_moe", "gemma4", "cohere2_moe",
                 "mimo_v2_flash", "glm_moe_dsa", "laguna", "step3p7", "hy_v4", "minimax_m3_vl",
-                "dots3_note", "deepseek_v4"]
+                "dots3_note", "deepseek_v4", "glm5_next"]
 # the families written last, each on a tiny model at its fullest where llama.cpp computes it, its norms drawn around 1
 # so that attention scores and router logits are of unit scale: Mellum's sliding layer narrower than the prompt, at
 # the full layers' rotary base (llama.cpp's mellum rotates both kinds alike); HY-V3's dense layer between MoE ones;
@@ -165,7 +167,11 @@ WRITTEN_ONLY = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "minimax_m2", "dots
 # smallest Hadamard rotation) and a heavily compressed one (by 128), a quarter of each head turned at each kind's base,
 # output groups of two heads, 8 experts, its correction bias drawn, the SwiGLU clamped where it bites, the
 # hyper-connections' eps away from its default and their scales drawn around 1, the first layer hash-routed (its
-# token-id table drawn, each token's experts distinct: draw_hash_tables)
+# token-id table drawn, each token's experts distinct: draw_hash_tables); GLM-5.3's text model: delta-attention layers on
+# either side of two MLA ones, the first running its indexer and the second reusing its choice, which keeps 4 pools of 4
+# of the prompt's keys (and the incomplete last pool) from 8 heads, a leading dense layer, 8 experts, a routed scale, its
+# correction bias drawn, every MLP's SwiGLU clamped where it bites, the hyper-connections' eps away from its default and
+# their scales drawn around 1
 STEP3P7_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
                                rope_parameters={t: {"rope_type": "default", "rope_theta": 1e4}
@@ -243,14 +249,22 @@ ALSO_CONFIGS = {"mellum": dict(layer_types=["sliding_attention", "full_attention
                                     head_dim=32, n_routed_experts=8, swiglu_limit=0.5, hc_eps=0.05,
                                     rope_parameters={t: {"rope_type": "default", "rope_theta": theta,
                                                          "partial_rotary_factor": 0.25}
-                                                     for t, theta in (("main", 1e4), ("compress", 1.6e5))})}
+                                                     for t, theta in (("main", 1e4), ("compress", 1.6e5))}),
+                "glm5_next": dict(num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention",
+                                                                    "indexed_attention", "linear_attention"],
+                                  mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                                  indexer_types=["full", "full", "shared", "full"], index_topk=16, index_kpool=4,
+                                  index_head_dim=32, index_n_heads=8, n_routed_experts=8, swiglu_limit=0.5,
+                                  hc_eps=0.05)}
 # multimodal checkpoints, whose vault holds the text model beside the vision tower: ALSO_CONFIGS holds their text
 # model's values
-MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7", "minimax_m3_vl", "dots3_note"}
+MULTIMODAL = {"qwen3_vl_moe", "glm4v_moe", "qwen3_5_moe", "gemma4", "step3p7", "minimax_m3_vl", "dots3_note",
+              "glm5_next"}
 OFFSET_NORMS = {"step3p7", "minimax_m3_vl"}  # RMSNorms scaled by 1 + w
 BIASED_BUFFERS = {"glm4v_moe", "kimi_linear", "mimo_v2_flash", "glm_moe_dsa", "step3p7", "hy_v4", "minimax_m3_vl",
-                  "dots3_note", "deepseek_v4"}
-UNIT_PARAMETERS = {"hy_v4": ("hc.scale", "hc_scale"), "deepseek_v4": ("hc.scale", "hc_scale")}  # drawn around 1, as norms are
+                  "dots3_note", "deepseek_v4", "glm5_next"}
+# drawn around 1, as norms are
+UNIT_PARAMETERS = {"hy_v4": ("hc.scale", "hc_scale"), "deepseek_v4": ("hc.scale", "hc_scale"), "glm5_next": ("hc.scale",)}
 
 
 def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
@@ -304,6 +318,20 @@ def test_llama_cpp_laguna_gate_per_element_reproduces_smoe_when_weights_are_deco
     llm.eval(ids)
     a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
     print("\n" + figures_line("llama.cpp tiny-laguna per-element gate, F32 trunk and decoded experts", a))
+    assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
+    assert a["mean_kl"] < 1e-5 and a["top1_clear"] == 1.0
+
+
+def test_llama_cpp_glm5_next_softplus_gate_reproduces_smoe_when_weights_are_decoded(tmp_path, monkeypatch):
+    """GLM-5.3's other forget gate: without linear_lower_bound, -exp(A_log) times the softplus of the gate (llama.cpp's
+    graph when the file has no kda.gate_lower_bound)."""
+    monkeypatch.setitem(ALSO_CONFIGS, "glm5_next", ALSO_CONFIGS["glm5_next"] | dict(linear_lower_bound=None))
+    vault = tiny_vault(tmp_path, "glm5_next", 4)
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True), f32_cache=True)
+    ids = prompt_ids(vault)
+    llm.eval(ids)
+    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
+    print("\n" + figures_line("llama.cpp tiny-glm5_next softplus gate, F32 trunk and decoded experts", a))
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
     assert a["mean_kl"] < 1e-5 and a["top1_clear"] == 1.0
 
