@@ -273,7 +273,7 @@ MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "dee
                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
                 "granitemoehybrid", "nemotron_h", "solar_open", "mellum", "glm4_moe_lite",
                 "qwen3_vl_moe", "mistral4", "qwen3_5_moe_text", "qwen3_5_moe",
-                "laguna", "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
+                "laguna", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "longcat_flash"]
 
 
 @pytest.fixture(scope="module")
@@ -532,6 +532,15 @@ MLX_REFUSALS = [
     ("step3p7", dict(query_pre_attn_scalar=16, use_bidirectional_attention=True),
      "does not compute bidirectional_attention"),
     ("qwen3_vl_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}), "'linear'"),
+    # mlx-lm's minimax_m3_vl makes every layer not full_attention block-sparse; transformers only minimax_m3_sparse ones
+    ("minimax_m3_vl", dict(layer_types=["full_attention", "sliding_attention"]), r"layer types \['sliding_attention'\]"),
+    # transformers turns the indexer's heads by the attention's cos and sin cut at index_head_dim
+    ("minimax_m3_vl", dict(layer_types=["full_attention", "minimax_m3_sparse"], index_head_dim=8),
+     "rotary part of 16 channels wider than the indexer's heads"),
+    ("minimax_m3_vl", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e6}), "'linear'"),
+    ("longcat_flash", dict(tie_word_embeddings=True), "tied embeddings"),  # mlx-lm's longcat_flash reads lm_head
+    ("longcat_flash", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7,
+                                            "original_max_position_embeddings": 16}), "'yarn'"),
 ]
 
 
@@ -556,6 +565,38 @@ def test_mlx_refuses_families_whose_mlx_lm_router_weighs_experts_otherwise(famil
 
     with pytest.raises(SmoeError, match=f"{family}: .*{named}"):
         mlx_families.family(family)
+
+
+def test_mlx_refuses_deepseek_v4_whose_mlx_lm_file_is_deepseek_v4_1():
+    from smoe.errors import SmoeError
+    from smoe.export import mlx_families
+
+    with pytest.raises(SmoeError, match="deepseek_v4: mlx-lm's deepseek_v41 .*previous hyper-connection's weights"):
+        mlx_families.family("deepseek_v4")
+
+
+def test_mlx_minimax_m3_args_are_what_transformers_reads_of_the_release_config():
+    """The release nests the indexer and the sparse layers in sparse_attention_config and gives a rotary_dim that
+    transformers does not read (it turns head_dim · rope_parameters' factor); mlx-lm would read them otherwise."""
+    from smoe.export.mlx_families import model_args
+    from smoe.source.description import describe_model
+
+    text = dict(model_type="minimax_m3_vl_text", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, rotary_dim=64, intermediate_size=32, num_local_experts=8,
+                num_experts_per_tok=2, moe_layer_freq=[0, 1, 1], rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                sparse_attention_config={"sparse_num_index_heads": 2, "sparse_index_dim": 32, "sparse_block_size": 16,
+                                         "sparse_topk_blocks": 4, "sparse_attention_freq": [0, 1, 1]})
+    config = dict(model_type="minimax_m3_vl", text_config=text)
+    desc = describe_model(config)
+    args = model_args("minimax_m3_vl", config, desc, [1, 2])
+    assert args["model_type"] == "minimax_m3_vl"
+    t = args["text_config"]
+    assert t["rotary_dim"] == 16 and t["sparse_attention_config"] is None
+    assert t["layer_types"] == ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"]
+    assert t["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+    assert (t["index_n_heads"], t["index_head_dim"], t["index_block_size"], t["index_topk_blocks"],
+            t["index_local_blocks"]) == (2, 32, 16, 4, 1)
 
 
 def test_mlx_ernie_is_refused_at_export_naming_the_correction_bias_mlx_lm_drops(tmp_path):

@@ -25,11 +25,18 @@ Where mlx-lm's model file reads a family's release config keys rather than trans
 lists, step3p7's as mlx-lm's step3p5, kimi_linear's linear_attn_config, gemma4_text's full-layer widths that
 transformers keeps in per_layer_config), the row's config writes them from transformers' values.
 
+MiniMax-M3's text model (minimax_m3_vl) is written under the multimodal checkpoint's names, which are mlx-lm's: its
+(1 + w) norms as they are (mlx-lm's GemmaRMSNorm adds the 1), the indexer's sizes, the layer kinds and the rotary width
+as transformers reads them. LongCat-Flash (longcat_flash), which smoe's description leaves undescribed, is checked on
+its config: its identity ("zero") experts are the router's last zero_expert_num, which both return as the token itself.
+
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
 router chooses with), hunyuan_v1_moe (mlx-lm's hunyuan never normalises the chosen experts' weights, transformers'
-does), jamba (mlx-lm's always does, transformers' never). minimax (MiniMax-Text-01's lightning attention) has no model
-file: mlx-lm's minimax file is MiniMax-M2's; bailing_moe has no
-transformers family; bailing_hybrid (mlx-lm has it, transformers too) is no family smoe reads, so no vault of it exists.
+does), jamba (mlx-lm's always does, transformers' never), deepseek_v4 (mlx-lm's deepseek_v41 is DeepSeek-V4.1: its
+hyper-connections mix each sublayer's input with the previous one's weights, and it has no hash-routed layers).
+minimax (MiniMax-Text-01's lightning attention) has no model file: mlx-lm's minimax file is MiniMax-M2's; bailing_moe
+has no transformers family; bailing_hybrid (mlx-lm has it, transformers too) is no family smoe reads, so no vault of it
+exists.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from smoe.export.source import require
 from smoe.source.description import ModelDescription
 
 OAI_CLAMP = (1.702, 7.0)  # mlx-lm's SwigluOAI defaults, which its gpt_oss never changes
+CONFIG_CLAMP = "swiglu_alpha, swiglu_limit"  # a clamped SwiGLU at the config's alpha and limit
 REFUSED = {"ernie4_5_moe": "mlx-lm's ernie4_5_moe drops the router's correction bias (its sanitize removes "
                            "e_score_correction_bias)",
            # transformers' HunYuan-MoE divides the top-k softmax weights by their sum; mlx-lm's hunyuan uses them
@@ -52,7 +60,13 @@ REFUSED = {"ernie4_5_moe": "mlx-lm's ernie4_5_moe drops the router's correction 
                              "hunyuan_v1_moe does",
            # the other way round: transformers' Jamba keeps the top-k softmax weights, mlx-lm's takes a softmax
            # over the k chosen logits (and places MoE layers by (i + offset) % period)
-           "jamba": "mlx-lm's jamba normalises the chosen experts' weights, transformers' jamba does not"}
+           "jamba": "mlx-lm's jamba normalises the chosen experts' weights, transformers' jamba does not",
+           # mlx-lm's deepseek_v41 is DeepSeek-V4.1: each sublayer's input is collapsed from the streams by the mix
+           # the previous sublayer's hyper-connection made (stream 0 before the first), where transformers' DeepSeek-V4
+           # collapses by the sublayer's own; and it routes every layer by score, V4 its hash_moe layers by token id
+           "deepseek_v4": "mlx-lm's deepseek_v41 (DeepSeek-V4.1) mixes each sublayer's input with the previous "
+                          "hyper-connection's weights and has no hash-routed layers; transformers' deepseek_v4 mixes "
+                          "with the sublayer's own and routes hash_moe layers by token id"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,8 @@ class MlxFamily:
     sinks: bool = False
     sliding_window: bool = False
     expert_biases: bool = False
-    clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU
+    clamp: tuple[float, float] | str | None = None  # gpt-oss's clamped SwiGLU (CONFIG_CLAMP: at the config's alpha
+    # and limit, which the model file reads)
     activation: str = "silu"  # the experts' activation (transformers' ACT2FN name)
     gated: bool = True  # act(gate) · up; else act(up), roles up and down only
     rope_types: tuple[str, ...] = ("default",)
@@ -299,6 +314,52 @@ def _floats(values) -> list[float] | None:
     if values is None:
         return None
     return [float(v["__float__"]) if isinstance(v, dict) else float(v) for v in values]
+
+
+MINIMAX_M3_SPARSE = "minimax_m3_sparse"  # the layer type whose attention its indexer makes block-sparse
+# transformers' flat indexer keys, the release's names for them in sparse_attention_config and transformers' defaults
+MINIMAX_M3_INDEXER = {"index_n_heads": ("sparse_num_index_heads", 4), "index_head_dim": ("sparse_index_dim", 128),
+                      "index_block_size": ("sparse_block_size", 128), "index_topk_blocks": ("sparse_topk_blocks", 16),
+                      "index_local_blocks": ("sparse_local_block", 1)}
+
+
+def _minimax_m3_layer_types(config: dict) -> list[str]:
+    """The attention kind of each layer as transformers reads it: layer_types, else the release's sparse_attention_freq,
+    else full attention everywhere."""
+    freq = (config.get("sparse_attention_config") or {}).get("sparse_attention_freq")
+    return config.get("layer_types") or (
+        [MINIMAX_M3_SPARSE if f else "full_attention" for f in freq] if freq is not None
+        else ["full_attention"] * config["num_hidden_layers"])
+
+
+def _minimax_m3_vl(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # mlx-lm takes rotary_dim where the config has one (transformers reads only rope_parameters' factor, default 1;
+    # mlx-lm's default 0.5), makes every layer not "full_attention" sparse and all of them where layer_types is absent,
+    # and has no defaults for the indexer: all written as transformers reads them
+    kinds = ["sparse" if i in moe_layers else "dense" for i in range(desc.num_layers)]
+    return _minimax_m3_indexer(config) | dict(
+        rotary_dim=_minimax_m3_rotary(config), layer_types=_minimax_m3_layer_types(config), mlp_layer_types=kinds,
+        sparse_attention_config=None, sparse_attention_freq=None, moe_layer_freq=None, use_qk_norm=True,
+        use_gemma_norm=True)
+
+
+def _minimax_m3_indexer(config: dict) -> dict:
+    """The indexer's sizes as transformers reads them: sparse_attention_config's, else the flat keys, else its defaults."""
+    sparse = config.get("sparse_attention_config") or {}
+    return {key: sparse.get(legacy, config.get(key, default)) for key, (legacy, default) in MINIMAX_M3_INDEXER.items()}
+
+
+def _minimax_m3_rotary(config: dict) -> int:
+    """The channels of each head transformers turns: head_dim times rope_parameters' factor (rotary_dim unread)."""
+    return int(config.get("head_dim", 128) * _rope(config).get("partial_rotary_factor", 1.0))
+
+
+def _longcat_flash(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
+    # its ModelArgs requires what transformers fixes: the latents scaled, identity zero experts, the chosen weights
+    # never normalised
+    return dict(attention_method="MLA", zero_expert_type="identity", zero_expert_num=config.get("zero_expert_num") or 0,
+                mla_scale_q_lora=True, mla_scale_kv_lora=True, norm_topk_prob=False,
+                router_bias=config.get("router_bias", False))
 
 
 def _minimax_m2(config: dict, desc: ModelDescription, moe_layers: list[int]) -> dict:
@@ -538,6 +599,17 @@ def _check_step3p7(name: str, config: dict, desc: ModelDescription) -> None:
             "(no clamp)")
 
 
+def _check_minimax_m3_vl(name: str, config: dict, desc: ModelDescription) -> None:
+    kinds = set(_minimax_m3_layer_types(config)) - {"full_attention", MINIMAX_M3_SPARSE}
+    require(not kinds, f"{name}: layer types {sorted(kinds)} are not what mlx-lm's {name} builds (it makes every "
+            "layer not full_attention block-sparse)")
+    rotary, width = _minimax_m3_rotary(config), _minimax_m3_indexer(config)["index_head_dim"]
+    if MINIMAX_M3_SPARSE in _minimax_m3_layer_types(config):
+        # transformers turns the indexer's heads by the attention's cos and sin cut at index_head_dim
+        require(rotary <= width, f"{name}: a rotary part of {rotary} channels wider than the indexer's heads is not "
+                f"what mlx-lm's {name} turns (its own rotary over index_head_dim)")
+
+
 LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
 
 
@@ -724,6 +796,26 @@ FAMILIES |= {
                                        "value_head_dim", "value_scale"),
                                sliding_window=True, config=_mimo_v2_flash, check=_check_mimo_v2_flash),
 }
+FAMILIES |= {
+    # MiniMax-M3's text model under the multimodal checkpoint's names (the release's, mlx-lm's too): DeepSeek-V3's routing
+    # without groups, a shared expert and dense layers, all with the config's clamped SwiGLU; (1 + w) norms, which
+    # mlx-lm's GemmaRMSNorm computes from the weights as they are; the indexer keeping blocks of keys on the sparse
+    # layers. The vision tower and projectors are not written
+    "minimax_m3_vl": MlxFamily("block_sparse_moe.switch_mlp", dict(scoring="sigmoid", correction_bias=True,
+                                                                   normalise=True, n_group=1),
+                               layers="any", renames=((r"^model\.layers\.", "language_model.model.layers."),),
+                               extras=("norm_offset", "clamped_mlps", "partial_rotary", "block_sparse_attention"),
+                               qk_norms=("head",), shared="own", clamp=CONFIG_CLAMP, config=_minimax_m3_vl,
+                               nested_in="minimax_m3_vl", check=_check_minimax_m3_vl,
+                               drops=r"^(vision_tower|multi_modal_projector|patch_merge_mlp)\."),
+    # LongCat-Flash, which smoe's description does not describe (transformers' modules run it): two MLA sublayers and
+    # two dense MLPs per layer beside the experts of the first, softmax choice by score + correction bias, never
+    # normalised, times routed_scaling_factor; the router's last zero_expert_num experts return the token itself, as
+    # both compute them, the routed ones under mlx-lm's switch_mlp. Its sanitize splits kv_b_proj for any checkpoint.
+    # mlx-lm's latent norms take eps 1e-5 where transformers fixes 1e-6: written as it is, within the MLX tests' bounds
+    "longcat_flash": MlxFamily("mlp.switch_mlp", dict(custom="not described"), layers="any", extras=("undescribed",),
+                               attention_bias=(False, True), config=_longcat_flash, check=_check_untied),
+}
 # what a router may do beyond the fields a row fixes, refused unless the row allows it
 PLAIN_ROUTING = dict(router_bias=False, weight_input=False, custom=None)
 
@@ -804,7 +896,8 @@ def _check_experts(name: str, row: MlxFamily, desc: ModelDescription, shapes: di
     require(e.gated == row.gated and e.activation == row.activation,
             f"{name}: mlx-lm's {name} computes {_kind(row.activation, row.gated)} experts; this model's are "
             f"{_kind(e.activation, e.gated)}")
-    require(e.clamp == row.clamp, f"{name}: mlx-lm's {name} clamps SwiGLU at {row.clamp}; this model at {e.clamp}")
+    require(e.clamp == row.clamp or row.clamp == CONFIG_CLAMP and e.clamp is not None,
+            f"{name}: mlx-lm's {name} clamps SwiGLU at {row.clamp}; this model at {e.clamp}")
     require(e.biases == row.expert_biases, f"{name}: expert biases = {e.biases} is not what mlx-lm's {name} builds")
     require((desc.shared_experts > 0) == (row.shared != "none"),
             f"{name}: {desc.shared_experts} shared experts is not what mlx-lm's {name} computes")
