@@ -273,7 +273,8 @@ MLX_FAMILIES = ["glm4_moe", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3", "dee
                 "granitemoe", "phimoe", "exaone_moe", "llama4", "afmoe", "lfm2_moe", "dbrx", "qwen3_next",
                 "granitemoehybrid", "nemotron_h", "solar_open", "mellum", "glm4_moe_lite",
                 "qwen3_vl_moe", "mistral4", "qwen3_5_moe_text", "qwen3_5_moe",
-                "laguna", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "longcat_flash"]
+                "laguna", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "longcat_flash",
+                "minimax_m3_vl_text"]
 
 
 @pytest.fixture(scope="module")
@@ -538,6 +539,10 @@ MLX_REFUSALS = [
     ("minimax_m3_vl", dict(layer_types=["full_attention", "minimax_m3_sparse"], index_head_dim=8),
      "rotary part of 16 channels wider than the indexer's heads"),
     ("minimax_m3_vl", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e6}), "'linear'"),
+    # a text-only vault's dense MLP is one fused gate_up_proj, which mlx-lm's sanitize splits only under block_sparse_moe
+    ("minimax_m3_vl_text", dict(mlp_layer_types=["dense", "sparse"]), r"dense layers \[0\] keep a fused gate_up_proj"),
+    ("minimax_m3_vl_text", dict(layer_types=["full_attention", "sliding_attention"]),
+     r"layer types \['sliding_attention'\]"),
     ("longcat_flash", dict(tie_word_embeddings=True), "tied embeddings"),  # mlx-lm's longcat_flash reads lm_head
     ("longcat_flash", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7,
                                             "original_max_position_embeddings": 16}), "'yarn'"),
@@ -573,6 +578,14 @@ def test_mlx_refuses_deepseek_v4_whose_mlx_lm_file_is_deepseek_v4_1():
 
     with pytest.raises(SmoeError, match="deepseek_v4: mlx-lm's deepseek_v41 .*previous hyper-connection's weights"):
         mlx_families.family("deepseek_v4")
+
+
+def test_mlx_refuses_muse_spark_whose_mlx_lm_file_rounds_to_bf16_on_metal_kernels_only():
+    from smoe.errors import SmoeError
+    from smoe.export import mlx_families
+
+    with pytest.raises(SmoeError, match="muse_spark: mlx-lm's muse_spark runs only as Metal kernels .*bf16"):
+        mlx_families.family("muse_spark")
 
 
 def test_mlx_minimax_m3_args_are_what_transformers_reads_of_the_release_config():

@@ -25,15 +25,19 @@ Where mlx-lm's model file reads a family's release config keys rather than trans
 lists, step3p7's as mlx-lm's step3p5, kimi_linear's linear_attn_config, gemma4_text's full-layer widths that
 transformers keeps in per_layer_config), the row's config writes them from transformers' values.
 
-MiniMax-M3's text model (minimax_m3_vl) is written under the multimodal checkpoint's names, which are mlx-lm's: its
-(1 + w) norms as they are (mlx-lm's GemmaRMSNorm adds the 1), the indexer's sizes, the layer kinds and the rotary width
-as transformers reads them. LongCat-Flash (longcat_flash), which smoe's description leaves undescribed, is checked on
-its config: its identity ("zero") experts are the router's last zero_expert_num, which both return as the token itself.
+MiniMax-M3's text model (minimax_m3_vl; a text-only vault in transformers' names, minimax_m3_vl_text, renamed to the
+checkpoint's, without dense layers: their fused gate_up_proj is one mlx-lm's sanitize leaves whole) is written under
+the multimodal checkpoint's names, which are mlx-lm's: its (1 + w) norms as they are (mlx-lm's GemmaRMSNorm adds the
+1), the indexer's sizes, the layer kinds and the rotary width as transformers reads them. LongCat-Flash (longcat_flash),
+which smoe's description leaves undescribed, is checked on its config: its identity ("zero") experts are the router's
+last zero_expert_num, which both return as the token itself.
 
 Left refused: ernie4_5_moe (mlx-lm's sanitize drops the router's correction bias, which the release's
 router chooses with), hunyuan_v1_moe (mlx-lm's hunyuan never normalises the chosen experts' weights, transformers'
 does), jamba (mlx-lm's always does, transformers' never), deepseek_v4 (mlx-lm's deepseek_v41 is DeepSeek-V4.1: its
-hyper-connections mix each sublayer's input with the previous one's weights, and it has no hash-routed layers).
+hyper-connections mix each sublayer's input with the previous one's weights, and it has no hash-routed layers),
+muse_spark (mlx-lm's runs only as Metal kernels, and rounds the attention inputs, norm gains and final norm to bf16 over
+an fp32 residual stream where transformers' keeps the weights' dtype).
 minimax (MiniMax-Text-01's lightning attention) has no model file: mlx-lm's minimax file is MiniMax-M2's; bailing_moe
 has no transformers family; bailing_hybrid (mlx-lm has it, transformers too) is no family smoe reads, so no vault of it
 exists.
@@ -66,7 +70,14 @@ REFUSED = {"ernie4_5_moe": "mlx-lm's ernie4_5_moe drops the router's correction 
            # collapses by the sublayer's own; and it routes every layer by score, V4 its hash_moe layers by token id
            "deepseek_v4": "mlx-lm's deepseek_v41 (DeepSeek-V4.1) mixes each sublayer's input with the previous "
                           "hyper-connection's weights and has no hash-routed layers; transformers' deepseek_v4 mixes "
-                          "with the sublayer's own and routes hash_moe layers by token id"}
+                          "with the sublayer's own and routes hash_moe layers by token id",
+           # mlx-lm's muse_spark runs its routing, q/k, attention-output and expert norms as mx.fast.metal_kernel (no
+           # other backend runs them), casts each layer's attention input, the (1 + w) norm gains and the final norm's
+           # output to bf16, and keeps the residual stream in fp32; transformers' rounds its stream to the weights'
+           # dtype after each residual gate and casts nothing else to bf16. mlx-lm builds no dense layers either
+           "muse_spark": "mlx-lm's muse_spark runs only as Metal kernels and rounds attention inputs, norm gains and "
+                         "the final norm to bf16 over an fp32 residual stream; transformers' muse_spark keeps the "
+                         "weights' dtype throughout"}
 
 
 @dataclass(frozen=True)
@@ -610,6 +621,13 @@ def _check_minimax_m3_vl(name: str, config: dict, desc: ModelDescription) -> Non
                 f"what mlx-lm's {name} turns (its own rotary over index_head_dim)")
 
 
+def _check_minimax_m3_text(name: str, config: dict, desc: ModelDescription) -> None:
+    _check_minimax_m3_vl(name, config, desc)
+    dense = [i for i in range(desc.num_layers) if i not in desc.moe_layers]
+    require(not dense, f"{name}: dense layers {dense} keep a fused gate_up_proj, which mlx-lm's minimax_m3_vl does not "
+            "split (its sanitize splits only block_sparse_moe's)")
+
+
 LLAMA4_EVERY = 4  # mlx-lm's llama4 fixes NoPE on every 4th layer, chunked attention on the others
 
 
@@ -808,6 +826,21 @@ FAMILIES |= {
                                qk_norms=("head",), shared="own", clamp=CONFIG_CLAMP, config=_minimax_m3_vl,
                                nested_in="minimax_m3_vl", check=_check_minimax_m3_vl,
                                drops=r"^(vision_tower|multi_modal_projector|patch_merge_mlp)\."),
+    # a text-only MiniMax-M3 vault in transformers' names (fused gate_up_proj MLPs, the router and shared expert under
+    # mlp, the indexer under self_attn.indexer), written under mlx-lm's minimax_m3_vl names for its language model:
+    # its sanitize splits the shared expert's fused gate_up_proj; a dense layer's it leaves whole (_check_minimax_m3_text)
+    "minimax_m3_vl_text": MlxFamily("block_sparse_moe.switch_mlp", dict(scoring="sigmoid", correction_bias=True,
+                                                                        normalise=True, n_group=1),
+                                    layers="any", renames=((r"^model\.", "language_model.model."),
+                                                           (r"^lm_head\.", "language_model.lm_head."),
+                                                           (r"\.mlp\.gate\.e_score_correction_bias$",
+                                                            ".block_sparse_moe.e_score_correction_bias"),
+                                                           (r"\.mlp\.(gate|shared_experts)\.", r".block_sparse_moe.\1."),
+                                                           (r"\.self_attn\.indexer\.(q|k)_(proj|norm)\.",
+                                                            r".self_attn.index_\1_\2.")),
+                                    extras=("norm_offset", "clamped_mlps", "partial_rotary", "block_sparse_attention"),
+                                    qk_norms=("head",), shared="own", clamp=CONFIG_CLAMP, config=_minimax_m3_vl,
+                                    nested_in="minimax_m3_vl", check=_check_minimax_m3_text),
     # LongCat-Flash, which smoe's description does not describe (transformers' modules run it): two MLA sublayers and
     # two dense MLPs per layer beside the experts of the first, softmax choice by score + correction bias, never
     # normalised, times routed_scaling_factor; the router's last zero_expert_num experts return the token itself, as

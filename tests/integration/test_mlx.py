@@ -98,7 +98,8 @@ def test_mlx_logits_follow_smoe_for_each_family(tmp_path, family, bits):
 # key/value head whose keys are its values, a final softcap that bites, 8 experts (the multimodal checkpoint's, gemma4,
 # alike); MiniMax-M3's text model, its (1 + w) norms drawn around 0: a leading dense layer, block-sparse layers whose
 # indexer keeps 2 of the prompt's blocks of 16 keys (one of them local), half of each head turned, 8 experts, a routed
-# scale and a SwiGLU clamp that bites (alpha 1.5, limit 0.5) on the experts, shared expert and dense layer;
+# scale and a SwiGLU clamp that bites (alpha 1.5, limit 0.5) on the experts, shared expert and dense layer; its
+# text-only vault in transformers' names (minimax_m3_vl_text) alike, every layer MoE (a dense layer's fused MLP refused);
 # LongCat-Flash's two layers, 8 routed experts beside 2 identity ones, 4 chosen. Each top-k indexer (DeepSeek-V3.2's, GLM-5's) has
 # as many heads as keep every query's 16th and 17th keys apart on its seed: keys that score an exact 0 (ReLU ties), or
 # within 1e-6, torch's topk and MLX's argpartition order otherwise
@@ -135,12 +136,18 @@ DRAWN_CONFIGS = {
                           dense_intermediate_size=64, num_local_experts=8, routed_scaling_factor=2.5, swiglu_alpha=1.5,
                           swiglu_limit=0.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                              "partial_rotary_factor": 0.5}),
+    "minimax_m3_vl_text": dict(num_hidden_layers=4, head_dim=32, num_key_value_heads=2, index_n_heads=2,
+                               index_head_dim=32, index_block_size=16, index_topk_blocks=2, index_local_blocks=1,
+                               layer_types=["full_attention"] + ["minimax_m3_sparse"] * 3, mlp_layer_types=["sparse"] * 4,
+                               intermediate_size=32, shared_intermediate_size=32, num_local_experts=8,
+                               routed_scaling_factor=2.5, swiglu_alpha=1.5, swiglu_limit=0.5,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
     "longcat_flash": dict(num_layers=2, n_routed_experts=8, zero_expert_num=2, moe_topk=4, ffn_hidden_size=32),
 }
 DRAWN_CONFIGS["gemma4"] = ({k: v for k, v in TINY_CONFIGS["gemma4_text"].items() if k != "moe_intermediate_size"}
                            | DRAWN_CONFIGS["gemma4_text"])
 DRAWN_MULTIMODAL = {"step3p7", "gemma4", "minimax_m3_vl"}  # DRAWN_CONFIGS holds their text model's values
-OFFSET_NORMS = {"step3p7", "minimax_m3_vl"}  # RMSNorms scaled by 1 + w: drawn around 0
+OFFSET_NORMS = {"step3p7", "minimax_m3_vl", "minimax_m3_vl_text"}  # RMSNorms scaled by 1 + w: drawn around 0
 UNIT_SCALES = ("router.scale", "router.per_expert_scale")
 
 
