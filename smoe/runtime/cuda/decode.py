@@ -777,21 +777,20 @@ class StaticBuffers:
         self.logits = torch.zeros(1, dec.lm_head.shape[0], dtype=ACT, device=dev)
         pinned = dev.type == "cuda"
         self.stage = torch.zeros(2 + k, dtype=torch.int64, pin_memory=pinned)
-        # written through numpy (no tensor made per token: host time between two tokens' graphs is GPU idle time)
-        self.staged = self.stage.numpy()
         self.stage_inputs, self.stage_offsets = self.stage[:2], self.stage[2:]
 
-    def upload(self, dst: torch.Tensor, values: list[int], stage: torch.Tensor, at: int) -> None:
+    def upload(self, dst: torch.Tensor, values: list[int], stage: torch.Tensor) -> None:
         # the host reaches this point only after a sync on the compute stream (reading top-k or the
-        # previous logits), so the previous copy out of the staging area has finished
-        self.staged[at: at + len(values)] = values
+        # previous logits), so the previous copy out of the staging area has finished; written through numpy
+        # (no tensor made per token: host time between two tokens' graphs is GPU idle time)
+        stage.numpy()[:] = values
         dst.copy_(stage.view(dst.shape), non_blocking=True)
 
     def set_token(self, token: int, pos: int) -> None:
-        self.upload(self.inputs, [token, pos], self.stage_inputs, 0)
+        self.upload(self.inputs, [token, pos], self.stage_inputs)
 
     def set_offsets(self, offsets: list[int]) -> None:
-        self.upload(self.offsets, offsets, self.stage_offsets, 2)
+        self.upload(self.offsets, offsets, self.stage_offsets)
 
 
 def capture(fn, device, pool=None):

@@ -58,7 +58,7 @@ def tiles(n: int, k: int) -> tuple[int, int, int]:
 
 def covered(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernel computes x @ w.T: one row, on the GPU (or the interpreter), contiguous matrices."""
-    return (ENABLED and triton is not None and x.shape[0] == 1 and x.dim() == 2 and (x.is_cuda or INTERPRETED)
+    return (ENABLED and triton is not None and x.dim() == 2 and x.shape[0] == 1 and (x.is_cuda or INTERPRETED)
             and w.is_contiguous() and w.shape[1] <= MAX_K and x.dtype == w.dtype)
 
 
