@@ -123,6 +123,18 @@ def step3p7_config(**changes) -> dict:
     return Step3p7Config(**config | dict(text_config=text)).to_dict()
 
 
+def refused_or_passed(family: str, config: dict, named: str | None) -> None:
+    """The family's GGUF checks on `config`: passed where `named` is None, else refused with that in the message."""
+    desc = describe_model(config)
+    run = lambda: gguf_families.check(family, gguf_families.config_view(family, config), desc,
+                                      list(desc.moe_layers), {}, 32)
+    if named is None:
+        assert run() is None
+        return
+    with pytest.raises(SmoeError, match=named):
+        run()
+
+
 @pytest.mark.parametrize("changes,named", [
     ({}, None),
     (dict(layer_types=["full_attention"] * 3), "needs sliding-window layers"),
@@ -136,15 +148,7 @@ def step3p7_config(**changes) -> dict:
     (dict(attention_bias=True), "attention biases"),
 ])
 def test_gguf_refuses_what_step35_computes_differently(changes, named):
-    config = step3p7_config(**changes)
-    desc = describe_model(config)
-    run = lambda: gguf_families.check("step3p7", gguf_families.config_view("step3p7", config), desc,
-                                      list(desc.moe_layers), {}, 32)
-    if named is None:
-        assert run() is None
-        return
-    with pytest.raises(SmoeError, match=named):
-        run()
+    refused_or_passed("step3p7", step3p7_config(**changes), named)
 
 
 def test_gguf_step35_heads_and_rotary_width_are_the_graph_s():
@@ -239,15 +243,7 @@ def glm5_next_config(**changes) -> dict:
     (dict(attention_bias=True), "attention biases"),
 ])
 def test_gguf_refuses_what_glm5_next_computes_differently(changes, named):
-    config = glm5_next_config(**changes)
-    desc = describe_model(config)
-    run = lambda: gguf_families.check("glm5_next", gguf_families.config_view("glm5_next", config), desc,
-                                      list(desc.moe_layers), {}, 32)
-    if named is None:
-        assert run() is None
-        return
-    with pytest.raises(SmoeError, match=named):
-        run()
+    refused_or_passed("glm5_next", glm5_next_config(**changes), named)
 
 
 @pytest.fixture(scope="module", params=[-5.0, None], ids=["gate-bound", "softplus-gate"])

@@ -286,6 +286,17 @@ def tiny_vault(tmp: Path, family: str, bits: int) -> Path:
     return vault
 
 
+def decoded_agreement(vault, tmp_path, label: str, **options) -> dict:
+    """llama.cpp's logits on the vault's GGUF with an F32 trunk and F32 decoded experts (`options` for load) against
+    smoe's, printed under `label`."""
+    llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True), **options)
+    ids = prompt_ids(vault)
+    llm.eval(ids)
+    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
+    print("\n" + figures_line(f"{label}, F32 trunk and decoded experts", a))
+    return a
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "tiny-deepseek_v3", "tiny-deepseek_v2",
                                     *(f"tiny-{f}" for f in WRITTEN_ONLY)])
 def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_factory, tmp_path, family):
@@ -299,12 +310,8 @@ def test_llama_cpp_graph_reproduces_smoe_when_weights_are_decoded(tmp_path_facto
         vault = tiny_vault(tmp_path, family.removeprefix("tiny-"), 4)
     else:
         vault = integration_vault(tmp_path_factory, family, 4)
-    llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True),
-               f32_cache=family in F32_CACHE, flash_attn=family.removeprefix("tiny-") in FLASH_ATTENTION)
-    ids = prompt_ids(vault)
-    llm.eval(ids)
-    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
-    print("\n" + figures_line(f"llama.cpp {family} Q4, F32 trunk and decoded experts", a))
+    a = decoded_agreement(vault, tmp_path, f"llama.cpp {family} Q4", f32_cache=family in F32_CACHE,
+                          flash_attn=family.removeprefix("tiny-") in FLASH_ATTENTION)
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
     assert a["mean_kl"] < DECODED_MEAN_KL.get(family, 1e-5) and a["top1_clear"] == 1.0
 
@@ -313,11 +320,7 @@ def test_llama_cpp_laguna_gate_per_element_reproduces_smoe_when_weights_are_deco
     """Laguna's other gate width: one softplus gate per channel of each head instead of one per head."""
     monkeypatch.setitem(ALSO_CONFIGS, "laguna", ALSO_CONFIGS["laguna"] | dict(gating="per-element"))
     vault = tiny_vault(tmp_path, "laguna", 4)
-    llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True))
-    ids = prompt_ids(vault)
-    llm.eval(ids)
-    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
-    print("\n" + figures_line("llama.cpp tiny-laguna per-element gate, F32 trunk and decoded experts", a))
+    a = decoded_agreement(vault, tmp_path, "llama.cpp tiny-laguna per-element gate")
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
     assert a["mean_kl"] < 1e-5 and a["top1_clear"] == 1.0
 
@@ -327,11 +330,7 @@ def test_llama_cpp_glm5_next_softplus_gate_reproduces_smoe_when_weights_are_deco
     graph when the file has no kda.gate_lower_bound)."""
     monkeypatch.setitem(ALSO_CONFIGS, "glm5_next", ALSO_CONFIGS["glm5_next"] | dict(linear_lower_bound=None))
     vault = tiny_vault(tmp_path, "glm5_next", 4)
-    llm = load(export(vault, "gguf", tmp_path / "model.gguf", trunk_type="f32", decoded_experts=True), f32_cache=True)
-    ids = prompt_ids(vault)
-    llm.eval(ids)
-    a = agreement(smoe_logits(vault, ids), np.array(llm.scores[: len(ids)], dtype=np.float32))
-    print("\n" + figures_line("llama.cpp tiny-glm5_next softplus gate, F32 trunk and decoded experts", a))
+    a = decoded_agreement(vault, tmp_path, "llama.cpp tiny-glm5_next softplus gate", f32_cache=True)
     assert a["median_pos_max_abs"] < 1e-3 * a["ref_max_abs"]
     assert a["mean_kl"] < 1e-5 and a["top1_clear"] == 1.0
 
