@@ -184,8 +184,8 @@ def decode_run(workdir, tiny_vault):
             mp.setattr(bench_main, "machine_description", lambda device: "cpu (test)")
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                rc = cli.main(["bench", "decode", "--workdir", str(workdir), "--budgets", "1,0.25", "--tokens", "8",
-                               "--warmup", "8", "--threads", "2", "--no-baseline", "--routing", "zipf,uniform",
+                rc = cli.main(["bench", "decode", "--workdir", str(workdir), "--budgets", "1,0.25", "--tokens", "4",
+                               "--repeats", "2", "--warmup", "8", "--threads", "2", "--no-baseline", "--routing", "zipf,uniform",
                                "--sources", "host,disk", "--host-misses", "in-place,copy", "--json"])
     finally:
         torch.set_num_threads(threads)
@@ -205,7 +205,8 @@ def test_bench_decode_times_every_budget_source_and_miss_path_under_both_routing
             assert rows[key + ("uniform", way)]["hit_rate"] < rows[key + ("zipf", way)]["hit_rate"]
     for r in decode_run["rows"]:  # the fields of before, and the I/O limit of each row's own misses
         assert {"tok_s", "hit_rate", "limit_tok_s", "of_limit", "copied_bytes_per_token", "in_place_bytes_per_token",
-                "disk_bytes_per_token", "host_ms_per_token", "io_limit_tok_s", "of_io_limit"} <= set(r)
+                "disk_bytes_per_token", "host_ms_per_token", "io_limit_tok_s", "of_io_limit", "tok_s_sd"} <= set(r)
+        assert r["repeats"] == 2 and r["tokens"] == 8  # two timed spans of 4, counted together
     host, disk = rows[(0.25, "host", "uniform", "copied")], rows[(0.25, "disk", "uniform", "copied")]
     in_place = rows[(0.25, "host", "uniform", "in place")]
     limits = decode_run["limits"]

@@ -255,18 +255,20 @@ def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
 
 def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, warmup: int, tokens: int,
                threads: int, device: str = "cuda", routing_name: str = "zipf", direct_io: bool = True,
-               misses: str = "in-place") -> dict:
+               misses: str = "in-place", repeats: int = 1) -> dict:
     """Decode with the GPU cache at `budget_fraction` of the experts; misses from the pinned host tier
     (source "host", filled before timing; misses "in-place": read there by the kernels, "copy": copied into
     the GPU cache first) or from the disk (source "disk": page cache dropped after the warm-up, O_DIRECT unless
-    direct_io is False; the cold state is part of the row)."""
+    direct_io is False; the cold state is part of the row). `repeats` spans of `tokens` are timed one after the
+    other (as llama-bench's -r): `tok_s` is their mean rate, `tok_s_sd` the spread; the counts cover them all."""
     from smoe.bench.replay import ReplayDecoder, replay
     from smoe.runtime.cuda.cache import blob_slot_bytes
 
     vault, device = sm.vault, torch.device(device)
     everything = blob_slot_bytes(vault) * len(vault.entries)
     host = everything if source == "host" and budget_fraction < 1 else 0
-    dec = ReplayDecoder(sm, device, int(everything * budget_fraction), warmup + tokens + 8, host_cache_bytes=host,
+    timed = tokens * repeats
+    dec = ReplayDecoder(sm, device, int(everything * budget_fraction), warmup + timed + 8, host_cache_bytes=host,
                         threads=threads, direct_io=source == "disk" and direct_io,
                         route_replay=torch.from_numpy(routing), in_place=misses == "in-place")
     try:
@@ -279,25 +281,29 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         dec.account()
         before = dict(dec.cache.stats.as_dict())
         timing0 = dict(dec.timing)
-        token, seconds = replay(dec, range(warmup, warmup + tokens), token)
+        rates = []
+        for start in range(warmup, warmup + timed, tokens):
+            token, seconds = replay(dec, range(start, start + tokens), token)
+            rates.append(tokens / seconds)
         if source == "disk":  # what the row's own reads left in the page cache (none with O_DIRECT)
             cold["resident_after_row"] = resident_fraction(vault.dir / DATA_FILE)
         dec.account()
         after = dec.cache.stats.as_dict()
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "host_hits", "bytes_read", "bytes_copied",
                                                    "bytes_in_place", "wait_seconds")}
+        rate = float(np.mean(rates))
         return delta | cold | {
-            "budget_fraction": budget_fraction, "source": source, "routing": routing_name, "tokens": tokens,
-            "misses_read": misses_read(dec),
-            "tok_s": tokens / seconds, "ms_per_token": 1000 * seconds / tokens,
+            "budget_fraction": budget_fraction, "source": source, "routing": routing_name, "tokens": timed,
+            "repeats": repeats, "misses_read": misses_read(dec),
+            "tok_s": rate, "tok_s_sd": float(np.std(rates)), "ms_per_token": 1000 / rate,
             "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
-            "gpu_read_bytes_per_token": gpu_bytes_per_token(dec, warmup + tokens // 2),
-            "copied_bytes_per_token": delta["bytes_copied"] / tokens,
-            "in_place_bytes_per_token": delta["bytes_in_place"] / tokens,
-            "disk_bytes_per_token": delta["bytes_read"] / tokens,
-            "cache_wait_ms_per_token": 1000 * delta["wait_seconds"] / tokens,
+            "gpu_read_bytes_per_token": gpu_bytes_per_token(dec, warmup + timed // 2),
+            "copied_bytes_per_token": delta["bytes_copied"] / timed,
+            "in_place_bytes_per_token": delta["bytes_in_place"] / timed,
+            "disk_bytes_per_token": delta["bytes_read"] / timed,
+            "cache_wait_ms_per_token": 1000 * delta["wait_seconds"] / timed,
             "whole_token_graph": dec.whole_token is not None, "segment_graphs": dec.segments is not None,
-            "host_ms_per_token": {k: 1000 * (dec.timing[k] - timing0[k]) / tokens for k in dec.timing}}
+            "host_ms_per_token": {k: 1000 * (dec.timing[k] - timing0[k]) / timed for k in dec.timing}}
     finally:
         dec.close()
         del dec
@@ -433,12 +439,12 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
                  sources: tuple[str, ...] = ("host", "disk"), llama_bench: str | None = None,
                  prefill: tuple[int, ...] = (), routings: tuple[str, ...] = ("zipf",), device: str = "cuda",
                  config: dict | None = None, measure_bytes: int | None = None,
-                 host_misses: tuple[str, ...] = ("in-place",)) -> dict:
+                 host_misses: tuple[str, ...] = ("in-place",), repeats: int = 1) -> dict:
     """Every budget's rows, each source (a full budget: host only) under each recorded routing of `routings`
     ("zipf", "uniform"), a partial budget's host rows under each way of `host_misses` ("in-place", "copy").
     `device` "cpu" runs the same rows on a CPU "device" (no GPU: tests), `config` overrides keys of the model's
     config (smaller shapes), `measure_bytes` sizes the copies that measure the link and the device memory
-    (default 1 and 2 GiB)."""
+    (default 1 and 2 GiB), `repeats` the timed spans of `tokens` a row (see decode_run)."""
     from smoe.runtime.model import OpenedVault
     from smoe.source.description import describe_model
 
@@ -455,7 +461,7 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
     limits = {"pinned_copy_gbps": pinned_copy_gbps(device, measure_bytes or 1 << 30),
               "hbm_gbps": hbm_gbps(device, measure_bytes or 2 << 30), "disk_gbps": disk["gbps"], "disk_read": disk}
     sm = OpenedVault(vault_dir, dtype="bfloat16" if cuda else "float32", kernel_path="dequant")  # its CPU store stays unused
-    draws = {r: routing_draw(r, cfg["num_hidden_layers"], warmup + tokens + 8, seed=0, experts=d.routing.num_experts,
+    draws = {r: routing_draw(r, cfg["num_hidden_layers"], warmup + tokens * repeats + 8, seed=0, experts=d.routing.num_experts,
                              top_k=d.routing.top_k) for r in routings}
     rows = []
     try:
@@ -464,7 +470,7 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
                 ways = host_misses if source == "host" and fraction < 1 else ("copy",)
                 for routing, way in itertools.product(routings, ways):
                     r = decode_run(sm, fraction, source, draws[routing], warmup, tokens, threads, device, routing, direct,
-                                   way)
+                                   way, repeats)
                     rows.append(with_limits(r, limits))
                     print(format_row(rows[-1]), file=sys.stderr, flush=True)
         prompts = [prefill_run(sm, f, n, threads, device=device) for f in budgets for n in prefill]
@@ -473,8 +479,8 @@ def bench_decode(workdir: str, budgets: list[float], tokens: int, warmup: int, t
     with Vault(vault_dir) as v:
         vault_gb = sum(e.size for e in v.entries.values()) / 1e9
     result = {"benchmark": "decode", "model": model, "vault": str(vault_dir), "vault_expert_gb": vault_gb, "limits": limits,
-              "layers": cfg["num_hidden_layers"], "tokens": tokens, "warmup": warmup, "routings": list(routings),
-              "rows": rows, "prefill": prompts}
+              "layers": cfg["num_hidden_layers"], "tokens": tokens, "repeats": repeats, "warmup": warmup,
+              "routings": list(routings), "rows": rows, "prefill": prompts}
     if baseline:
         result["transformers_bf16"] = transformers_run(cfg, min(tokens, 32))
     if llama_bench:
@@ -524,7 +530,7 @@ def percent(share: float | None) -> str:
 
 def format_row(r: dict) -> str:
     line = (f"  budget {100 * r['budget_fraction']:5.1f}%  {r['source']:4s}  {r.get('routing', 'zipf'):7s}  "
-            f"{r['tok_s']:7.1f} tok/s  hit {100 * r['hit_rate']:5.1f}%  "
+            f"{r['tok_s']:7.1f} ± {r.get('tok_s_sd', 0):5.1f} tok/s  hit {100 * r['hit_rate']:5.1f}%  "
             f"moved {(r['copied_bytes_per_token'] + r.get('in_place_bytes_per_token', 0)) / 1e6:7.1f} MB/tok "
             f"({r.get('misses_read', 'copied')})  "
             f"limit {r['limit_tok_s']:7.1f} tok/s  ({percent(r['of_limit'])} of it)  "

@@ -98,7 +98,8 @@ def bench_decode_main(args) -> int:
     result = bench_decode.bench_decode(args.workdir, budgets, args.tokens, args.warmup, args.threads,
                                        baseline=not args.no_baseline, layers=args.layers, model=args.model,
                                        sources=sources, llama_bench=args.llama_bench,
-                                       prefill=prefill, routings=routings, host_misses=host_misses)
+                                       prefill=prefill, routings=routings, host_misses=host_misses,
+                                       repeats=args.repeats)
     result["machine"] = machine_description("cuda")
     print(json.dumps(result, indent=1) if args.json else f"machine: {result['machine']}\n" + bench_decode.format_result(result))
     return 0

@@ -8,6 +8,7 @@ recording, read on the device at the step set by `replay_step`.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -25,7 +26,21 @@ class ReplayDecoder(GpuDecoder):
         # the step's recorded routes [layers, k], read inside the graphs: one copy a token on the compute stream,
         # so that a layer's replayed routing costs no indexing kernel (the router's own costs none either)
         self.token_routes = torch.zeros_like(self.route_replay[0])
-        self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0}  # host seconds per phase of step()
+        # host seconds per phase of step(), and in the garbage collector (whenever it ran during the row)
+        self.timing = {"launch": 0.0, "routing_sync": 0.0, "cache": 0.0, "gc": 0.0}
+        self.gc_started = 0.0
+        gc.callbacks.append(self.gc_clock)
+
+    def gc_clock(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.gc_started = time.perf_counter()
+        else:
+            self.timing["gc"] += time.perf_counter() - self.gc_started
+
+    def close(self) -> None:
+        if self.gc_clock in gc.callbacks:
+            gc.callbacks.remove(self.gc_clock)
+        super().close()
 
     def step(self, token: int) -> torch.Tensor:
         self.token_routes.copy_(self.route_replay[self.replay_step])

@@ -525,7 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the shapes of the synthetic vault (default qwen3-30b-a3b)")
     bd.add_argument("--workdir", default="out/bench-gpu", help="where the ~16 GB vault is built (kept for reruns)")
     bd.add_argument("--budgets", default="1.0,0.5,0.25,0.1", help="GPU cache budgets as fractions of all experts")
-    bd.add_argument("--tokens", type=numeric.COUNT.parse, default=64, help="timed tokens per row")
+    bd.add_argument("--tokens", type=numeric.COUNT.parse, default=64, help="timed tokens per span")
+    bd.add_argument("--repeats", type=numeric.COUNT.parse, default=3,
+                    help="timed spans of --tokens per row, one after the other; a row gives their mean and spread "
+                         "(as llama-bench's -r, which the comparison runs with 3; default 3)")
     bd.add_argument("--warmup", type=numeric.NON_NEGATIVE.parse, default=32, help="tokens decoded first, to bring the cache to steady state")
     bd.add_argument("--layers", type=numeric.COUNT.parse, default=None, help="fewer layers than the real 48 (quick checks)")
     bd.add_argument("--threads", type=numeric.THREADS.parse, default=16, help="parallel expert reads")
