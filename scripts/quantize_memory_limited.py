@@ -4,8 +4,11 @@ For each depth, builds (once, under WORKDIR) a synthetic Qwen3-MoE checkpoint wi
 (2048 x 768, 16 experts per layer, random bf16), then runs `smoe quantize --calib` (GPTQ, the default calibrated
 encoder, unless --encoder says otherwise) in a child process inside a memory cgroup, and prints per depth
 the wall time, the peak RSS of the child and the cgroup's peak (page cache included) as one JSON line each.
+`--command plan` runs `smoe plan --budget 3` instead (its sensitivity sweep with the whole model loaded),
+`--command plan-layer-by-layer` the same with `--layer-by-layer`.
 
     python scripts/quantize_memory_limited.py WORKDIR [--layers 8,16,32] [--limit-gb 3] [--tokens 4096]
+        [--command quantize|plan|plan-layer-by-layer]
 """
 
 import argparse
@@ -87,18 +90,26 @@ def main() -> int:
     p.add_argument("--no-limit", action="store_true", help="no memory cgroup: peak RSS only")
     p.add_argument("--tokenizer", type=Path, default=TOKENIZER, help="a directory with tokenizer.json")
     p.add_argument("--text", type=Path, default=SHARED / "corpus" / "train.txt.gz", help="the calibration text")
-    p.add_argument("--encoder", default="gptq", help="the calibrated encoder (gptq, the default, or weighted)")
+    p.add_argument("--encoder", default="gptq", help="the encoder (gptq, the default, weighted, or for plans grid)")
+    p.add_argument("--command", default="quantize", choices=("quantize", "plan", "plan-layer-by-layer"))
     args = p.parse_args()
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     text = calibration_text(root, args.text)
     for layers in map(int, args.layers.split(",")):
         model, out = checkpoint(root, layers, args.experts, args.tokenizer), root / f"vault-{layers}"
-        cmd = [sys.executable, "-m", "smoe.cli", "quantize", str(model), "-o", str(out), "--calib", str(text),
-               "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--device", args.device, "--force", "-q"]
+        if args.command == "quantize":
+            cmd = [sys.executable, "-m", "smoe.cli", "quantize", str(model), "-o", str(out), "--calib", str(text),
+                   "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--device", args.device, "--force",
+                   "-q"]
+        else:  # a fresh table each time: the sweep is what is measured
+            out.mkdir(exist_ok=True)
+            cmd = [sys.executable, "-m", "smoe.cli", "plan", str(model), "-o", str(out / "plan.json"), "--calib",
+                   str(text), "--calib-tokens", str(args.tokens), "--encoder", args.encoder, "--budget", "3", "-q",
+                   *(["--layer-by-layer"] if args.command == "plan-layer-by-layer" else [])]
         row = {"layers": layers, "experts_per_layer": args.experts, "device": args.device, "checkpoint_gb": round(sum(
             f.stat().st_size for f in model.glob("*.safetensors")) / 1e9, 2), "limit_gb": args.limit_gb,
-            "calib_tokens": args.tokens, "encoder": args.encoder}
+            "calib_tokens": args.tokens, "encoder": args.encoder, "command": args.command}
         row |= limited(cmd, f"smoe-quantize-{layers}", None if args.no_limit else int(args.limit_gb * 1e9))
         print(json.dumps(row), flush=True)
         shutil.rmtree(out, ignore_errors=True)

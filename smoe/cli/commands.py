@@ -390,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_quality_options(pl)
     pl.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="measure the sensitivity trials on a Ray cluster's workers (ADDRESS; without it a local cluster, one worker per core; needs pip install 'smoe[ray]')")
     add_group_option(pl)
+    pl.add_argument("--layer-by-layer", action="store_true",
+                    help="measure the sensitivity trials in one pass over the model run one decoder layer at a time "
+                         "(memory: one layer and the windows' hidden states, on disk past 512 MiB), for models bigger "
+                         "than memory; the calibration is streamed too and not kept beside the plan")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     pl.set_defaults(func=cmd_plan)

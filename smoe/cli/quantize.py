@@ -68,7 +68,7 @@ def cmd_plan(args) -> int:
         raise SmoeError("smoe plan needs calibration text: --calib FILE")
     doc, table, _, _ = plan_model(args.model, args.calib, args.output, args.budget, args.size, args.encoder or DEFAULT,
                                   args.sensitivity, args.calib_tokens, progress=not args.quiet and not args.json,
-                                  cluster=args.ray, groups=args.expert_groups)
+                                  cluster=args.ray, groups=args.expert_groups, layer_by_layer=args.layer_by_layer)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:

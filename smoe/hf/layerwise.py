@@ -8,15 +8,22 @@ tensors are read, converted as transformers converts them on load, run over ever
 that peak memory is one layer plus the hidden states, whatever the depth (with malloc's mmap threshold fixed,
 so that freed layers' blocks leave no holes behind: `fix_mmap_threshold`). The language-model head and
 any vision or audio tower are never read.
+
+`variants` runs the same pass with, beside the source's hidden states, those of variants of the model that
+differ from it in one layer each (the sensitivity sweep's trials: one expert tensor quantised): a variant's
+states start at its layer, from the source's states entering it, and the layers after it run on them as they
+are loaded, so each layer is read once for all of them. `head` then turns any of them into log-probabilities
+through the model's own forward (final norm, head, any logit scaling), reading the head only for that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 import torch
@@ -56,24 +63,30 @@ class LayerByLayer:
         self.keys = self.keys_by_layer()
         self.batches = batches(windows)
 
-    def keys_by_layer(self) -> dict[int | None, list[str]]:
-        """Checkpoint keys per decoder layer (None: the decoder's other tensors), grouped by where transformers'
-        conversions put them; tensors outside the decoder (the head, towers) are left out."""
+    def keys_by_layer(self) -> dict[int | str | None, list[str]]:
+        """Checkpoint keys per decoder layer (None: the decoder's other tensors, "head": the output embeddings),
+        grouped by where transformers' conversions put them; other tensors (towers) are left out."""
         names = self.ckpt.names()
         shapes = {n: torch.empty(self.ckpt.shape(n), dtype=self.ckpt.dtype(n), device="meta") for n in names}
         converted = convert_trunk(self.model, shapes, "the checkpoint")
         prefix = module_name(self.model, self.decoder)
+        head = self.model.get_output_embeddings()
+        head_prefix = module_name(self.model, head) if head is not None else None
         layers = f"{prefix}layers."
-        keys: dict[int | None, list[str]] = {}
+        keys: dict[int | str | None, list[str]] = {}
         for name, (sources, _) in converted.items():
-            if not name.startswith(prefix):
+            if name.startswith(prefix):
+                layer = int(name[len(layers):].split(".", 1)[0]) if name.startswith(layers) else None
+            elif head_prefix is not None and name.startswith(head_prefix):
+                layer = "head"
+            else:
                 continue
-            layer = int(name[len(layers):].split(".", 1)[0]) if name.startswith(layers) else None
             keys.setdefault(layer, []).extend(k for k in sources if k not in keys.get(layer, ()))
         return keys
 
-    def load(self, modules: list[torch.nn.Module], layer: int | None) -> None:
-        """Read the checkpoint tensors of `layer` (None: the decoder's others) into `modules`, on the device."""
+    def load(self, modules: list[torch.nn.Module], layer: int | str | None) -> None:
+        """Read the checkpoint tensors of `layer` (None: the decoder's others, "head") into `modules`, on the
+        device."""
         tensors = {k: self.ckpt.load(k) for k in self.keys.get(layer, [])}
         converted = convert_trunk(self.model, tensors, "the checkpoint")
         expected = self.model.state_dict()
@@ -81,7 +94,7 @@ class LayerByLayer:
         self.model.load_state_dict(state, strict=False, assign=True)
         missing = [n for m in modules for n, p in m.named_parameters() if p.is_meta]
         if missing:
-            where = f"layer {layer}" if layer is not None else "the decoder"
+            where = {None: "the decoder", "head": "the output embeddings"}.get(layer, f"layer {layer}")
             raise SmoeError(f"{self.ckpt.dir}: the checkpoint holds no tensor for {len(missing)} parameters of "
                             f"{where} (first: {missing[:2]})")
         for module in modules:
@@ -99,6 +112,75 @@ class LayerByLayer:
                 yield i
                 layer.to("meta")
 
+    @contextlib.contextmanager
+    def variants(self, alter: dict[int, list[tuple[Hashable, Callable]]]):
+        """As run(), and beside the source each variant of `alter` (layer -> (name, change) pairs; `change(layer)`
+        a context manager within which the loaded layer computes that variant's layer). Yields (the source's
+        hidden states after the last layer, {name: the variant's}); they are kept, in memory or spilled to disk
+        together past IN_MEMORY_BYTES, until the context ends."""
+        hidden, arguments = self.record()
+        count = 1 + sum(len(v) for v in alter.values())
+        on_disk = count * sum(h.numel() * h.element_size() for h in hidden) > IN_MEMORY_BYTES
+        with tempfile.TemporaryDirectory(prefix="smoe-hidden-") as spill, torch.inference_mode():
+            source = HiddenStates(hidden, Path(spill) / "source", on_disk)
+            branches: dict[Hashable, HiddenStates] = {}
+            for i, layer in enumerate(self.layers):
+                self.load([layer], i)
+                step = lambda b, h: output(layer(h, *arguments[b][i][0], **arguments[b][i][1]))  # noqa: B023
+                for states in branches.values():
+                    states.update(step)
+                for name, change in alter.get(i, []):
+                    with change(layer):
+                        entering = [step(b, source.get(b)) for b in range(len(hidden))]
+                    branches[name] = HiddenStates(entering, Path(spill) / f"variant-{len(branches)}", on_disk)
+                source.update(step)
+                layer.to("meta")
+            yield source, branches
+
+    @contextlib.contextmanager
+    def head(self):
+        """Within: log_probs. The decoder's tensors outside its layers and the output embeddings are loaded (tied
+        to the input embeddings where the model ties them), freed when the context ends."""
+        out = self.model.get_output_embeddings()
+        if out is None:
+            raise SmoeError(f"{self.model.config.model_type}: the model has no output embeddings to score with")
+        resident = [m for m in self.decoder.children() if m is not self.layers]
+        self.load(resident, None)
+        tied = "head" not in self.keys and getattr(self.model.config, "tie_word_embeddings", False)
+        if tied:
+            out.weight = self.model.get_input_embeddings().weight
+        else:
+            self.load([out], "head")
+        try:
+            yield
+        finally:
+            for module in [*resident, out]:
+                free(module)
+
+    @torch.inference_mode()
+    def log_probs(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[N, T-1, V] fp64 log-probabilities of each next token of the windows `ids` [N, T] (rows of a batch),
+        from their hidden states `h` after the last layer, through the model's own forward (its layers stand
+        aside: the first returns `h`, the others what they are given), inside head()."""
+        def stand_in(i):
+            return (lambda hidden_states, *args, **kwargs: h) if i == 0 else \
+                (lambda hidden_states, *args, **kwargs: hidden_states)
+
+        config = self.model.config
+        router_logits = config.__dict__.get("output_router_logits")  # no router runs: no load-balancing loss
+        for i, layer in enumerate(self.layers):
+            layer.forward = stand_in(i)
+        try:
+            if router_logits:
+                config.output_router_logits = False
+            logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits
+        finally:
+            for layer in self.layers:
+                del layer.forward
+            if router_logits:
+                config.output_router_logits = router_logits
+        return torch.log_softmax(logits[:, :-1].double(), dim=-1)
+
     @torch.inference_mode()
     def record(self) -> tuple[list[torch.Tensor], list[list[tuple]]]:
         """(hidden states entering layer 0 per batch, per batch and layer the (args, kwargs) the model gives it)."""
@@ -112,7 +194,7 @@ class LayerByLayer:
                 arguments.append(given)
         finally:
             for module in resident:
-                module.to("meta")
+                free(module)
         return hidden, arguments
 
     def catch(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
@@ -149,9 +231,12 @@ class LayerByLayer:
 class HiddenStates:
     """The batches' hidden states between layers: in memory up to IN_MEMORY_BYTES, else one file per batch."""
 
-    def __init__(self, hidden: list[torch.Tensor], spill: Path):
-        self.on_disk = sum(h.numel() * h.element_size() for h in hidden) > IN_MEMORY_BYTES
+    def __init__(self, hidden: list[torch.Tensor], spill: Path, on_disk: bool | None = None):
+        self.on_disk = sum(h.numel() * h.element_size() for h in hidden) > IN_MEMORY_BYTES if on_disk is None \
+            else on_disk
         self.spill = spill
+        if self.on_disk:
+            spill.mkdir(parents=True, exist_ok=True)
         self.held = [self.put(b, h) for b, h in enumerate(hidden)]
 
     def put(self, b: int, h: torch.Tensor):
@@ -205,6 +290,14 @@ def batches(windows: list[torch.Tensor]) -> list[torch.Tensor]:
         per = max(1, BATCH_TOKENS // length)
         out += [torch.cat(group[i : i + per]) for i in range(0, len(group), per)]
     return out
+
+
+def free(module: torch.nn.Module) -> None:
+    """Put `module`'s parameters back on the meta device, keeping its buffers (rotary tables computed at
+    construction, which a later load needs and the checkpoint does not hold)."""
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            m._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
 
 def output(out) -> torch.Tensor:

@@ -408,12 +408,15 @@ def write_plan(doc: dict, path: str | Path) -> Path:
 def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = None, size_gb: float | None = None,
                encoder: str = "grid", sensitivity: str | Path | None = None, tokens: int | None = None,
                alignment: int = DEFAULT_ALIGNMENT, progress: bool = True, need_meter: bool = False,
-               cluster: str | None = None, groups: int = 1):
+               cluster: str | None = None, groups: int = 1, layer_by_layer: bool = False):
     """Calibrate, measure (or resume) the sensitivity table, solve, write plan.json and its heatmap.
     Returns (plan document, table, KL meter, calibration stats); the meter is None when the table was complete
     already or its trials ran on a cluster, and `need_meter` is false; the statistics when the table was complete.
     `cluster`: the trials on a Ray cluster (sensitivity.measure). `groups`: expert groups per layer (make_plan);
-    above 1 they need the calibration statistics whatever the encoder (routed tokens and weighted errors)."""
+    above 1 they need the calibration statistics whatever the encoder (routed tokens and weighted errors).
+    `layer_by_layer`: the trials in one pass over the source run one layer at a time, and a calibrated encoder's
+    statistics streamed a layer at a time (neither holds the whole model: models bigger than memory); the
+    statistics are then not kept beside the plan, and expert groups, which need all of them, are refused."""
     from smoe.convert import calibrate, encoders
     from smoe.hf.gguf import check_calibratable
     from smoe.quality.sensitivity import (
@@ -432,6 +435,10 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         raise SmoeError("give exactly one of --budget BITS and --size GB")
     check_calibratable(model_dir)
     encoders.check_encoder(encoder)
+    if layer_by_layer and (cluster is not None or need_meter or groups > 1):
+        what = "--ray" if cluster is not None else "--expert-groups" if groups > 1 else "a budget to quantize with"
+        raise SmoeError(f"the layer-by-layer sweep runs on this machine and holds no whole model or calibration: "
+                        f"{what} needs them (plan with `smoe plan --layer-by-layer`, then `smoe quantize --plan`)")
     if cluster is not None:
         from smoe.quality import fanout
 
@@ -455,13 +462,17 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     stats = meter = None
     no_proxy = groups > 1 and ("routed_tokens" not in table or wanted - set(table.get("proxy", {})))
     if wanted - set(table["kl"]) or need_meter or no_proxy:  # a complete table needs no model run
-        if encoder in encoders.NEEDS_CALIBRATION or groups > 1:
+        if layer_by_layer and encoder in encoders.NEEDS_CALIBRATION:
+            stats = calibrate.StreamedStats(model_dir, calib, tokens, progress=progress)
+        elif encoder in encoders.NEEDS_CALIBRATION or groups > 1:
             stats = calibration_stats(model_dir, calib, tokens, stats_path(out), progress, collected=True)
         qm = QuantisedModel(model_dir, encoder, stats)
         # the source model runs here only for the trials run here, or for the caller's meter
-        meter = KLMeter(qm, windows) if (cluster is None and wanted - set(table["kl"])) or need_meter else None
+        whole = (cluster is None and not layer_by_layer and wanted - set(table["kl"])) or need_meter
+        meter = KLMeter(qm, windows) if whole else None
         table = measure(qm, windows, sensitivity, fp, progress=progress, meter=meter, cluster=cluster,
-                        proxy=groups > 1 or cluster is None)
+                        proxy=not layer_by_layer and (groups > 1 or cluster is None), layer_by_layer=layer_by_layer)
+        stats = None if layer_by_layer else stats
     table = table_for_model(table, moe, bias_sizes(ckpt, moe))
     doc = make_plan(table, budget_bits, size_gb, alignment, groups) | {"sensitivity": str(sensitivity),
                                                                         "calibration": calibration_record(calib, tokens)}

@@ -16,6 +16,7 @@ groups) share a measured tensor KL among the experts of the tensor, with no furt
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -87,9 +88,10 @@ class QuantisedModel:
     def units(self) -> list[tuple[int, str]]:
         return [(layer, unit) for layer in self.expert_map.moe_layers for unit in UNITS]
 
-    def decoded(self, layer: int, unit: str, bits: int | list[int | None]) -> dict[str, torch.Tensor]:
-        """The module's parameters for `unit` with every expert (or each at its own depth of a list, None: the
-        source's) encoded and decoded."""
+    def decoded(self, layer: int, unit: str, bits: int | list[int | None], module=None) -> dict[str, torch.Tensor]:
+        """The parameters of `module` (default: the loaded model's experts module of `layer`) for `unit` with every
+        expert (or each at its own depth of a list, None: the source's) encoded and decoded."""
+        module = self.modules[layer] if module is None else module
         depths = bits if isinstance(bits, list) else [bits] * self.expert_map.num_experts
         experts, biases = [], []
         for e, depth in enumerate(depths):
@@ -100,7 +102,7 @@ class QuantisedModel:
                     weights[role] = self.expert_weight(layer, e, role, depth, weights[role])
             experts.append(weights)
             biases.append({b.role: load_bias(self.ckpt, b).float() for b in self.expert_map.biases.get((layer, e), [])})
-        params = expert_parameters(self.modules[layer], experts, biases)
+        params = expert_parameters(module, experts, biases)
         return {n: p for n, p in params.items() if n in UNIT_PARAMETERS[unit]}
 
     def expert_weight(self, layer: int, expert: int, role: str, bits: int, w: torch.Tensor) -> torch.Tensor:
@@ -119,14 +121,14 @@ class QuantisedModel:
     def set(self, layer: int, unit: str, bits: int | list[int | None] | None) -> None:
         """Put `unit` of `layer` at `bits`: one depth, a depth per expert (None: that expert's source weights), or
         None (the source weights)."""
-        module = self.modules[layer]
         params = self.decoded(layer, unit, bits) if bits is not None else \
             {n: p for n, p in self.original[layer].items() if n in UNIT_PARAMETERS[unit]}
-        for name, value in params.items():
-            if tuple(getattr(module, name).shape) != tuple(value.shape):
-                raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(module, name).shape)}, decoded "
-                                f"{tuple(value.shape)}")
-            getattr(module, name).data = value.to(getattr(module, name).dtype)
+        put_parameters(self.modules[layer], layer, params)
+
+    def forget(self, layer: int) -> None:
+        """Drop the decoded weights of `layer` (their weighted errors stay): a layer-by-layer sweep is past it."""
+        for k in [k for k in self.cache if k[0] == layer]:
+            del self.cache[k]
 
     def set_plan(self, bits: dict[tuple[int, str], int | None]) -> None:
         for (layer, unit), b in bits.items():
@@ -135,6 +137,14 @@ class QuantisedModel:
     @torch.inference_mode()
     def log_probs(self, window: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.model(input_ids=window, use_cache=False).logits[0, :-1].double(), dim=-1)
+
+
+def put_parameters(module, layer: int, params: dict[str, torch.Tensor]) -> None:
+    for name, value in params.items():
+        if tuple(getattr(module, name).shape) != tuple(value.shape):
+            raise SmoeError(f"layer {layer}: {name} is {tuple(getattr(module, name).shape)}, decoded "
+                            f"{tuple(value.shape)}")
+        getattr(module, name).data = value.to(getattr(module, name).dtype)
 
 
 class KLMeter:
@@ -180,10 +190,11 @@ def save_json(path: Path, data: dict) -> None:
 
 def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, fp: str,
             depths: tuple[int, ...] = codec.DEPTHS, progress: bool = True, meter: KLMeter | None = None,
-            cluster: str | None = None, proxy: bool = True) -> dict:
+            cluster: str | None = None, proxy: bool = True, layer_by_layer: bool = False) -> dict:
     """Fill `path` (sensitivity.json) with KL per (layer, unit, depth); resumes what is there. `cluster`: run the
-    trials on a Ray cluster's workers (smoe.quality.fanout; "local" starts one on this machine). With calibration
-    statistics and `proxy`, the per-expert proxy too (record_proxy; after a cluster's trials it encodes here)."""
+    trials on a Ray cluster's workers (smoe.quality.fanout; "local" starts one on this machine); `layer_by_layer`:
+    run them all in one pass over the source's layers (measure_layer_by_layer). With calibration statistics and
+    `proxy`, the per-expert proxy too (record_proxy; after a cluster's trials it encodes here)."""
     path = Path(path)
     table = load_table(path, fp)
     table.update(encoder=qm.encoder, moe_layers=qm.expert_map.moe_layers, units=list(UNITS), depths=list(depths),
@@ -197,7 +208,9 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
         save_json(path, table)
         bar.update(1)
 
-    if todo and cluster is not None:
+    if todo and layer_by_layer:
+        measure_layer_by_layer(qm, windows, todo, record)
+    elif todo and cluster is not None:
         from smoe.quality import fanout
 
         fanout.measure_on_cluster(cluster, meter_for, (str(qm.ckpt.dir), qm.encoder, qm.stats, windows), measure_one,
@@ -211,6 +224,58 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
         record_proxy(qm, table, depths)
     save_json(path, table)
     return table
+
+
+def measure_layer_by_layer(qm: QuantisedModel, windows: list[torch.Tensor], todo: list[tuple[int, str, int]],
+                           record) -> None:
+    """The trials of `todo` in one pass over the source run one decoder layer at a time (smoe.hf.layerwise), for
+    models bigger than memory: each trial's tensor is swapped in while its own layer runs over the windows, the
+    layers after it run the source's, and its KL is scored at the end against the source's. Memory: one layer,
+    its decoded tensors, and the windows' hidden states of the source and of every trial (on disk past 512 MiB),
+    never the whole model; compute: a trial at layer l runs the layers from l on, where the whole-model meter runs
+    every layer for it. The values are the whole-model meter's up to the order of floating-point sums (tested).
+    The results are recorded when the pass ends."""
+    from smoe.convert.calibrate import IMPLEMENTATION, experts_modules
+    from smoe.hf.layerwise import LayerByLayer
+
+    runner = LayerByLayer(qm.ckpt.dir, windows, IMPLEMENTATION)
+    modules = experts_modules(runner.model)
+    alter: dict[int, list] = {}
+    for trial in todo:
+        layer, unit, bits = trial
+        last = trial == [t for t in todo if t[0] == layer][-1]
+        alter.setdefault(layer, []).append((trial, functools.partial(swapped, qm, modules[layer], layer, unit, bits,
+                                                                     last)))
+    totals, count = dict.fromkeys(todo, 0.0), 0
+    with runner.variants(alter) as (source, branches), runner.head():
+        for b, ids in enumerate(runner.batches):  # scored a window at a time, as the meter scores them
+            h = source.get(b)
+            reference = [runner.log_probs(h[r: r + 1], ids[r: r + 1])[0] for r in range(len(ids))]
+            count += sum(ref.shape[0] for ref in reference)
+            for trial, states in branches.items():
+                h = states.get(b)
+                for r, ref in enumerate(reference):
+                    lp = runner.log_probs(h[r: r + 1], ids[r: r + 1])[0]
+                    totals[trial] += float((ref.exp() * (ref - lp)).sum())
+    for trial in todo:
+        value = totals[trial] / count
+        if not math.isfinite(value):
+            raise SmoeError(f"layer {trial[0]} {trial[1]} at Q{trial[2]}: KL is not finite")
+        record(trial, value)
+
+
+@contextlib.contextmanager
+def swapped(qm: QuantisedModel, module, layer: int, unit: str, bits: int, last: bool, decoder_layer):
+    """Within: `unit` of `layer`'s experts module (loaded, in `decoder_layer`) at `bits`; then its source weights
+    again, and with `last` (the layer's last trial) the layer's decoded weights forgotten: the sweep is past it."""
+    original = {n: p.data for n, p in module.named_parameters(recurse=False) if n in UNIT_PARAMETERS[unit]}
+    put_parameters(module, layer, qm.decoded(layer, unit, bits, module))
+    try:
+        yield
+    finally:
+        put_parameters(module, layer, original)
+        if last:
+            qm.forget(layer)
 
 
 def record_proxy(qm: QuantisedModel, table: dict, depths: tuple[int, ...] = codec.DEPTHS) -> None:
