@@ -126,7 +126,7 @@ class QuantisedModel:
         put_parameters(self.modules[layer], layer, params)
 
     def forget(self, layer: int) -> None:
-        """Drop the decoded weights of `layer` (their weighted errors stay): a layer-by-layer sweep is past it."""
+        """Drop the decoded weights of `layer` (their weighted errors stay)."""
         for k in [k for k in self.cache if k[0] == layer]:
             del self.cache[k]
 
@@ -243,9 +243,7 @@ def measure_layer_by_layer(qm: QuantisedModel, windows: list[torch.Tensor], todo
     alter: dict[int, list] = {}
     for trial in todo:
         layer, unit, bits = trial
-        last = trial == [t for t in todo if t[0] == layer][-1]
-        alter.setdefault(layer, []).append((trial, functools.partial(swapped, qm, modules[layer], layer, unit, bits,
-                                                                     last)))
+        alter.setdefault(layer, []).append((trial, functools.partial(swapped, qm, modules[layer], layer, unit, bits)))
     totals, count = dict.fromkeys(todo, 0.0), 0
     with runner.variants(alter) as (source, branches), runner.head():
         for b, ids in enumerate(runner.batches):  # scored a window at a time, as the meter scores them
@@ -265,17 +263,17 @@ def measure_layer_by_layer(qm: QuantisedModel, windows: list[torch.Tensor], todo
 
 
 @contextlib.contextmanager
-def swapped(qm: QuantisedModel, module, layer: int, unit: str, bits: int, last: bool, decoder_layer):
+def swapped(qm: QuantisedModel, module, layer: int, unit: str, bits: int, decoder_layer):
     """Within: `unit` of `layer`'s experts module (loaded, in `decoder_layer`) at `bits`; then its source weights
-    again, and with `last` (the layer's last trial) the layer's decoded weights forgotten: the sweep is past it."""
+    again, and the decoded weights forgotten: no other trial asks for them (one unit at one depth each), and a
+    layer's at both depths would hold four times its experts in fp32."""
     original = {n: p.data for n, p in module.named_parameters(recurse=False) if n in UNIT_PARAMETERS[unit]}
     put_parameters(module, layer, qm.decoded(layer, unit, bits, module))
     try:
         yield
     finally:
         put_parameters(module, layer, original)
-        if last:
-            qm.forget(layer)
+        qm.forget(layer)
 
 
 def record_proxy(qm: QuantisedModel, table: dict, depths: tuple[int, ...] = codec.DEPTHS) -> None:
