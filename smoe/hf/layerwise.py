@@ -113,11 +113,11 @@ class LayerByLayer:
                 layer.to("meta")
 
     @contextlib.contextmanager
-    def variants(self, alter: dict[int, list[tuple[Hashable, Callable]]]):
+    def variants(self, alter: dict[int, list[tuple[Hashable, Callable]]], done: Callable[[int], None] | None = None):
         """As run(), and beside the source each variant of `alter` (layer -> (name, change) pairs; `change(layer)`
         a context manager within which the loaded layer computes that variant's layer). Yields (the source's
         hidden states after the last layer, {name: the variant's}); they are kept, in memory or spilled to disk
-        together past IN_MEMORY_BYTES, until the context ends."""
+        together past IN_MEMORY_BYTES, until the context ends. `done(i)` is called as each layer is finished."""
         hidden, arguments = self.record()
         count = 1 + sum(len(v) for v in alter.values())
         on_disk = count * sum(h.numel() * h.element_size() for h in hidden) > IN_MEMORY_BYTES
@@ -135,6 +135,8 @@ class LayerByLayer:
                     branches[name] = HiddenStates(entering, Path(spill) / f"variant-{len(branches)}", on_disk)
                 source.update(step)
                 layer.to("meta")
+                if done is not None:
+                    done(i)
             yield source, branches
 
     @contextlib.contextmanager

@@ -209,7 +209,7 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
         bar.update(1)
 
     if todo and layer_by_layer:
-        measure_layer_by_layer(qm, windows, todo, record)
+        measure_layer_by_layer(qm, windows, todo, record, progress)
     elif todo and cluster is not None:
         from smoe.quality import fanout
 
@@ -227,7 +227,7 @@ def measure(qm: QuantisedModel, windows: list[torch.Tensor], path: str | Path, f
 
 
 def measure_layer_by_layer(qm: QuantisedModel, windows: list[torch.Tensor], todo: list[tuple[int, str, int]],
-                           record) -> None:
+                           record, progress: bool = False) -> None:
     """The trials of `todo` in one pass over the source run one decoder layer at a time (smoe.hf.layerwise), for
     models bigger than memory: each trial's tensor is swapped in while its own layer runs over the windows, the
     layers after it run the source's, and its KL is scored at the end against the source's. Memory: one layer,
@@ -245,7 +245,9 @@ def measure_layer_by_layer(qm: QuantisedModel, windows: list[torch.Tensor], todo
         layer, unit, bits = trial
         alter.setdefault(layer, []).append((trial, functools.partial(swapped, qm, modules[layer], layer, unit, bits)))
     totals, count = dict.fromkeys(todo, 0.0), 0
-    with runner.variants(alter) as (source, branches), runner.head():
+    layers = progress_bar(total=len(runner.layers), enabled=progress, desc="sensitivity, layer by layer", unit="layer")
+    with runner.variants(alter, lambda _: layers.update(1)) as (source, branches), runner.head():
+        layers.close()
         for b, ids in enumerate(runner.batches):  # scored a window at a time, as the meter scores them
             h = source.get(b)
             reference = [runner.log_probs(h[r: r + 1], ids[r: r + 1])[0] for r in range(len(ids))]
