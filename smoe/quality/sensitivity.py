@@ -267,8 +267,8 @@ def measure_layer_by_layer(qm: QuantisedModel, windows: list[torch.Tensor], todo
 @contextlib.contextmanager
 def swapped(qm: QuantisedModel, module, layer: int, unit: str, bits: int, decoder_layer):
     """Within: `unit` of `layer`'s experts module (loaded, in `decoder_layer`) at `bits`; then its source weights
-    again, and the decoded weights forgotten: no other trial asks for them (one unit at one depth each), and a
-    layer's at both depths would hold four times its experts in fp32."""
+    again, and the decoded weights forgotten: no other trial asks for them (one unit at one depth each), and kept
+    they would hold the layer's experts twice over in fp32 by its last trial."""
     original = {n: p.data for n, p in module.named_parameters(recurse=False) if n in UNIT_PARAMETERS[unit]}
     put_parameters(module, layer, qm.decoded(layer, unit, bits, module))
     try:
