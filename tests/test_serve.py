@@ -414,11 +414,13 @@ def test_requests_run_one_at_a_time_in_arrival_order(server):
     assert set(order) == {0, 1, 2}
     firsts = [order.index(i) for i in range(3)]
     assert firsts == sorted(firsts)
-    # generation is sequential, but two tasks write the sockets: the held-back tail of one reply may
-    # leave just after the next reply's first chunk, never after its second
-    for i in (0, 1):
-        later = [k for k, j in enumerate(order) if j == i + 1]
-        assert max(k for k, j in enumerate(order) if j == i) < (later[1] if len(later) > 1 else len(order)), order
+    # generation is sequential, but each reply is written by its own task: on a busy machine a reply's last
+    # chunks may leave after the next reply's first ones (seen: after most of them), so the order read here is
+    # each reply in one run but for such a tail. Runs of one reply, not positions: three replies of 12 tokens
+    # generated together would switch between replies about every chunk (30 or more changes), sequential
+    # ones 2 times, plus 2 for each late tail.
+    changes = sum(a != b for a, b in zip(order, order[1:]))
+    assert changes <= 6, order
 
 
 @pytest.fixture(scope="module")
