@@ -3,12 +3,9 @@ for one token: the same residual, expert input and router logits, and the same K
 kind it covers. Run through the Triton interpreter in a child process (TRITON_INTERPRET must be set before
 triton is imported); on a CUDA machine the GPU runtime's tests run it for real."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from smoe.testing.interpreted import interpreted_json
 
 pytest.importorskip("triton", reason="triton not installed: the attention kernel cannot be checked")
 
@@ -72,11 +69,7 @@ BOUND = {"float32": 1e-5, "bfloat16": 2e-2}  # bf16: the kernel rounds where the
 
 @pytest.fixture(scope="module")
 def errors():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return interpreted_json(CHILD, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])

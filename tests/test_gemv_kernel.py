@@ -3,12 +3,9 @@ program's rows, row widths that are not a multiple of its step or a power of two
 through the Triton interpreter in a child process (TRITON_INTERPRET must be set before triton is imported);
 on a CUDA machine the GPU runtime's tests run it inside the decoder."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from smoe.testing.interpreted import interpreted_json
 
 pytest.importorskip("triton", reason="triton not installed: the projection kernel cannot be checked")
 
@@ -52,11 +49,7 @@ BOUND = {"float32": 1e-5, "bfloat16": 1e-2}  # bf16: the output rounded to 8 bit
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", SMOE_GPU_GEMV="1")
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return interpreted_json(CHILD, CASES, SMOE_GPU_GEMV="1")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
