@@ -105,12 +105,23 @@ class LayerByLayer:
         batches (its tensors are freed when the caller asks for the next)."""
         hidden, arguments = self.record()
         with tempfile.TemporaryDirectory(prefix="smoe-hidden-") as spill:
-            states = HiddenStates(hidden, Path(spill))
-            for i, layer in enumerate(self.layers):
-                self.load([layer], i)
-                states.update(lambda b, h: output(layer(h, *arguments[b][i][0], **arguments[b][i][1])))
-                yield i
-                layer.to("meta")
+            yield from self.passes(HiddenStates(hidden, Path(spill)), arguments)
+
+    def passes(self, states: HiddenStates, arguments: list[list[tuple]], beside=None) -> Iterator[int]:
+        """Each layer read, run over every batch of `states` and freed, in order, yielding its index while it is
+        loaded; `beside(i, layer, step)` runs first, where step(b, h) is the layer's output for batch b's
+        states h (entering the layer)."""
+        for i, layer in enumerate(self.layers):
+            self.load([layer], i)
+
+            def step(b, h, layer=layer, i=i):
+                return output(layer(h, *arguments[b][i][0], **arguments[b][i][1]))
+
+            if beside is not None:
+                beside(i, layer, step)
+            states.update(step)
+            yield i
+            layer.to("meta")
 
     @contextlib.contextmanager
     def variants(self, alter: dict[int, list[tuple[Hashable, Callable]]], done: Callable[[int], None] | None = None):
@@ -124,17 +135,16 @@ class LayerByLayer:
         with tempfile.TemporaryDirectory(prefix="smoe-hidden-") as spill, torch.inference_mode():
             source = HiddenStates(hidden, Path(spill) / "source", on_disk)
             branches: dict[Hashable, HiddenStates] = {}
-            for i, layer in enumerate(self.layers):
-                self.load([layer], i)
-                step = lambda b, h: output(layer(h, *arguments[b][i][0], **arguments[b][i][1]))  # noqa: B023
+
+            def beside(i, layer, step):  # the variants so far through layer i, then those that start there
                 for states in branches.values():
                     states.update(step)
                 for name, change in alter.get(i, []):
                     with change(layer):
                         entering = [step(b, source.get(b)) for b in range(len(hidden))]
                     branches[name] = HiddenStates(entering, Path(spill) / f"variant-{len(branches)}", on_disk)
-                source.update(step)
-                layer.to("meta")
+
+            for i in self.passes(source, arguments, beside):
                 if done is not None:
                     done(i)
             yield source, branches
