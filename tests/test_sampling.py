@@ -75,6 +75,18 @@ def test_greedy_takes_the_argmax_of_the_penalised_logits():
     assert probabilities(logits, [Sequence(SamplingParams())]).tolist() == [[1.0, 0.0, 0.0]]
 
 
+def test_logit_bias_is_added_to_the_raw_logits_before_the_penalties():
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    assert sample_batch(logits, [Sequence(SamplingParams(logit_bias=((2, 100.0),)))]) == [2]
+    assert sample_batch(logits, [Sequence(SamplingParams(logit_bias=((0, -100.0),)))]) == [1]
+    # (4 + 4) / 2 = 4 stays below token 0's 5; the penalty first would give 4 / 2 + 4 = 6
+    penalised_after = Sequence(SamplingParams(repetition_penalty=2.0, logit_bias=((1, 4.0),)), prompt=[1])
+    assert sample_batch(logits, [penalised_after]) == [0]
+    sampled = [Sequence(SamplingParams(temperature=1.0, seed=s, logit_bias=((2, 100.0),))) for s in range(8)]
+    assert [sample_batch(logits, [q])[0] for q in sampled] == [2] * 8
+    assert "logit bias on 1 token" in SamplingParams(logit_bias=((2, 1.0),)).line()
+
+
 def test_each_row_of_a_batch_samples_as_it_would_alone():
     logits = logits_rows(3, seed=1)
     params = [SamplingParams(temperature=0.9, top_k=8, seed=1, repetition_penalty=1.3),

@@ -157,6 +157,20 @@ def test_seeded_sampling_is_what_generate_samples_with_that_seed(oai, local):
     assert r.choices[0].text == text
 
 
+def test_logit_bias_is_what_generate_samples_with_that_bias(oai, local):
+    """+100 on one token makes it the greedy choice at every step; a ban (-100) on the unbiased text's tokens
+    changes the text; both as generate computes them with the same bias."""
+    ids = local[1](PROMPT)["input_ids"]
+    plain, tokens = expected_text(local, ids, 8)
+    forced = oai.completions.create(model="any", prompt=ids, max_tokens=8, temperature=0, logit_bias={"42": 100})
+    assert forced.choices[0].text == expected_text(local, ids, 8, logit_bias=((42, 100.0),))[0]
+    assert forced.choices[0].text == local[1].decode([42] * 8)
+    ban = {str(t): -100 for t in set(tokens)}
+    banned = oai.completions.create(model="any", prompt=ids, max_tokens=8, temperature=0, logit_bias=ban)
+    bias = tuple(sorted((int(t), -100.0) for t in ban))
+    assert banned.choices[0].text == expected_text(local, ids, 8, logit_bias=bias)[0] != plain
+
+
 def test_chat_completion_uses_the_chat_prompt_and_streams_the_same_text(oai, local):
     prompt = chat_prompt(local[1], CHAT)
     text, tokens = expected_text(local, prompt, 32)
@@ -299,6 +313,20 @@ BAD_REQUESTS = [
     ("/v1/messages", {"max_tokens": 5, "messages": M, "temperature": 1.5}, 400, "temperature"),
     ("/v1/messages", {"max_tokens": 10**6, "messages": M}, 400, "limit"),
     ("/v1/messages", b"{", 400, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "user message needs content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, 400, "non-empty list"),
+    ("/v1/chat/completions", {"messages": M, "functions": [{"name": "f"}]}, 400, "use tools"),
+    ("/v1/chat/completions", {"messages": M, "function_call": "auto"}, 400, "use tool_choice"),
+    ("/v1/chat/completions", {"messages": M, "tool_choice": "any"}, 400, '"none", "auto", "required"'),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": {"abc": 5}}, 400, "token ids"),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": {"5": 500}}, 400, "[-100, 100]"),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": "x"}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(10**9): 1}}, 400, "token ids"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "fill-in-the-middle"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": ""}]}, 400, "non-empty string"),
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, 400, "non-empty list"),
+    ("/v1/chat/completions/", {"messages": M}, 404, "Not Found"),
     ("/v1/nowhere", {}, 404, "Not Found"),
     ("/v1/models/some-other-model", None, 404, "not served"),
 ]

@@ -5,6 +5,7 @@ streamed text is held back only where a call may begin, and bad tool fields name
 import os
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 from tokenizers import Tokenizer, models
@@ -127,6 +128,36 @@ def test_decoding_under_a_formats_grammar_writes_calls_it_parses_with_valid_argu
         assert parsed is not None and len(parsed.calls) == 1 and valid(parsed.calls[0]), text
 
 
+# schemas with references, as pydantic and openai.pydantic_function_tool write them: a definition under $defs, and a
+# tool that refers to itself ("#")
+CITY = Tool("pick_city", "", {"type": "object", "$defs": {"City": {"type": "string", "enum": ["Paris", "Rome"]}},
+                              "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]})
+TREE = Tool("tree", "", {"type": "object", "properties": {"label": {"type": "string", "maxLength": 3},
+                                                          "child": {"$ref": "#"}}, "required": ["label"]})
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+def test_calls_decoded_under_schemas_with_references_are_valid_against_those_schemas(byte_tokenizer, fmt):
+    literal, tools = literal_of(byte_tokenizer[1]), {t.name: t for t in (CITY, TREE)}
+    called = set()
+    for seed in range(16):
+        text = constrained_text(byte_tokenizer, fmt.grammar(list(tools.values()), parallel=False, literal=literal), seed)
+        parsed = fmt.parse(text)
+        assert parsed is not None and len(parsed.calls) == 1, text
+        call = parsed.calls[0]
+        jsonschema.validate(call.arguments, tools[call.name].parameters)
+        called.add(call.name if "child" not in call.arguments else "tree, nested")
+    assert {"pick_city", "tree, nested"} <= called, called  # the definition and the recursion were both decoded
+
+
+def test_a_schema_that_no_finite_value_satisfies_ends_decoding_with_a_tool_error(byte_tokenizer):
+    endless = Tool("endless", "", {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})
+    grammar = FORMATS[0].grammar([endless], parallel=False, literal=literal_of(byte_tokenizer[1]))
+    with pytest.raises(ToolError) as e:
+        constrained_text(byte_tokenizer, grammar, seed=0)
+    assert e.value.field == "tools" and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_a_named_choice_grammar_writes_only_that_tool(byte_tokenizer, temperature):
     literal = literal_of(byte_tokenizer[1])
@@ -160,9 +191,11 @@ def test_a_reply_that_does_not_parse_or_calls_an_unknown_tool_is_text():
 
 @pytest.mark.parametrize("body, field", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": "one"}}}}}]}, "tools.0.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools.0.parameters"),
-    ({"tools": [WEATHER.as_template_tool(), WEATHER.as_template_tool()]}, "tools.1.name"),
+        "n": {"type": "integer", "minimum": "one"}}}}}]}, "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [WEATHER.as_template_tool(), WEATHER.as_template_tool()]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, "tools.0.function.name"),
     ({"tools": [WEATHER.as_template_tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -206,6 +239,9 @@ def test_anthropic_tool_blocks_become_template_turns_and_choices_map_to_modes():
     with pytest.raises(ToolError) as e:
         MessagesRequest.model_validate({**body, "tool_choice": {"type": "tool", "name": "nope"}}).tool_use()
     assert e.value.field == "tool_choice"
+    with pytest.raises(ToolError) as e:
+        MessagesRequest.model_validate({**body, "tools": [{"name": "f", "input_schema": {"type": "array"}}]}).tool_use()
+    assert e.value.field == "tools.0.input_schema"
     with pytest.raises(ToolError) as e:
         MessagesRequest.model_validate({**body, "messages": QUESTION + [{"role": "user", "content": [result]}]}).turns()
     assert e.value.field == "messages.1.content.0.tool_use_id"

@@ -1,10 +1,11 @@
 """The sampler: per-sequence parameters over a batch of logits rows, the defaults a model samples
 with, and the log-probabilities reported.
 
-Order, as in transformers' and vLLM's pipelines: penalties on the raw logits (repetition, then
-frequency and presence), then temperature, then top_k, top_p and min_p; temperature 0 is greedy
-over the penalised logits. Each row of a [B, V] logits tensor has its own `SamplingParams`, its own
-token history and its own random generator, so sequences of a batch never influence each other.
+Order, as in transformers' and vLLM's pipelines: a logit bias (OpenAI's `logit_bias`, llama.cpp's first
+sampler) added to the raw logits, then penalties (repetition, then frequency and presence), then
+temperature, then top_k, top_p and min_p; temperature 0 is greedy over the penalised logits. Each row
+of a [B, V] logits tensor has its own `SamplingParams`, its own token history and its own random
+generator, so sequences of a batch never influence each other.
 
 `SamplingParams` is the one container of sampling settings, from command-line flags or a request
 body to the sampler. A model's defaults are the sampling fields its generation_config.json sets,
@@ -41,12 +42,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # logit -= count * frequency_penalty
     presence_penalty: float = 0.0  # logit -= (count > 0) * presence_penalty
     seed: int | None = None  # None: a random one, drawn by `chosen`
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs added to the raw logits
 
     def penalises(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The settings as JSON takes them: a logit bias in OpenAI's shape ({"token id": bias}), and only if set."""
+        out = asdict(self)
+        bias = out.pop("logit_bias")
+        return out | ({"logit_bias": {str(token): value for token, value in bias}} if bias else {})
 
     def line(self) -> str:
         """One line for people: greedy, or the steps that are on, and the seed."""
@@ -60,6 +65,8 @@ class SamplingParams:
         steps += [f"{label} {value:g}" for label, value, off in (
             ("repeat-penalty", self.repetition_penalty, 1.0), ("frequency-penalty", self.frequency_penalty, 0.0),
             ("presence-penalty", self.presence_penalty, 0.0)) if value != off]
+        if self.logit_bias:
+            steps.append(f"logit bias on {len(self.logit_bias)} token{'s' if len(self.logit_bias) > 1 else ''}")
         return ", ".join(steps) + ("" if self.seed is None else f", seed {self.seed}")
 
 
@@ -130,6 +137,8 @@ def chosen(defaults: SamplingParams, **given) -> SamplingParams:
     unknown = set(given) - FIELDS
     if unknown:
         raise TypeError(f"not sampling settings: {', '.join(sorted(unknown))}")
+    if isinstance(given.get("logit_bias"), dict):  # OpenAI's shape, {token: bias}
+        given["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in given["logit_bias"].items()))
     params = replace(defaults, **{k: v for k, v in given.items() if v is not None})
     return params if params.seed is not None else replace(params, seed=random_seed())
 
@@ -230,10 +239,21 @@ def constrained(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def biased(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`logits` plus each row's logit_bias (whoever takes a bias from a user checks its tokens are in the vocabulary)."""
+    if all(not s.params.logit_bias for s in seqs):
+        return logits
+    logits = logits.clone()
+    for row, seq in zip(logits, seqs):
+        for token, bias in seq.params.logit_bias:
+            row[token] += bias
+    return logits
+
+
 def sample_batch(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of `logits` [B, V], each drawn with its own sequence's parameters and
     generator; the tokens are appended to each sequence's output."""
-    logits = constrained(logits, seqs)
+    logits = constrained(biased(logits, seqs), seqs)
     if all(s.params.temperature <= 0 and not s.params.penalises() for s in seqs):  # plain greedy: no copies
         tokens = logits.argmax(-1).tolist()
         for seq, token in zip(seqs, tokens):

@@ -12,6 +12,7 @@ from smoe.serve.api import (
     Limits,
     budget,
     encode_chat,
+    error_body,
     event_stream,
     job_events,
     outcome_of,
@@ -56,6 +57,8 @@ async def anthropic_events(worker: Worker, job, request: Request, msg_id: str, p
                 yield text_delta(value)
         elif kind == "error":
             yield sse({"type": "error", "error": {"type": "api_error", "message": value}}, "error")
+        elif kind == "refused":
+            yield sse(error_body(request.url.path, 400, str(value), value.field), "error")
         elif kind == "done":
             reply = turn.reply(value.text) if holder else Parsed(value.text)
             if holder and not reply.calls and holder.unsent(reply.content):

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from smoe.serve.schemas import first_error, image_at
+from smoe.serve.schemas import ACCEPTS, first_error, image_at
 from smoe.serve.worker import Outcome, Overloaded, Reply, Worker
 
 OPENAI_TYPES = {500: "server_error", 503: "server_error"}
@@ -117,7 +117,7 @@ def parse(body: bytes, schema):
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        loc, message = first_error(e, data)
+        loc, message = first_error(e, data, getattr(schema, "ACCEPTS", ACCEPTS))
         raise ApiError(400, f"{loc}: {message}" if loc else message, param=loc or None) from None
 
 
@@ -147,7 +147,7 @@ async def encode_chat(worker: Worker, turns: list[dict], tools: list[dict] | Non
 
 
 def check_token_ids(worker: Worker, ids: list[int]) -> list[int]:
-    vocab = worker.sm.config.get_text_config().vocab_size
+    vocab = worker.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
     return ids
@@ -187,7 +187,7 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def job_events(job, request: Request):
-    """The job's events until "done" or "error"; stops early, cancelling the job, if the client leaves."""
+    """The job's events until "done", "error" or "refused"; stops early, cancelling the job, if the client leaves."""
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         while True:
@@ -198,7 +198,7 @@ async def job_events(job, request: Request):
                 return
             kind, value = get.result()
             yield kind, value
-            if kind in ("done", "error"):
+            if kind in ("done", "error", "refused"):
                 return
     finally:  # also runs when the response task is cancelled because the client disconnected
         gone.cancel()
@@ -210,6 +210,8 @@ async def outcome_of(job, request: Request) -> Outcome | None:
     async for kind, value in job_events(job, request):
         if kind == "error":
             raise ApiError(500, value)
+        if kind == "refused":
+            raise ApiError(400, str(value), value.field)
         if kind == "done":
             return value
     return None

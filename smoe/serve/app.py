@@ -87,7 +87,9 @@ def create_app(worker: Worker, limits: Limits = Limits(), api_key: str | None = 
         yield
         worker.stop()
 
-    app = FastAPI(title="smoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # no redirect from /v1/models/ to /v1/models: an unknown path is a JSON 404, as every other answer is JSON
+    app = FastAPI(title="smoe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                  redirect_slashes=False)
     page = chat_page()
     model_card = {"id": worker.model_id, "object": "model", "created": int(worker.metrics.started), "owned_by": "smoe"}
     v1 = [Depends(key_check(api_key))] if api_key is not None else []  # what every /v1 route depends on

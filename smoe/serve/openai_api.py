@@ -17,6 +17,7 @@ from smoe.serve.api import (
     budget,
     check_token_ids,
     encode_chat,
+    error_body,
     event_stream,
     job_events,
     outcome_of,
@@ -117,6 +118,8 @@ class OpenAIStream:
                     pending = []
             elif kind == "error":
                 yield sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
+            elif kind == "refused":
+                yield sse(error_body(request.url.path, 400, str(value), value.field))
             elif kind == "done":
                 finish = OPENAI_FINISH[value.finish]
                 if holder:
@@ -140,10 +143,33 @@ def check_openai(req) -> None:
     if req.unsupported_format():
         raise ApiError(400, f"response_format: only {{\"type\": \"text\"}} is supported (no JSON mode or schemas), "
                        f"got {json.dumps(req.response_format)}", "response_format")
+    for name, replacement in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, f"{name}: deprecated by OpenAI and not supported; use {replacement}", name)
+    if getattr(req, "best_of", None) not in (None, 1):
+        raise ApiError(400, f"best_of: only 1 is supported (one sequence per prompt), got {req.best_of}", "best_of")
+    if getattr(req, "suffix", None):
+        raise ApiError(400, "suffix: fill-in-the-middle is not supported", "suffix")
 
 
 def openai_reply(worker: Worker, req, max_tokens: int, logprobs: int | None = None, echo: bool = False) -> Reply:
-    return Reply(worker.sampling(**req.sampling_fields()), max_tokens, req.stops(), logprobs, echo)
+    bias = logit_bias(req.logit_bias, worker.vocab_size)
+    return Reply(worker.sampling(**req.sampling_fields(), logit_bias=bias), max_tokens, req.stops(), logprobs, echo)
+
+
+def logit_bias(given: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias as the sampler takes it: each key a token id of the vocabulary, each bias in
+    [-100, 100] (as OpenAI checks them); None when not given."""
+    if not given:
+        return None
+    pairs = []
+    for key, bias in given.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab):
+            raise ApiError(400, f"logit_bias: keys must be token ids in [0, {vocab}), got {json.dumps(key)}", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias.{key}: a bias must be in [-100, 100], got {bias:g}", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def chat_top_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -8,9 +8,9 @@ that only tune delivery are accepted and ignored.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from smoe import numeric
 from smoe.serve.tools.messages import ToolUse, anthropic_tool_use, anthropic_turns, openai_tool_use, openai_turns
@@ -23,7 +23,7 @@ Stop = Annotated[str, Field(min_length=1)]
 ACCEPTS = {
     "stop": f"a non-empty string or a list of up to {MAX_STOPS} of them",
     "prompt": f"a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either",
-    "content": 'a string or a list of content parts ({"type": "text", "text": ...})',
+    "content": 'a string or a non-empty list of content parts ({"type": "text", "text": ...})',
     "system": 'a string or a list of text parts ({"type": "text", "text": ...})',
 }
 
@@ -43,7 +43,7 @@ class ImagePart(BaseModel):
     type: Literal["image", "image_url", "input_image"]
 
 
-Content = str | list[TextPart | ImagePart]
+Content = str | Annotated[list[TextPart | ImagePart], Field(min_length=1)]
 
 
 # --- tools (checked further, and turned into the template's turns, by smoe.serve.tools.messages) ---
@@ -105,7 +105,8 @@ class ToolResultPart(Strict):
     is_error: bool = False
 
 
-AnthropicContent = str | list[TextPart | ImagePart | ToolUsePart | ToolResultPart]
+AnthropicContent = (Annotated[str, Field(min_length=1)]
+                    | Annotated[list[TextPart | ImagePart | ToolUsePart | ToolResultPart], Field(min_length=1)])
 
 
 def text_of(content: Content | None) -> str:
@@ -145,6 +146,7 @@ class OpenAIRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict | None = None  # only {"type": "text"}; checked by the handler to say why
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias; checked by the handler
 
     def sampling_fields(self) -> dict:
         """The sampler's settings as asked, None for each left to the model's default."""
@@ -170,15 +172,27 @@ class ChatMessage(Strict):
     tool_calls: list[ToolCallRef] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # the call a tool message answers
 
+    @model_validator(mode="after")
+    def content_given(self):
+        """Only an assistant's turn may leave out its content (its tool calls are the turn)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def as_turn(self) -> dict:
         return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
 
 
 class ChatCompletionRequest(OpenAIRequest):
+    ACCEPTS: ClassVar[dict] = ACCEPTS | {
+        "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'}
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # the deprecated forms of tools and tool_choice: refused by the handler, which names their replacements
+    functions: list | None = None
+    function_call: str | dict | None = None
     logprobs: bool = False
     top_logprobs: int | None = numeric.TOP_LOGPROBS.field(None)
 
@@ -196,6 +210,8 @@ class CompletionRequest(OpenAIRequest):
              | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: int | None = numeric.TOP_LOGPROBS.field(None)  # the legacy API allows 0..5
     echo: bool = False
+    best_of: int | None = None  # 1 only (one sequence per prompt); checked by the handler to say why
+    suffix: str | None = None  # none: no fill-in-the-middle; checked by the handler
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
@@ -210,6 +226,8 @@ class AnthropicMessage(Strict):
 
 class AnthropicPrompt(Strict):
     """What /v1/messages/count_tokens reads; the messages request adds generation settings."""
+    ACCEPTS: ClassVar[dict] = ACCEPTS | {
+        "content": 'a non-empty string or a non-empty list of content blocks ({"type": "text", "text": ...})'}
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextPart] | None = None
@@ -236,14 +254,14 @@ class MessagesRequest(AnthropicPrompt):
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
 
 
-def first_error(error: ValidationError, data: dict) -> tuple[str, str]:
-    """(location, message) of the first problem in a request body `data`; a union-typed field is named
-    with what it accepts and what it got."""
+def first_error(error: ValidationError, data: dict, accepts: dict = ACCEPTS) -> tuple[str, str]:
+    """(location, message) of the first problem in a request body `data`; a union-typed field of `accepts` (the
+    schema's ACCEPTS) is named with what it accepts and what it got."""
     loc = error.errors()[0]["loc"]
     for i, key in enumerate(loc[:-1]):
-        if key in ACCEPTS and isinstance(loc[i + 1], str):  # loc[i + 1] names one of the union's members
-            return dotted(loc[:i + 1]), f"expected {ACCEPTS[key]}, got {shown(value_at(data, loc[:i + 1]))}"
-    return dotted(loc), error.errors()[0]["msg"]
+        if key in accepts and isinstance(loc[i + 1], str):  # loc[i + 1] names one of the union's members
+            return dotted(loc[:i + 1]), f"expected {accepts[key]}, got {shown(value_at(data, loc[:i + 1]))}"
+    return dotted(loc), error.errors()[0]["msg"].removeprefix("Value error, ")  # a validator's own message
 
 
 def dotted(loc) -> str:

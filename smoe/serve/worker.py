@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from smoe.hf.tokenizer import chat_prompt
 from smoe.runtime.generate import eos_ids, generate
 from smoe.runtime.sampling import SamplingParams, TokenLogprob, chosen, sampling_defaults
+from smoe.serve.tools.calls import ToolError
 from smoe.serve.tools.support import ToolSupport
 
 log = logging.getLogger("smoe.serve")
@@ -62,7 +63,8 @@ class Job:
         self.stats = None  # the GenerationStats, once it ran
         if (request_jobs := REQUEST_JOBS.get()) is not None:
             request_jobs.append(self)
-        # ("text", str), ("logprobs" or "prompt_logprobs", [TokenLogprob]) ..., then ("done", Outcome) or ("error", str)
+        # ("text", str), ("logprobs" or "prompt_logprobs", [TokenLogprob]) ..., then ("done", Outcome), ("error", str)
+        # (a server-side failure) or ("refused", ToolError: the request's tools, found wrong while decoding)
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
 
@@ -115,7 +117,7 @@ class Metrics:
 
     def __init__(self):
         self.started = time.time()
-        self.completed = self.cancelled = self.failed = 0
+        self.completed = self.cancelled = self.failed = self.refused = 0
         self.prompt_tokens = self.generated_tokens = 0
         self.decoded_tokens, self.decode_seconds = 0, 0.0
         self.last: dict | None = None
@@ -143,7 +145,8 @@ class Metrics:
             running = {"generated_tokens": current["tokens"], "tok_s": current["tokens"] / elapsed if elapsed else 0.0}
         return {
             "uptime_s": time.time() - self.started,
-            "requests": {"completed": self.completed, "cancelled": self.cancelled, "failed": self.failed},
+            "requests": {"completed": self.completed, "cancelled": self.cancelled, "failed": self.failed,
+                         "refused": self.refused},
             "tokens": {"prompt": self.prompt_tokens, "generated": self.generated_tokens},
             "decode_tok_s": self.decoded_tokens / self.decode_seconds if self.decode_seconds else 0.0,
             "running": running,
@@ -170,6 +173,10 @@ class Worker:
     @property
     def context(self) -> int | None:
         return self.sm.max_positions
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sm.config.get_text_config().vocab_size
 
     def start(self) -> None:
         self.thread.start()
@@ -260,6 +267,11 @@ class Worker:
                                      logprobs=s.logprobs, on_logprob=on_logprob,
                                      on_prompt_logprobs=on_prompt_logprobs if s.prompt_logprobs else None,
                                      constraint=s.constraint)
+        except ToolError as e:  # the request's tool schemas: the client gets a 400 naming the field
+            log.warning("request refused: %s", e)
+            self.metrics.refused += 1
+            job.post("refused", e)
+            return
         except Exception as e:  # a server-side failure (e.g. a corrupt vault): the client gets a 500
             log.exception("generation failed")
             self.metrics.failed += 1

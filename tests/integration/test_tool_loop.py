@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 
@@ -143,7 +144,7 @@ def test_anthropic_any_choice_is_required(claude):
 @pytest.mark.parametrize("change, field", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                               "properties": {"a": {"type": "nope"}}}}}]},
-     "tools.0.parameters"),
+     "tools.0.function.parameters"),
     ({"tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}}, "tool_choice"),
     ({"messages": QUESTION + [{"role": "tool", "tool_call_id": "call_none", "content": "x"}]}, "messages.1.tool_call_id"),
 ])
@@ -168,3 +169,36 @@ def test_tools_on_a_template_without_tool_support_are_a_400_naming_tools(tmp_pat
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=QUESTION, tools=OPENAI_TOOLS, max_tokens=4)
     assert e.value.body["param"] == "tools" and "no tool support" in e.value.body["message"]
+
+
+RECURSIVE = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 3}, "child": {"$ref": "#"}},
+             "required": ["label"]}
+PYDANTIC_STYLE = {"type": "object", "$defs": {"City": {"type": "string", "enum": CITIES}},
+                  "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"]}
+
+
+# sampled, not greedy: greedy, this random model nests the tree until max_tokens (as it may with other seeds, or keep
+# adding parallel calls: seed 0 ends within 64 tokens)
+@pytest.mark.parametrize("schema", [RECURSIVE, PYDANTIC_STYLE], ids=["recursive", "defs"])
+def test_a_required_call_follows_a_schema_with_references(oai, schema):
+    r = oai.chat.completions.create(model="m", messages=QUESTION, tool_choice="required", max_tokens=64,
+                                    temperature=1.0, seed=0,
+                                    tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+ENDLESS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]
+
+
+def test_a_schema_no_finite_value_satisfies_is_a_400_naming_tools_whole_and_streamed(oai, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="m", messages=QUESTION, tools=ENDLESS, tool_choice="required", max_tokens=16)
+    assert e.value.body["param"] == "tools" and "\n" not in e.value.body["message"]
+    with pytest.raises(openai.APIError) as e:  # the stream began with a 200: the error is its last event
+        openai_stream_call(oai, model="m", messages=QUESTION, tools=ENDLESS, tool_choice="required", max_tokens=16)
+    assert "tools:" in e.value.message
+    r = oai.chat.completions.create(model="m", messages=QUESTION, max_tokens=4)  # and the server goes on
+    assert r.choices[0].finish_reason in ("length", "stop")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ class ToolError(SmoeError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field, self.message = field, message
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the names OpenAI's and Anthropic's APIs accept
 
 
 @dataclass(frozen=True)
@@ -59,21 +63,24 @@ class Choice:
         return self.mode in ("required", "named")
 
 
-def check_tools(tools: list[Tool], where: str, schema_error) -> list[Tool]:
-    """`tools` with unique names and parameter schemas that `schema_error(schema)` (None when it
-    compiles) accepts; `where` is the request field ("tools")."""
+def check_tools(tools: list[Tool], where: str, schema_error, name_key: str = "name",
+                schema_key: str = "parameters") -> list[Tool]:
+    """`tools` with unique names of the characters OpenAI and Anthropic allow and parameter schemas that
+    `schema_error(schema)` (None when it compiles) accepts; `where` is the request field ("tools"), and a tool's
+    fields are named `name_key` and `schema_key` in the request (OpenAI's "function.name", Anthropic's "name")."""
     seen = set()
     for i, tool in enumerate(tools):
-        if not tool.name:
-            raise ToolError(f"{where}.{i}.name", "must be a non-empty string")
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise ToolError(f"{where}.{i}.{name_key}", f"a tool's name is 1 to 64 letters, digits, '_' or '-', "
+                                                        f"got {json.dumps(tool.name)}")
         if tool.name in seen:
-            raise ToolError(f"{where}.{i}.name", f"two tools are named {tool.name!r}")
+            raise ToolError(f"{where}.{i}.{name_key}", f"two tools are named {tool.name!r}")
         seen.add(tool.name)
         if tool.parameters.get("type", "object") != "object":
-            raise ToolError(f"{where}.{i}.parameters",
+            raise ToolError(f"{where}.{i}.{schema_key}",
                             "a tool's arguments are a JSON object: its schema's type must be \"object\"")
         if (problem := schema_error(tool.parameters)) is not None:
-            raise ToolError(f"{where}.{i}.parameters", f"not a usable JSON schema ({problem})")
+            raise ToolError(f"{where}.{i}.{schema_key}", f"not a usable JSON schema ({problem})")
     return tools
 
 

@@ -43,9 +43,61 @@ def closed(schema: dict) -> dict:
 
 
 def call_object(tools: list[Tool], name_key: str = "name", arguments_key: str = "arguments") -> dict:
-    """The schema of {"name": <one of the tools>, "arguments": <its arguments>}."""
-    return {"anyOf": [{"type": "object", "properties": {name_key: {"const": t.name}, arguments_key: closed(t.parameters)},
-                       "required": [name_key, arguments_key], "additionalProperties": False} for t in tools]}
+    """The schema of {"name": <one of the tools>, "arguments": <its arguments>}; each tool's arguments are a
+    reference into tool_defs(tools), which the schema's root must hold under "$defs"."""
+    return {"anyOf": [{"type": "object", "properties": {name_key: {"const": t.name},
+                                                        arguments_key: {"$ref": tool_pointer(i)}},
+                       "required": [name_key, arguments_key], "additionalProperties": False}
+                      for i, t in enumerate(tools)]}
+
+
+def tool_defs(tools: list[Tool]) -> dict:
+    """Each tool's (closed) parameters under its own name, for the "$defs" of a schema that nests them: a tool's
+    own references ("#" for itself, "#/$defs/City") are rebased to where it now sits."""
+    return {tool_pointer(i).rsplit("/", 1)[1]: rebased(closed(t.parameters), tool_pointer(i)) for i, t in enumerate(tools)}
+
+
+def tool_pointer(index: int) -> str:
+    return f"#/$defs/tool{index}"
+
+
+# keywords whose values are data, not schemas: a "$ref" key inside them is not a reference
+DATA_KEYWORDS = {"const", "enum", "default", "examples"}
+
+
+def rebased(schema, base: str):
+    """`schema` with each of its local references ("#" + JSON pointer) rewritten as if it were read from `base`."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebased(value, base)
+    return out
+
+
+def standalone(schema: dict, root: dict) -> dict:
+    """A part of schema `root` (one argument's) made readable on its own: where it refers into `root`, `root`
+    comes along under "$defs" and the references are rebased onto it."""
+    if not has_references(schema):
+        return schema
+    base = "#/$defs/root"
+    return {"allOf": [rebased(schema, base)], "$defs": {"root": rebased(root, base)}}
+
+
+def has_references(schema) -> bool:
+    if isinstance(schema, list):
+        return any(has_references(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    return any((key == "$ref" and isinstance(value, str)) or (key not in DATA_KEYWORDS and has_references(value))
+               for key, value in schema.items())
 
 
 def repeated(rule: str, parallel: bool, separator: str = '""') -> str:
@@ -86,8 +138,12 @@ class GrammarConstraint:
         return out
 
     def advance(self, token: int) -> None:
+        """Take `token`; a grammar that fails here (llguidance finds out lazily) is the request's: a required
+        property that refers to its own object has no finite value, and a schema can be too complex to parse."""
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"token {token} left the tool-call grammar ({self.matcher.get_error()})")
+            problem = self.matcher.get_error().splitlines()[0].removeprefix("parser error: ")
+            raise ToolError("tools", f"decoding the call stopped inside these tools' grammar ({problem}): a schema "
+                                     f"that no finite value satisfies, or one too complex to parse")
 
     def done(self) -> bool:
         return self.matcher.is_stopped() or self.matcher.is_accepting()

@@ -81,7 +81,7 @@ def openai_call(ledger: CallLedger, ref, where: str) -> dict:
 
 def openai_tool_use(req) -> ToolUse:
     tools = check_tools([Tool(t.function.name, t.function.description or "", t.function.parameters or empty_object())
-                         for t in req.tools or ()], "tools", schema_error)
+                         for t in req.tools or ()], "tools", schema_error, "function.name", "function.parameters")
     choice = req.tool_choice
     if choice is None:
         mode, name = ("auto" if tools else "none"), None
@@ -132,7 +132,7 @@ def anthropic_message_turns(ledger: CallLedger, m, i: int) -> list[dict]:
 
 def anthropic_tool_use(req) -> ToolUse:
     tools = check_tools([Tool(t.name, t.description or "", t.input_schema) for t in req.tools or ()], "tools",
-                        schema_error)
+                        schema_error, schema_key="input_schema")
     choice = req.tool_choice
     if choice is None:
         return ToolUse(tuple(tools), Choice("auto" if tools else "none"))

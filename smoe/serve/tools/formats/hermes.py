@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from smoe.serve.tools.calls import Parsed, Tool
 from smoe.serve.tools.formats.base import CallFormat, call_of, joined, json_at, skip_space
-from smoe.serve.tools.grammar import call_object, json_rule, lark_literal, repeated
+from smoe.serve.tools.grammar import call_object, json_rule, lark_literal, repeated, tool_defs
 
 OPEN, CLOSE, NL = "<tool_call>", "</tool_call>", "\n"
 
@@ -32,7 +32,8 @@ class Hermes(CallFormat):
         return Parsed(joined(content), tuple(calls)) if calls else None
 
     def grammar(self, tools: list[Tool], parallel: bool, literal=lark_literal) -> str:
-        call = f"{literal(OPEN)} {literal(NL)} {json_rule(call_object(tools))} {literal(NL)} {literal(CLOSE)}"
+        arguments = json_rule(call_object(tools) | {"$defs": tool_defs(tools)})
+        call = f"{literal(OPEN)} {literal(NL)} {arguments} {literal(NL)} {literal(CLOSE)}"
         return f"start: {repeated('call', parallel, literal(NL))}\ncall: {call}\n"
 
 

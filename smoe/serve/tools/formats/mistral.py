@@ -10,7 +10,7 @@ import string
 
 from smoe.serve.tools.calls import Call, Parsed, Tool
 from smoe.serve.tools.formats.base import CallFormat, call_of, json_at
-from smoe.serve.tools.grammar import call_object, json_rule, lark_literal
+from smoe.serve.tools.grammar import call_object, json_rule, lark_literal, tool_defs
 
 OPEN = "[TOOL_CALLS]"
 ALPHANUMERIC = string.ascii_letters + string.digits
@@ -35,7 +35,8 @@ class Mistral(CallFormat):
         return Parsed(content.strip(), tuple(Call(c.name, c.arguments, i) for c, i in zip(calls, ids)))
 
     def grammar(self, tools: list[Tool], parallel: bool, literal=lark_literal) -> str:
-        calls = {"type": "array", "items": call_object(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        calls = {"type": "array", "items": call_object(tools), "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                 "$defs": tool_defs(tools)}
         return f"start: {literal(OPEN)} {json_rule(calls)}\n"
 
 

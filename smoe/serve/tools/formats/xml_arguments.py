@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from smoe.serve.tools.calls import Tool
-from smoe.serve.tools.grammar import json_rule, lark_literal
+from smoe.serve.tools.grammar import closed, json_rule, lark_literal, standalone
 
 
 def value_of(raw: str):
@@ -34,6 +34,6 @@ def argument_rules(tool: Tool, pair) -> str:
     required = set(tool.parameters.get("required", ()))
     items = []
     for key, schema in properties.items():
-        item = pair(key, schema)
+        item = pair(key, standalone(schema, closed(tool.parameters)))
         items.append(item if key in required else f"({item})?")
     return " ".join(items) or '""'
