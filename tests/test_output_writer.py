@@ -298,6 +298,18 @@ def test_a_concurrent_export_is_refused_naming_the_holder(inputs, tmp_path, caps
     assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
 
 
+@pytest.mark.parametrize("after", [0.1, 0.3, 0.6, 1.0])
+def test_ctrl_c_while_the_command_starts_is_one_line_with_status_130(inputs, tmp_path, after):
+    """Interrupted while its modules load (an import cut short can leave a module half made, and the next
+    import of it fails otherwise), a command says so in one line."""
+    proc = smoe_process("quantize", inputs["model"], "-o", tmp_path / "vault", "-q")
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("smoe: interrupted"), err
+    assert "Traceback" not in err
+
+
 def test_ctrl_c_before_any_blob_says_nothing_is_kept(inputs, tmp_path):
     """Interrupted while it holds the lock and has not journalled a blob, quantize keeps no partial
     and does not say it does."""

@@ -138,6 +138,28 @@ def test_a_trunk_tensor_the_model_cannot_take_is_refused_at_quantize_and_at_open
         OpenedVault(vault, dtype="float32")
 
 
+@pytest.mark.parametrize("missing", ["model.layers.1.post_attention_layernorm.weight", "model.norm.weight"])
+def test_a_checkpoint_that_lacks_a_tensor_the_model_needs_is_refused_at_quantize(tmp_path, missing):
+    source = tiny_model_dir(tmp_path, "deepseek_v3", seed=2)
+    path = source / "model.safetensors"
+    tensors = load_file(path)
+    del tensors[missing]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(SmoeError, match=rf"lacks 1 tensors the model needs .*{missing}"):
+        vault_of(source, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_config_without_model_type_is_refused_at_quantize(tmp_path):
+    source = tiny_model_dir(tmp_path, "qwen3_moe", seed=2)
+    config = json.loads((source / "config.json").read_text())
+    del config["model_type"]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SmoeError, match="model_type is missing"):
+        vault_of(source, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_trunk_tensor_the_model_declares_ignorable_is_left_out_as_transformers_leaves_it(tmp_path):
     # DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected: the release's multi-token-prediction layer 61
     vault = rewrite_source(tmp_path, lambda t: t | {"model.layers.61.eh_proj.weight": torch.ones(4, 4)})

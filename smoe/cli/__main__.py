@@ -1,5 +1,5 @@
 import sys
 
-from smoe.cli.commands import main
+from smoe.cli import main
 
 sys.exit(main())

@@ -8,6 +8,7 @@ import os
 import sys
 
 from smoe import numeric
+from smoe.cli.interrupts import guarded
 from smoe.errors import SmoeError
 from smoe.format.paths import check_outputs
 from smoe.hf.bars import quiet_library_bars
@@ -559,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return guarded(lambda: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand that was given them, not by the top level

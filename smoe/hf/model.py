@@ -138,13 +138,25 @@ def check_buildable(config: dict, trunk: dict[str, tuple[int, ...]], where: str)
     and holds every trunk tensor (name -> shape) at that shape, as opening the vault will require. A model
     type transformers does not know is left to the family checks (an export may still take it), with a
     notice saying so: the vault will not open here."""
+    if not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise SmoeError(f"{where}: model_type is missing: it names the model's family, which the vault keeps")
     if config.get("model_type") not in CONFIG_MAPPING:
         print(f"smoe: notice: {where}: model_type {config.get('model_type')!r} is unknown to transformers "
               f"{transformers.__version__}, so only smoe's family checks ran on its config; the vault can be "
               "exported, but smoe runs it only with a transformers that knows the type", file=sys.stderr)
         return
     model = build_model(read_config(config, where), torch.float32, where=where)
-    place_trunk(model, trunk, "the checkpoint")
+    missing = unplaced(model, place_trunk(model, trunk, "the checkpoint"))
+    if missing:  # the vault would open nowhere, and its exports would not load
+        raise SmoeError(f"{where}: the checkpoint lacks {len(missing)} tensors the model needs (first: {missing[:3]})")
+
+
+def unplaced(model, placed: set[str]) -> list[str]:
+    """The model's parameters outside its experts that neither `placed` nor a tie to a placed one fills."""
+    tied = model.all_tied_weights_keys
+    partner = dict(tied) | {source: target for target, source in tied.items()}
+    return [name for name, _ in model.named_parameters()
+            if name not in placed and partner.get(name) not in placed and not is_experts_param(model, name)]
 
 
 def trunk_shapes(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -184,9 +196,10 @@ def read_trunk(model, vault: Vault, cast: bool) -> dict[str, torch.Tensor]:
     return {name: cast_as(tensor, expected[name]) if cast else tensor for name, (_, tensor) in converted.items()}
 
 
-def place_trunk(model, shapes: dict[str, tuple[int, ...]], holder: str) -> None:
-    """Whether a trunk of these shapes loads into the model (converted on the meta device)."""
-    convert_trunk(model, {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}, holder)
+def place_trunk(model, shapes: dict[str, tuple[int, ...]], holder: str) -> set[str]:
+    """The model's names a trunk of these shapes fills, converted on the meta device; a tensor that would not
+    load is an error."""
+    return set(convert_trunk(model, {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}, holder))
 
 
 def convert_trunk(model, tensors: dict[str, torch.Tensor], holder: str) -> dict[str, tuple[tuple[str, ...], torch.Tensor]]:

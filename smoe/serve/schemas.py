@@ -210,7 +210,7 @@ class CompletionRequest(OpenAIRequest):
              | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: int | None = numeric.TOP_LOGPROBS.field(None)  # the legacy API allows 0..5
     echo: bool = False
-    best_of: int | None = None  # 1 only (one sequence per prompt); checked by the handler to say why
+    best_of: int | None = numeric.COUNT.field(None)  # 1 only (one sequence per prompt); the handler says why
     suffix: str | None = None  # none: no fill-in-the-middle; checked by the handler
 
     def prompts(self) -> list[str | list[int]]:
