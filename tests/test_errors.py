@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from smoe.format.vault import verify
+from smoe.testing.tiny_models import TOKENIZER_TEXT
 from smoe.testing.vaults import tiny_vault
 
 
@@ -119,3 +120,13 @@ def test_a_read_only_output_directory_is_one_line(tiny, read_only_dir, command):
     err = one_line_error(smoe(*args))
     assert "Read-only file system" in err or "Permission denied" in err
     assert os.listdir(read_only_dir) == []
+
+
+def test_a_disk_that_fills_while_plan_keeps_its_statistics_is_one_line_and_leaves_no_temporary(tiny, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text((TOKENIZER_TEXT + "\n") * 40)
+    r = smoe("plan", tiny / "model", "--budget", "3", "--calib", calib, "--calib-tokens", "256",
+             "-o", tmp_path / "plan.json", "-q", limit_bytes=20_000)
+    err = one_line_error(r)
+    assert "calibration statistics could not be written" in err and "disk full" in err
+    assert sorted(os.listdir(tmp_path)) == ["calib.txt"]

@@ -192,7 +192,23 @@ def test_quantize_with_a_plan_reuses_the_calibration_statistics_the_plan_measure
         assert (f"reusing the calibration statistics in {kept}" in r.stderr) == (name == "reused")
         vaults[name] = (tmp_path / name / "experts.bin").read_bytes()
     assert vaults["reused"] == vaults["fresh"]
-    kept.write_bytes(b"not statistics")
-    r = smoe_cli("quantize", tiny / "model", "--plan", tmp_path / "plan.json", "-o", tmp_path / "again", "-q")
-    assert r.returncode == 0, r.stderr
-    assert "reusing" not in r.stderr and (tmp_path / "again" / "experts.bin").read_bytes() == vaults["fresh"]
+    saved = bytearray(kept.read_bytes())
+    saved[len(saved) // 2] ^= 0x10  # one bit of one statistic: the file still loads, with another value
+    for name, content in (("changed", bytes(saved)), ("unreadable", b"not statistics")):
+        kept.write_bytes(content)
+        r = smoe_cli("quantize", tiny / "model", "--plan", tmp_path / "plan.json", "-o", tmp_path / name, "-q")
+        assert r.returncode == 0, r.stderr
+        assert "reusing" not in r.stderr and (tmp_path / name / "experts.bin").read_bytes() == vaults["fresh"]
+
+
+@pytest.mark.parametrize("existing", ["a directory", "another file"])
+def test_plan_refuses_an_output_it_would_lose_before_any_work(tiny, tmp_path, existing):
+    calib = tmp_path / "calib.txt"
+    calib.write_text((TOKENIZER_TEXT + "\n") * 40)
+    out = tmp_path / "out"
+    out.mkdir() if existing == "a directory" else out.write_text("notes")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "-o", out, "-q")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(out) in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written beside it
+    assert out.is_dir() if existing == "a directory" else out.read_text() == "notes"

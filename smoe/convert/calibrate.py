@@ -118,7 +118,14 @@ class CalibrationStats:
         """Written under a temporary name, then renamed: a run stopped midway leaves no half file. `source`:
         what the statistics were collected from (a fingerprint of model, text and tokens), checked by load."""
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(self.__dict__ | {"source": source}, tmp)
+        try:
+            torch.save(self.__dict__ | {"source": source}, tmp)
+            digest_path(path).write_text(digest(tmp))
+        except (OSError, RuntimeError) as e:  # torch reports a full disk or a read-only directory as RuntimeError
+            tmp.unlink(missing_ok=True)
+            reason = f" ({e.strerror})" if isinstance(e, OSError) and e.strerror else ""
+            raise SmoeError(f"{path}: the calibration statistics could not be written{reason}: is the disk full "
+                            f"or read-only?") from None
         tmp.replace(path)
 
     @classmethod
@@ -126,6 +133,8 @@ class CalibrationStats:
         """The statistics saved at path, or None when they were collected from another source than `source`
         or the file cannot be read as statistics (it is then collected again: it is a cache)."""
         try:
+            if digest_path(path).read_text() != digest(path):  # changed since written: not these statistics
+                return None
             saved = torch.load(path, weights_only=True)
             if source is not None and saved.pop("source", None) != source:
                 return None
@@ -135,16 +144,25 @@ class CalibrationStats:
             return None
 
 
+def digest_path(path: Path) -> Path:
+    """Where the sha256 of saved statistics is kept, so that load trusts only the bytes save wrote."""
+    return path.with_name(path.name + ".sha256")
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def file_hash(path: str | Path) -> str:
     """sha256 of the calibration file's bytes (it names the calibration in fingerprints)."""
-    h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        return digest(Path(path))[:16]
     except OSError as e:
         raise SmoeError(f"{path}: cannot read the calibration file ({e.strerror})") from None
-    return h.hexdigest()[:16]
 
 
 def calibration_windows(model_dir, text_path, tokens: int = DEFAULT_TOKENS) -> list[torch.Tensor]:

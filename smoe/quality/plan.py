@@ -22,6 +22,7 @@ layer's blobs take in experts.bin, 64-byte sections and blob alignment included.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 from pathlib import Path
@@ -368,10 +369,29 @@ def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float |
 def plan_outputs(plan: Path, sensitivity: Path) -> list[Path]:
     """Every file `plan_model` writes: the plan, its heatmap, the sensitivity table, the calibration statistics,
     and their temporaries."""
+    from smoe.convert.calibrate import digest_path
+
     heatmap = plan.with_suffix(".png")
     stats = stats_path(plan)
-    return [plan, heatmap, sensitivity, stats, *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity, stats)),
-            heatmap.with_name(heatmap.stem + ".tmp.png")]
+    return [plan, heatmap, sensitivity, stats, digest_path(stats),
+            *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity, stats)), heatmap.with_name(heatmap.stem + ".tmp.png")]
+
+
+def check_replaceable(plan: Path, sensitivity: Path) -> None:
+    """Before any work: the plan and its table are files that are absent or a plan's own (a plan run again
+    replaces its plan and resumes its table), never a directory or another file, which would be lost."""
+    for path, kind in ((plan, "smoe-plan"), (sensitivity, None)):
+        if path.is_dir():
+            raise SmoeError(f"{path}: is a directory (a plan is a file: give -o DIR/plan.json)")
+        if kind and path.exists() and not is_document(path, kind):
+            raise SmoeError(f"{path}: exists and is not a smoe plan; not replaced (remove it or choose another -o)")
+
+
+def is_document(path: Path, kind: str) -> bool:
+    try:
+        return json.loads(path.read_bytes()).get("format") == kind
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+        return False
 
 
 def stats_path(plan: Path) -> Path:
@@ -448,6 +468,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
     check_outputs(plan_outputs(out, sensitivity), [model_dir, calib])
     if not out.parent.is_dir():
         raise SmoeError(f"{out.parent}: no such directory for the plan")
+    check_replaceable(out, sensitivity)
     ckpt = Checkpoint(model_dir)
     moe = map_experts(ckpt.config, ckpt.names())
     skeleton = {"depths": list(codec.DEPTHS), "moe_layers": moe.moe_layers, "num_experts": moe.num_experts,
