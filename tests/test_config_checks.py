@@ -15,6 +15,7 @@ import torch
 from smoe.cli.commands import main
 from smoe.errors import SmoeError
 from smoe.format.vault import CONFIG_FILE, INDEX_FILE
+from smoe.source.config_checks import MAX_EXPERTS, MAX_LAYERS
 from smoe.testing.vaults import reseal
 
 NAN, INF = math.nan, math.inf
@@ -32,16 +33,21 @@ NOT_A_FRACTION = [0, 1.5, NAN, True, "0.5", None]
 NOT_A_FLAG = [0, 1, "false", None]
 NOT_LAYERS = [[-1], [1.0], [True], 3, None]
 
+# counts past what any model has, whose per-layer or per-expert tables would exhaust memory before any other check
+NOT_AN_EXPERT_COUNT = NOT_A_COUNT + [MAX_EXPERTS + 1, 10**9]
+NOT_A_DEPTH = NOT_A_COUNT + [MAX_LAYERS + 1, 10**9]
+
 KEYS = {
     # routed experts and top-k, under every family's name
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
-                     "ffn_config.moe_num_experts", "moe.num_experts"), NOT_A_COUNT),
+                     "ffn_config.moe_num_experts", "moe.num_experts"), NOT_AN_EXPERT_COUNT),
     **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_top_k",
                      "moe_k", "experts_per_token", "moe_router_topk", "num_selected_experts", "ffn_config.moe_top_k",
                      "moe.experts_per_token"),
                     NOT_A_COUNT),
     # model sizes
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "num_hidden_layers", "n_layers", "num_layers", "n_layer",
+    **dict.fromkeys(("num_hidden_layers", "n_layers", "num_layers", "n_layer"), NOT_A_DEPTH),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd",
                      "vocab_size", "max_position_embeddings", "max_seq_len", "num_attention_heads", "n_heads",
                      "num_key_value_heads", "attn_config.kv_n_heads", "intermediate_size", "moe_intermediate_size",
                      "intermediate_size_mlp", "ffn_config.ffn_hidden_size", "moe.expert_inner_dim",
@@ -381,3 +387,12 @@ def test_a_model_type_transformers_does_not_know_is_named_at_quantize_and_refuse
     assert "model_type 'kimi_k2' is unknown to transformers" in capsys.readouterr().err
     with pytest.raises(SmoeError, match="model_type 'kimi_k2' is unknown to transformers"):
         OpenedVault(vault)
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 10**9), ("num_experts", 10**9)])
+def test_inspecting_a_bare_config_with_a_count_past_any_model_is_one_line(tmp_path, capsys, key, value):
+    from smoe.testing.tiny_models import tiny_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen3_moe").to_dict() | {key: value}))
+    assert main(["inspect", str(tmp_path / "config.json")]) == 2
+    assert f"{key} is {value}" in one_line_error(capsys.readouterr().err)

@@ -130,3 +130,15 @@ def test_a_disk_that_fills_while_plan_keeps_its_statistics_is_one_line_and_leave
     err = one_line_error(r)
     assert "calibration statistics could not be written" in err and "disk full" in err
     assert sorted(os.listdir(tmp_path)) == ["calib.txt"]
+
+
+def test_eval_against_another_model_than_the_vaults_source_is_refused(tiny, tmp_path):
+    from smoe.testing.vaults import tiny_model_dir
+
+    other = tiny_model_dir(tmp_path, "qwen3_moe", seed=2)
+    (tmp_path / "data.txt").write_text(TOKENIZER_TEXT)
+    r = smoe("eval", tiny / "vault", "--ref", other, "--data", tmp_path / "data.txt", "--device", "cpu")
+    assert "not the model the vault was made from: model_type 'qwen3_moe' (the vault's 'mixtral')" in one_line_error(r)
+    r = smoe("eval", tiny / "vault", "--ref", tiny / "model", "--data", tmp_path / "data.txt", "--tokens", "64",
+             "--device", "cpu")
+    assert r.returncode == 0 and b"ppl" in r.stdout, r.stderr

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -200,6 +201,10 @@ def write_synthetic_checkpoint(directory: Path, gb: float | None = None, layers:
     expert_bytes_per_layer = experts * 3 * SYNTH_HIDDEN * SYNTH_INTER * 2
     layers = layers or max(1, round(gb * 1e9 / expert_bytes_per_layer))
     directory.mkdir(parents=True, exist_ok=True)
+    need, free = layers * expert_bytes_per_layer, shutil.disk_usage(directory).free
+    if need > free:  # checked before its tables of tensors, which grow with the depth
+        raise SmoeError(f"{directory}: the synthetic checkpoint needs {need / 1e9:.3g} GB, and {free / 1e9:.3g} GB is "
+                        f"free there (a smaller --gb, or --workdir on a larger disk)")
     (directory / "config.json").write_text(json.dumps(synthetic_config(layers, experts, top_k)))
     shapes = synthetic_tensors(layers, experts)
     shard_of = {n: (int(n.split(".")[2]) if n.startswith("model.layers.") else layers) for n in shapes}

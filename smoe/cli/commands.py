@@ -185,11 +185,13 @@ def cmd_chat(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from smoe.hf.model import check_reference
     from smoe.quality.evaluate import compare, load_reference
     from smoe.source.text import token_stream
 
     ref = resolve_model(args.ref)  # before the vault is opened: a missing model is a quick error
     sm = open_model(args)
+    check_reference(ref, sm.config)
     tok = load_tokenizer(args.vault)
     ids = token_stream(tok, args.data, args.tokens)
     result = compare(sm.logits, load_reference(ref), ids, progress=not args.json) | sm.describe()

@@ -384,3 +384,20 @@ def load_pretrained(model_dir, dtype=torch.float32, experts_implementation: str 
         return causal_lm_class(config).from_pretrained(model_dir, **kwargs).eval()
     except (OSError, ValueError) as e:
         raise SmoeError(f"{model_dir}: transformers cannot load this model{purpose and ' ' + purpose} ({e})") from None
+
+
+REFERENCE_SHAPE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def check_reference(model_dir, config) -> None:
+    """The reference must be the model the vault was made from (its family and shapes, read from its config):
+    another model's logits give a KL and top-1 that mean nothing."""
+    try:
+        ref = AutoConfig.from_pretrained(model_dir).get_text_config()
+    except (OSError, ValueError, KeyError) as e:
+        raise SmoeError(f"{model_dir}: its config.json does not read as a model's ({str(e).splitlines()[0]})") from None
+    ours = config.get_text_config()
+    differ = [f"{key} {getattr(ref, key, None)!r} (the vault's {getattr(ours, key, None)!r})" for key in REFERENCE_SHAPE
+              if getattr(ref, key, None) != getattr(ours, key, None)]
+    if differ:
+        raise SmoeError(f"{model_dir}: not the model the vault was made from: {', '.join(differ)}")

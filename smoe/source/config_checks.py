@@ -32,11 +32,17 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# Far above any model's (the largest have ~100 layers and ~1,000 experts), far below what a per-layer or
+# per-expert table of the count would exhaust memory with
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
 # kind -> (test, what a value of that kind must be)
 _KINDS = {
     "count": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
-    "experts": (lambda v: _is_int(v) and v >= 1,
-                "a positive integer (with no routed experts it is not a mixture-of-experts model)"),
+    "experts": (lambda v: _is_int(v) and 1 <= v <= MAX_EXPERTS,
+                f"a positive integer up to {MAX_EXPERTS:,} (with no routed experts it is not a mixture-of-experts "
+                f"model)"),
+    "depth": (lambda v: _is_int(v) and 1 <= v <= MAX_LAYERS, f"a positive integer up to {MAX_LAYERS:,}"),
     "size0": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "even": (lambda v: _is_int(v) and v >= 2 and v % 2 == 0,
              "a positive even integer (rotary embeddings turn pairs of its dimensions)"),
@@ -73,7 +79,7 @@ CONFIG_VALUES = {
     **dict.fromkeys(CONFIG_KEYS["num_experts"], "experts"),
     **dict.fromkeys(CONFIG_KEYS["top_k"], "count"),
     **dict.fromkeys(CONFIG_KEYS["hidden_size"], "count"),
-    **dict.fromkeys(CONFIG_KEYS["num_layers"], "count"),
+    **dict.fromkeys(CONFIG_KEYS["num_layers"], "depth"),
     **dict.fromkeys(CONFIG_KEYS["mtp_layers"], "size0"),
     **dict.fromkeys(CONFIG_KEYS["latent_size"], "count"),
     "vocab_size": "count", "max_position_embeddings": "count", "max_seq_len": "count",

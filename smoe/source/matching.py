@@ -166,6 +166,7 @@ def describe_config(config: dict, num_experts: int | None = None) -> ExpertMap:
     family, model_type, configs = resolve(config or {})
     if family is None:
         raise SmoeError("config has no model_type: cannot tell the model family")
+    check_resolved(config or {}, configs, family.name, num_experts, "config.json")  # before tables of its counts
     count = num_experts if num_experts is not None else as_int(lookup(configs, CONFIG_KEYS["num_experts"]))
     n_layers = num_layers(configs)
     if not count or n_layers is None:
