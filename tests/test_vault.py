@@ -227,6 +227,11 @@ def duplicate_the_first_entry(index):
     index["experts"][1] = index["experts"][0]
 
 
+def swap_the_first_two_experts(index):
+    first, second = index["experts"][:2]
+    first["expert"], second["expert"] = second["expert"], first["expert"]
+
+
 def set_entry(key, value, i=0):
     def edit(index):
         index["experts"][i][key] = value
@@ -248,6 +253,7 @@ def set_top(key, value):
 CRAFTED_INDEXES = {
     "every entry points at one blob": point_every_entry_at_the_first_blob,
     "an entry listed twice": duplicate_the_first_entry,
+    "two entries' expert numbers swapped": swap_the_first_two_experts,
     "an entry missing": lambda index: index["experts"].pop(),
     "an offset as a float": set_entry("offset", 4096.0),
     "a misaligned offset": set_entry("offset", 4096 + 64),

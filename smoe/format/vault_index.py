@@ -82,13 +82,14 @@ def check_index(index, header: dict, where: str) -> None:
     if len(entries) != header["blobs"] or len(entries) != len(layers) * experts:
         raise fail(f"{len(entries)} expert entries; the header says {header['blobs']} blobs and "
                    f"moe_layers × num_experts is {len(layers) * experts}")
-    seen = set()
+    previous = None
     for i, entry in enumerate(entries):
         check_entry(entry, f"experts[{i}]", set(layers), experts, roles, shapes, fail)
         key = (entry["layer"], entry["expert"])
-        if key in seen:
-            raise fail(f"experts[{i}]: layer {key[0]} expert {key[1]} is listed twice")
-        seen.add(key)
+        if previous is not None and key <= previous:  # smoe lists them by (layer, expert): an edit shows here
+            raise fail(f"experts[{i}]: layer {key[0]} expert {key[1]} is listed twice or out of (layer, expert) "
+                       f"order, after layer {previous[0]} expert {previous[1]}")
+        previous = key
     check_tiling(entries, header, fail)
 
 
