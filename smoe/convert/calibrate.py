@@ -30,6 +30,7 @@ import torch
 
 from smoe.convert.encoders import CALIB_TOKENS
 from smoe.errors import SmoeError
+from smoe.format.vault import file_checksum
 from smoe.hf.experts import expert_linear, experts_input_sizes, is_experts_module, layer_of, register
 from smoe.hf.layerwise import LayerByLayer
 from smoe.hf.model import load_pretrained
@@ -120,7 +121,7 @@ class CalibrationStats:
         tmp = path.with_name(path.name + ".tmp")
         try:
             torch.save(self.__dict__ | {"source": source}, tmp)
-            digest_path(path).write_text(digest(tmp))
+            checksum_path(path).write_text(file_checksum(tmp))
         except (OSError, RuntimeError) as e:  # torch reports a full disk or a read-only directory as RuntimeError
             tmp.unlink(missing_ok=True)
             reason = f" ({e.strerror})" if isinstance(e, OSError) and e.strerror else ""
@@ -133,7 +134,7 @@ class CalibrationStats:
         """The statistics saved at path, or None when they were collected from another source than `source`
         or the file cannot be read as statistics (it is then collected again: it is a cache)."""
         try:
-            if digest_path(path).read_text() != digest(path):  # changed since written: not these statistics
+            if checksum_path(path).read_text() != file_checksum(path):  # changed since written: not these
                 return None
             saved = torch.load(path, weights_only=True)
             if source is not None and saved.pop("source", None) != source:
@@ -144,25 +145,22 @@ class CalibrationStats:
             return None
 
 
-def digest_path(path: Path) -> Path:
-    """Where the sha256 of saved statistics is kept, so that load trusts only the bytes save wrote."""
-    return path.with_name(path.name + ".sha256")
-
-
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def checksum_path(path: Path) -> Path:
+    """Where the checksum of saved statistics is kept (the vault's file checksum), so that load trusts only the
+    bytes save wrote."""
+    return path.with_name(path.name + ".checksum")
 
 
 def file_hash(path: str | Path) -> str:
     """sha256 of the calibration file's bytes (it names the calibration in fingerprints)."""
+    h = hashlib.sha256()
     try:
-        return digest(Path(path))[:16]
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     except OSError as e:
         raise SmoeError(f"{path}: cannot read the calibration file ({e.strerror})") from None
+    return h.hexdigest()[:16]
 
 
 def calibration_windows(model_dir, text_path, tokens: int = DEFAULT_TOKENS) -> list[torch.Tensor]:

@@ -153,8 +153,7 @@ def check_buildable(config: dict, trunk: dict[str, tuple[int, ...]], where: str)
 
 def unplaced(model, placed: set[str]) -> list[str]:
     """The model's parameters outside its experts that neither `placed` nor a tie to a placed one fills."""
-    tied = model.all_tied_weights_keys
-    partner = dict(tied) | {source: target for target, source in tied.items()}
+    partner = tie_partners(model)
     return [name for name, _ in model.named_parameters()
             if name not in placed and partner.get(name) not in placed and not is_experts_param(model, name)]
 
@@ -280,11 +279,16 @@ def ignored_on_load(model):
     return lambda name: name.rsplit(".", 1)[-1] in computed or (regex is not None and regex.search(name) is not None)
 
 
+def tie_partners(model) -> dict[str, str]:
+    """Each tied parameter's name -> the name it is tied to, both ways."""
+    tied = model.all_tied_weights_keys
+    return dict(tied) | {source: target for target, source in tied.items()}
+
+
 def check_trunk_reached(model, trunk: dict[str, torch.Tensor]) -> None:
     """Proof, by storage, that the model holds each trunk tensor itself: a load hook that copied or
     dropped one, or a tie that replaced one, shows here. (Ties join tensors of equal value only.)"""
-    tied = model.all_tied_weights_keys
-    partner = dict(tied) | {source: target for target, source in tied.items()}
+    partner = tie_partners(model)
     for name, tensor in trunk.items():
         held = model.get_parameter_or_buffer(name).data_ptr()
         other = trunk.get(partner.get(name))

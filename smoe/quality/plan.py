@@ -369,11 +369,11 @@ def write_heatmap(doc: dict, table: dict, path: str | Path, measured_kl: float |
 def plan_outputs(plan: Path, sensitivity: Path) -> list[Path]:
     """Every file `plan_model` writes: the plan, its heatmap, the sensitivity table, the calibration statistics,
     and their temporaries."""
-    from smoe.convert.calibrate import digest_path
+    from smoe.convert.calibrate import checksum_path
 
     heatmap = plan.with_suffix(".png")
     stats = stats_path(plan)
-    return [plan, heatmap, sensitivity, stats, digest_path(stats),
+    return [plan, heatmap, sensitivity, stats, checksum_path(stats),
             *(p.with_name(p.name + ".tmp") for p in (plan, sensitivity, stats)), heatmap.with_name(heatmap.stem + ".tmp.png")]
 
 
