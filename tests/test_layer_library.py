@@ -2,6 +2,7 @@
 dequantised checkpoint: every family it covers, DeepSeek's MLA in each of its forms, and the sequence state
 (smoe.runtime.kv) growing in place."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from smoe.quality.evaluate import load_reference
 from smoe.runtime.cpu.compiled import FastCpuDecoder
 from smoe.runtime.generate import logits_function, next_logits_function
 from smoe.runtime.kv import Latents
+from smoe.runtime.layers import MlaWeights, eager_step, mla_attention
 from smoe.runtime.model import OpenedVault
 from smoe.runtime.weights import fast_decoder_gap
 from smoe.source.description import describe_model
@@ -233,6 +235,30 @@ def test_mla_keeps_only_the_compressed_latent_and_rotary_key_per_position(tmp_pa
     state = sm.fast_decoder(8).state
     assert all(isinstance(layer, Latents) for layer in state.layers)
     assert state.layers[0].rows.shape[1] == a.latent_dim + a.rope_key_dim < 2 * a.heads * a.head_dim
+    sm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_from_the_sequence_start_gets_from_expanded_mla_what_the_absorbed_form_gives(dtype, tmp_path):
+    """The expanded form serves prompts that start a sequence, the absorbed one every other step: on the same
+    prompt (absorbed forced by an explicit causal mask) both give the same attention output and the same rows."""
+    vault = vaults.tiny_vault(tmp_path, "deepseek_v3", seed=2)
+    sm = OpenedVault(vault, dtype="float32")
+    dec, d = sm.fast_decoder(64), sm.description
+    w = next(x.attention for x in dec.layers if x is not None and isinstance(x.attention, MlaWeights))
+    w = dataclasses.replace(w, **{f: getattr(w, f).to(dtype) for f in ("q", "q_a", "q_b", "kv_a", "kv_b", "o")
+                                  if getattr(w, f) is not None})
+    t, a = 24, d.attention
+    h = torch.randn(t, d.hidden_size, generator=torch.Generator().manual_seed(0))
+    expanded_step = eager_step(0, t, dec.cos, dec.sin, dec.eps, dec.interleaved)
+    absorbed_step = dataclasses.replace(expanded_step, mask=torch.ones(t, t, dtype=torch.bool).tril())
+    outs, rows = [], []
+    for step in (expanded_step, absorbed_step):
+        state = Latents(torch.zeros(32, a.latent_dim + a.rope_key_dim, dtype=dtype), a.latent_dim)
+        outs.append(mla_attention(d, w, h, state, step))
+        rows.append(state.rows)
+    assert torch.equal(rows[0], rows[1])
+    assert relative_error(outs[1], outs[0]) < (TOLERANCE if dtype == torch.float32 else 2e-2)
     sm.close()
 
 

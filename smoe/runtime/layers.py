@@ -5,8 +5,10 @@ sequence's state (smoe.runtime.kv).
 - attention: `gqa` (grouped-query and multi-head; optional q/k RMSNorm before or after rotary, q/k/v and o
   biases, a sliding window, gpt-oss's sink logits, an output gate whose rows follow v (AFMoE) or each head's
   query rows (Qwen3-Next)) or `mla` (DeepSeek's latent attention,
-  computed absorbed: the query is taken into the latent space through kv_b's key rows, attention runs over the
-  cached latents, and the output leaves through kv_b's value rows, so K and V are never expanded per head);
+  whose state holds only the latents: a step is computed absorbed, the query taken into the latent space through
+  kv_b's key rows, attention over the cached latents, the output leaving through kv_b's value rows, so K and V are
+  never expanded per head; a prompt that starts its sequence expands its own latents instead, the cheaper form
+  for many queries at once);
   rotary in the half-split or interleaved layout, or none on a NoPE layer; Mistral 4's query temperature;
 - around them: Granite's multipliers (embeddings, softmax scale, residual branches, logits) and norms on each
   branch's output (AFMoE's and GLM-4's beside the norms on their inputs, OLMo-2's instead of them); norms
@@ -291,8 +293,9 @@ def gqa_attention(d: ModelDescription, w: GqaWeights, h, kv: KeyValues, step: St
 
 
 def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step):
-    """Absorbed MLA: scores are q_nope·(k_up latent) + q_rope·k_rope = (q_nope k_up)·latent + q_rope·k_rope,
-    outputs v_up (probs·latent); one K/V head of width latent + rope shared by every query head."""
+    """MLA over the latents the state keeps: one row per position, the normalised compressed K/V and the rotary key
+    every head shares. A prompt that starts its sequence attends with the latents expanded into each head's keys
+    and values (expanded_attention); every other step absorbed (absorbed_attention)."""
     a, t = d.attention, h.shape[0]
     nope, r = w.nope, a.latent_dim
     q = matmul(h, w.q) if w.q is not None else matmul(rms_norm(matmul(h, w.q_a), w.q_a_norm, a.latent_norm_eps), w.q_b)
@@ -303,14 +306,42 @@ def mla_attention(d: ModelDescription, w: MlaWeights, h, kv: Latents, step: Step
             q_rope, step.cos, step.sin, step.interleaved)
     row = torch.cat([rms_norm(latent, w.kv_a_norm, a.latent_norm_eps), k_rope], dim=-1)
     kv.rows.index_copy_(0, step.pos, row.to(kv.rows.dtype))
-    query = torch.cat([bmm(q_nope.transpose(0, 1), w.k_up), q_rope.transpose(0, 1)], dim=-1)  # [heads, T, r + rope]
-    temperature = query_temperature(d, step.pos)
-    if temperature is not None:  # Mistral 4's: the whole query scaled, so its latent form too
-        query = query * temperature[None, :, None]
-    key = kv.rows[: step.end]  # [S, r + rope]
-    out = attend(query[None], key[None, None], key[None, None, :, :r], step, w.scale)  # [1, heads, T, r]
-    out = bmm(out[0], w.v_up.transpose(1, 2))  # [heads, T, v_head]
+    temperature = query_temperature(d, step.pos)  # Mistral 4's: the whole query scaled, in either form
+    if step.mask is None and step.end == t > 1:
+        out = expanded_attention(w, q_nope, q_rope, kv.rows[:t], r, step, temperature)
+    else:
+        out = absorbed_attention(w, q_nope, q_rope, kv.rows[: step.end], r, step, temperature)
     return matmul(out.transpose(0, 1).reshape(t, -1), w.o)
+
+
+def absorbed_attention(w: MlaWeights, q_nope, q_rope, rows, r: int, step: Step, temperature):
+    """[heads, T, v_head]. Scores are q_nope·(k_up latent) + q_rope·k_rope = (q_nope k_up)·latent + q_rope·k_rope,
+    outputs v_up (probs·latent): one K/V head of width latent + rope, the cached rows themselves, shared by every
+    query head. What a step over a long state should read: the rows, never each head's keys."""
+    query = torch.cat([bmm(q_nope.transpose(0, 1), w.k_up), q_rope.transpose(0, 1)], dim=-1)  # [heads, T, r + rope]
+    if temperature is not None:
+        query = query * temperature[None, :, None]
+    out = attend(query[None], rows[None, None], rows[None, None, :, :r], step, w.scale)  # [1, heads, T, r]
+    return bmm(out[0], w.v_up.transpose(1, 2))
+
+
+def expanded_attention(w: MlaWeights, q_nope, q_rope, rows, r: int, step: Step, temperature):
+    """[heads, T, v_head]: a prompt over its own positions, causally, the latents expanded into each head's keys
+    (nope + rope wide) and values. For a whole prompt this is the cheaper form: each score costs nope + rope
+    products instead of latent + rope (192 against 576 for DeepSeek-V3), and the absorbed form's one head of 576 is
+    wider than flash-attention kernels take, so SDPA ran it in its reference path, in fp32. Keys and values are
+    padded to one width (zeros change no score under the explicit scale) so that those kernels take them."""
+    heads, t = q_nope.shape[1], q_nope.shape[0]
+    latent, k_rope = rows.split([r, rows.shape[-1] - r], dim=-1)
+    k_nope, value = bmm(latent.expand(heads, t, r), w.kv_b.transpose(1, 2)).split(
+        [w.nope, w.kv_b.shape[1] - w.nope], dim=-1)  # [heads, T, nope], [heads, T, v_head]
+    key = torch.cat([k_nope, k_rope.to(k_nope.dtype).expand(heads, t, -1)], dim=-1)
+    query = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [heads, T, nope + rope]
+    if temperature is not None:
+        query = query * temperature[None, :, None]
+    width = max(key.shape[-1], value.shape[-1])
+    query, key, padded = (F.pad(x, (0, width - x.shape[-1])) for x in (query, key, value))
+    return attend(query[None], key[None].to(rows.dtype), padded[None].to(rows.dtype), step, w.scale)[0, ..., : value.shape[-1]]
 
 
 def moe_block(d: ModelDescription, w: LayerWeights, h, experts: Experts):

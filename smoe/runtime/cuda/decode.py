@@ -1,8 +1,8 @@
 """The decode path on an NVIDIA GPU: trunk resident on the GPU, routed experts in the GPU expert cache,
 computed by the Triton kernels straight from their blobs (the descriptions fast_decoder_gap admits for
-"cuda"). A GQA layer runs this module's attention_block, an MLA layer the layer library's absorbed
-attention on a static step (mla_block); both are compiled by inductor and captured in the graphs, and
-both end at the router's logits, which smoe.runtime.cuda.routing turns into the top-k in one kernel.
+"cuda"). A GQA layer runs this module's attention_block, an MLA layer the layer library's MLA attention on a
+static step (mla_block: absorbed; a prompt from the sequence's start expanded); both are compiled by inductor and
+captured in the graphs, and both end at the router's logits, which smoe.runtime.cuda.routing turns into the top-k in one kernel.
 
 One token is cut into segments at the points where the host must learn the routing:
 
@@ -633,11 +633,11 @@ class ModuleExperts:
 
 def mla_block(x, added, pos, *, rows, latent_dim: int, positions, cos, sin, input_norm, post_norm, router,
               description, eps: float, dtype, router_bias=None, end: int | None = None, **attention):
-    """attention_block's contract for an MLA layer, through the layer library's absorbed attention over the
-    compressed latents (smoe.runtime.layers.mla_attention) on a static step, so graphs can hold it. Its
-    weights come as plain tensors (`attention`: MlaWeights' fields) and the bundles are made inside, so one
-    compiled function serves every layer. `end` (a prompt's eager call): attend over the first `end` positions
-    only, causally, instead of the whole static cache under a mask."""
+    """attention_block's contract for an MLA layer, through the layer library's attention over the compressed
+    latents (smoe.runtime.layers.mla_attention: absorbed; expanded for a prompt from the sequence's start) on a
+    static step, so graphs can hold it. Its weights come as plain tensors (`attention`: MlaWeights' fields) and the
+    bundles are made inside, so one compiled function serves every layer. `end` (a prompt's eager call): attend
+    over the first `end` positions only, causally, instead of the whole static cache under a mask."""
     if added is not None:
         x = x + added
     interleaved = "interleaved_rotary" in description.extras
