@@ -23,6 +23,7 @@ from smoe.bench.runtime import drop_page_cache, resident_fraction, routing_draw,
 from smoe.cli import commands as cli
 from smoe.errors import SmoeError
 from smoe.format.vault import Vault, align
+from smoe.runtime.blobs import BlobReader
 from smoe.runtime.cuda.cache import GpuExpertCache, blob_slot_bytes
 
 # Qwen3-30B-A3B's config with tiny shapes, and enough experts (32, top 4) for the routings to differ
@@ -232,6 +233,37 @@ def test_bench_decode_disk_rows_report_their_cold_state_and_share_of_the_disk_li
             assert r["of_io_limit"] is None and r["cold_note"]
 
 
+def test_a_disk_row_reads_its_own_blobs_again_cold_and_gives_the_share_of_their_rate(decode_run):
+    disk_rows = [r for r in decode_run["rows"] if r["source"] == "disk"]
+    assert disk_rows
+    for r in disk_rows:
+        again = r["reread"]
+        # every blob the row read from the disk (its misses less those its pinned read buffers still held)
+        assert again["reads"] == r["misses"] - r["host_hits"] > 0 and again["threads"] == 2
+        assert again["bytes"] >= r["bytes_read"] and again["direct_io"] == r["direct_io"]
+        assert again["limit_tok_s"] == pytest.approx(r["tokens"] / again["seconds"])
+        if r["cold"] and again["cold"]:
+            assert r["of_reread_limit"] == pytest.approx(r["tok_s"] / again["limit_tok_s"])
+        else:
+            assert r["of_reread_limit"] is None
+
+
+def test_the_blob_reader_logs_what_it_read_only_while_a_list_is_kept(tiny_vault):
+    with Vault(tiny_vault) as v:
+        reader = BlobReader(v, threads=2)
+        first, second, third = list(v.entries.values())[:3]
+        reader.read(first)
+        assert reader.log is None
+        reader.log = []
+        reader.read(second)
+        reader.read_into(third, memoryview(bytearray(align(third.size, v.alignment))))
+        assert reader.log == [second, third]
+        entries, reader.log = reader.log, None
+        reader.read(first)
+        assert entries == [second, third]
+        reader.close()
+
+
 def test_bench_decode_prints_routing_labels_and_disk_limit_shares(decode_run):
     text = bench_decode.format_result(decode_run)
     lines = text.splitlines()
@@ -242,6 +274,7 @@ def test_bench_decode_prints_routing_labels_and_disk_limit_shares(decode_run):
     disk_rows = [line for line in rows if " disk " in line]
     assert len(disk_rows) == 2 and all("resident pages after drop: " in line for line in disk_rows)
     assert all(("of it)" in line.split("disk limit")[1]) or "not cold" in line for line in disk_rows)
+    assert all("its reads again, cold: " in line for line in disk_rows)
     assert all("link limit" in line for line in rows if " host " in line and "100.0%" not in line)
 
 

@@ -18,7 +18,10 @@ reading them from the disk, allows), with the bandwidths measured in the same ru
 as the cache reads it: one request per expert blob, as many in flight as the cache has reader threads.
 A disk row is cold: experts.bin is dropped from the page cache before it is timed (the share of its pages
 still resident is reported) and read with O_DIRECT where the filesystem allows; where neither gives a
-cold state the row says so instead of a percentage. The baseline is transformers running the same model
+cold state the row says so instead of a percentage. After a disk row its own reads are read again from a
+dropped page cache with as many in flight and nothing else to do (`reread`): the rate the disk allowed for
+exactly those reads, just after the row, a limit it cannot pass the way it can pass a probe of other blobs taken
+minutes apart on a disk whose rate moves. The baseline is transformers running the same model
 resident in bf16 on the same GPU.
 """
 
@@ -206,10 +209,17 @@ def cold_state(direct_io: bool, resident: float | None) -> dict:
 
 
 def disk_read(vault_dir: Path, threads: int = 16, n_blobs: int = 512, direct_io: bool | None = None) -> dict:
-    """Reads of whole blobs, as the expert cache issues them: one request per blob (its length aligned up to the
-    vault's alignment), `threads` of them in flight from a pool of that many threads, the blobs spread over the
-    whole file. O_DIRECT where the filesystem allows it (direct_io None: try), else buffered preads after dropping
-    the file from the page cache; the cold state (cold_state) is part of the result."""
+    """The disk as the expert cache reads it (read_blobs): `n_blobs` whole blobs spread over the whole file."""
+    with Vault(vault_dir) as v:
+        entries = list(v.entries.values())[:: max(1, len(v.entries) // n_blobs)][:n_blobs]
+    return read_blobs(vault_dir, entries, threads, direct_io)
+
+
+def read_blobs(vault_dir: Path, entries: list, threads: int = 16, direct_io: bool | None = None) -> dict:
+    """Reads of whole blobs (vault entries, in this order), as the expert cache issues them: one request per blob
+    (its length aligned up to the vault's alignment), `threads` of them in flight from a pool of that many threads,
+    nothing else to do. O_DIRECT where the filesystem allows it (direct_io None: try), else buffered preads; the
+    file is dropped from the page cache first, and the cold state (cold_state) is part of the result."""
     from smoe.format.vault import align
     from smoe.runtime.blobs import open_direct
     from smoe.runtime.cuda.cache import allocate
@@ -219,7 +229,6 @@ def disk_read(vault_dir: Path, threads: int = 16, n_blobs: int = 512, direct_io:
         direct_io = direct_io_works(vault_dir)
     resident = drop_page_cache(path)
     with Vault(vault_dir) as v:
-        entries = list(v.entries.values())[:: max(1, len(v.entries) // n_blobs)][:n_blobs]
         size = align(max(e.size for e in entries), v.alignment)
         buf = allocate(threads * size, torch.device("cpu"), "read buffers", "--threads").view(threads, size)
         free: SimpleQueue = SimpleQueue()  # one buffer per read in flight
@@ -241,8 +250,8 @@ def disk_read(vault_dir: Path, threads: int = 16, n_blobs: int = 512, direct_io:
         finally:
             if direct_io:
                 os.close(fd)
-    return {"gbps": total / seconds / 1e9, "request_bytes": size, "threads": threads, "reads": len(entries),
-            "bytes": total} | cold_state(direct_io, resident)
+    return {"gbps": total / seconds / 1e9, "seconds": seconds, "request_bytes": size, "threads": threads,
+            "reads": len(entries), "bytes": total} | cold_state(direct_io, resident)
 
 
 def disk_gbps(vault_dir: Path, threads: int = 16, n_blobs: int = 512) -> float:
@@ -278,6 +287,7 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         cold = {}
         if source == "disk":
             cold = cold_state(direct_io, drop_page_cache(vault.dir / DATA_FILE))
+            dec.cache.reader.log = []  # the row's reads, read again after it (reread)
         dec.account()
         before = dict(dec.cache.stats.as_dict())
         timing0 = dict(dec.timing)
@@ -287,6 +297,7 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
             rates.append(tokens / seconds)
         if source == "disk":  # what the row's own reads left in the page cache (none with O_DIRECT)
             cold["resident_after_row"] = resident_fraction(vault.dir / DATA_FILE)
+            cold["reread"] = reread(vault.dir, dec.cache.reader, timed)
         dec.account()
         after = dec.cache.stats.as_dict()
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "host_hits", "bytes_read", "bytes_copied",
@@ -309,6 +320,18 @@ def decode_run(sm, budget_fraction: float, source: str, routing: np.ndarray, war
         del dec
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def reread(vault_dir: Path, reader, tokens: int) -> dict | None:
+    """A cold row's own disk reads (the blobs its reader logged, in that order) read again from a dropped page cache,
+    with as many in flight as its reader threads and nothing else to do: `limit_tok_s` is the rate the disk allows
+    for exactly those reads, a limit the row cannot pass with the disk as it was just after it (a probe of other
+    blobs, or minutes apart, can be passed: a virtual disk's rate moves). None when the row read nothing."""
+    entries, reader.log = reader.log, None
+    if not entries:
+        return None
+    r = read_blobs(vault_dir, entries, reader.threads, direct_io=reader.direct_fd is not None)
+    return r | {"limit_tok_s": tokens / r["seconds"]}
 
 
 def misses_read(dec) -> str:
@@ -508,7 +531,8 @@ def model_vault_dir(workdir, model: str, config: dict | None = None, layers: int
 def with_limits(r: dict, limits: dict) -> dict:
     """A row with its limits: `limit_tok_s` (its I/O, plus what the GPU reads at HBM speed) and `io_limit_tok_s`
     (the I/O alone: the row's measured bytes per token moved over the pinned link, or read from the disk; None
-    when nothing moved), and the share of each reached. A disk row that was not cold (or whose disk measurement
+    when nothing moved), and the share of each reached; a disk row that read something also the share of its reads'
+    own rate read again (`of_reread_limit`, see reread). A disk row that was not cold (or whose disk measurement
     was not) gets no shares: `cold_note` says why."""
     disk = r["source"] == "disk"
     gbps = limits["disk_gbps"] if disk else limits["pinned_copy_gbps"]
@@ -518,6 +542,9 @@ def with_limits(r: dict, limits: dict) -> dict:
     limit_s = io_s + r["gpu_read_bytes_per_token"] / (limits["hbm_gbps"] * 1e9)
     row = r | {"limit_tok_s": 1 / limit_s, "of_limit": r["tok_s"] * limit_s,
                "io_limit_tok_s": 1 / io_s if io_s else None, "of_io_limit": r["tok_s"] * io_s if io_s else None}
+    again = r.get("reread")
+    if again:  # the row's own reads read again: the disk's rate for them, just after the row
+        row["of_reread_limit"] = r["tok_s"] / again["limit_tok_s"] if r["cold"] and again["cold"] else None
     if disk and not (r["cold"] and limits["disk_read"]["cold"]):
         note = r["cold_note"] or f"disk measurement {limits['disk_read']['cold_note']}"
         row |= {"of_limit": None, "of_io_limit": None, "cold_note": note}
@@ -541,6 +568,9 @@ def format_row(r: dict) -> str:
         if io:
             line += f", disk limit {io:.1f} tok/s"
             line += f" ({percent(r['of_io_limit'])} of it)" if r["of_io_limit"] is not None else ""
+        if r.get("reread"):
+            line += (f"; its reads again, cold: {r['reread']['gbps']:.2f} GB/s, {r['reread']['limit_tok_s']:.1f} tok/s "
+                     f"({percent(r.get('of_reread_limit'))} of it)")
         if r.get("cold_note"):
             line += f" [{r['cold_note']}]"
         resident = r["resident_after_drop"]

@@ -61,6 +61,9 @@ class BlobReader:
         self.vault, self.threads = vault, threads
         self.direct_fd = open_direct(vault) if direct_io else None
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        # the entries read, in the order their reads finished, while a caller keeps a list here (`smoe bench
+        # decode` reads a cold row's blobs again to measure the rate the disk allows for exactly those reads)
+        self.log: list[ExpertEntry] | None = None
 
     def submit(self, fn, *args) -> Future:
         try:
@@ -94,6 +97,8 @@ class BlobReader:
         except OSError as err:
             raise SmoeError(f"{self.vault.dir}: layer {entry.layer} expert {entry.expert}: read failed ({err})") from None
         self.vault.check_blob(entry, blob)
+        if self.log is not None:
+            self.log.append(entry)
         return blob[: entry.size], time.perf_counter() - start
 
     def close(self) -> None:
