@@ -329,19 +329,19 @@ def expanded_attention(w: MlaWeights, q_nope, q_rope, rows, r: int, step: Step, 
     """[heads, T, v_head]: a prompt over its own positions, causally, the latents expanded into each head's keys
     (nope + rope wide) and values. For a whole prompt this is the cheaper form: each score costs nope + rope
     products instead of latent + rope (192 against 576 for DeepSeek-V3), and the absorbed form's one head of 576 is
-    wider than flash-attention kernels take, so SDPA ran it in its reference path, in fp32. Keys and values are
+    wider than SDPA's flash kernels take (256), so SDPA falls back to a slower path for it. Keys and values are
     padded to one width (zeros change no score under the explicit scale) so that those kernels take them."""
     heads, t = q_nope.shape[1], q_nope.shape[0]
     latent, k_rope = rows.split([r, rows.shape[-1] - r], dim=-1)
     k_nope, value = bmm(latent.expand(heads, t, r), w.kv_b.transpose(1, 2)).split(
         [w.nope, w.kv_b.shape[1] - w.nope], dim=-1)  # [heads, T, nope], [heads, T, v_head]
-    key = torch.cat([k_nope, k_rope.to(k_nope.dtype).expand(heads, t, -1)], dim=-1)
+    key = torch.cat([k_nope, k_rope.expand(heads, t, -1)], dim=-1)  # every piece in the rows' dtype, as bmm gives
     query = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [heads, T, nope + rope]
     if temperature is not None:
         query = query * temperature[None, :, None]
     width = max(key.shape[-1], value.shape[-1])
     query, key, padded = (F.pad(x, (0, width - x.shape[-1])) for x in (query, key, value))
-    return attend(query[None], key[None].to(rows.dtype), padded[None].to(rows.dtype), step, w.scale)[0, ..., : value.shape[-1]]
+    return attend(query[None], key[None], padded[None], step, w.scale)[0, ..., : value.shape[-1]]
 
 
 def moe_block(d: ModelDescription, w: LayerWeights, h, experts: Experts):
