@@ -34,3 +34,22 @@ def test_bench_options_out_of_range_are_one_line_errors(args, message, capsys):
     assert main(["bench", *args]) != 0
     err = capsys.readouterr().err
     assert err.startswith("smoe: error:") and message in err and "Traceback" not in err
+
+
+def test_ctrl_c_during_startup_is_held_until_startup_returns_then_ends_the_command(capsys):
+    """The parser's imports (torch's among them) are never cut short: a Ctrl-C that lands in them is
+    raised once they return, and the command ends as interrupted before its body runs."""
+    import os
+    import signal
+
+    from smoe.cli.interrupts import guarded
+
+    steps = []
+
+    def startup():
+        os.kill(os.getpid(), signal.SIGINT)
+        steps.append("startup ran to its end")  # a Python-level handler runs before this line if not held
+        return "ready"
+
+    assert guarded(startup, lambda ready: steps.append(ready) or 0) == 130
+    assert steps == ["startup ran to its end"] and capsys.readouterr().err == "smoe: interrupted\n"

@@ -562,11 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return guarded(lambda: run(argv))
+    return guarded(build_parser, lambda parser: run(parser, argv))
 
 
-def run(argv: list[str] | None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand that was given them, not by the top level
         getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
