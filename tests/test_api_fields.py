@@ -264,3 +264,34 @@ def test_a_streamed_echo_with_logprobs_sends_what_the_whole_response_holds(serve
         assert [x for lp in logprobs for x in lp[key]] == whole["logprobs"][key], key
     if pieces_spell_the_text(local[1]):  # else offsets of spaces the decoder inserts differ between the two
         assert [x for lp in logprobs for x in lp["text_offset"]] == whole["logprobs"]["text_offset"]
+
+
+def test_optional_fields_sent_as_null_take_their_defaults(server, oai):
+    """The SDKs send null for an argument given as None (`n=None`); OpenAI and Anthropic read it as left out."""
+    chat = oai.chat.completions.create(model="any", messages=CHAT, max_tokens=2, n=None, stream=None, logprobs=None,
+                                       parallel_tool_calls=None)
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None and chat.usage.completion_tokens == 2
+    text = oai.completions.create(model="any", prompt=PROMPT, max_tokens=2, n=None, echo=None, logprobs=None,
+                                  stream=None)
+    assert len(text.choices) == 1 and text.choices[0].logprobs is None and text.usage.completion_tokens == 2
+    status, r = post(server, "/v1/messages", {"messages": CHAT, "max_tokens": 2, "stream": None})
+    assert status == 200 and r["type"] == "message"
+    status, r = post(server, "/v1/chat/completions", {"messages": None})
+    assert status == 400 and r["error"]["param"] == "messages", r
+
+
+def test_an_echoed_prompt_keeps_its_special_tokens_so_text_tokens_and_offsets_agree(server, local):
+    """The echo is the prompt as the model read it: a special token in it is in the text, where its offset
+    says, as it is in `tokens`."""
+    _, tok = local
+    prompt = f"The sea{tok.eos_token} was"
+    status, r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True,
+                                                  "logprobs": 0})
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert status == 200 and choice["text"].startswith(prompt) and tok.eos_token in lp["tokens"]
+    at = lp["tokens"].index(tok.eos_token)
+    assert choice["text"][lp["text_offset"][at]:].startswith(tok.eos_token)
+    chunks = stream_chunks(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                       "echo": True})
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]).startswith(prompt)

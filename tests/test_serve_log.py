@@ -39,3 +39,18 @@ def test_log_level_warning_keeps_access_lines_out(serve_vault, start_server):
     assert post(server, "/v1/completions", {"prompt": "The sea", "max_tokens": 2}) == 200
     time.sleep(0.5)
     assert "POST /v1/completions" not in server.stderr()
+
+
+def test_a_path_with_a_newline_or_of_any_length_stays_one_short_log_line(serve_vault, start_server):
+    """The access line shows the path percent-encoded, as sent, and cut short: a %0A in it cannot start
+    a line of the client's making, and a 100 kB path does not fill the log."""
+    server = start_server(serve_vault)
+    for path in ("/x%0Asmoe:%20POST%20/v1/completions%20200%20FORGED", "/" + "a" * 20_000):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        conn.request("GET", path)
+        assert conn.getresponse().status == 404
+        conn.close()
+    lines = log_lines(server, "GET /x%0Asmoe:%20POST%20/v1/completions%20200%20FORGED 404")
+    long = log_lines(server, "GET /aaa")
+    assert len(lines) == 1 and not [line for line in server.stderr().splitlines() if line.startswith("smoe: POST")]
+    assert len(long) == 1 and len(long[0]) < 400 and "(20001 characters)" in long[0]

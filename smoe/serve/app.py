@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.parse
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -65,7 +66,7 @@ class AccessLog:
 
 
 def access_line(scope, status: int, jobs: list, seconds: float, cancelled: bool = False) -> str:
-    line = f"{scope['method']} {scope['path']} {status or '-'} {seconds:.3f} s"
+    line = f"{scope['method']} {logged_path(scope['path'])} {status or '-'} {seconds:.3f} s"
     if cancelled:
         line += ", cancelled: the client disconnected"
     stats = [j.stats for j in jobs if j.stats is not None]
@@ -74,6 +75,13 @@ def access_line(scope, status: int, jobs: list, seconds: float, cancelled: bool 
         rate = stats[-1].decode_tok_s
         line += f", prompt {prompt} tokens, generated {generated} tokens" + (f", {rate:.1f} tok/s" if rate else "")
     return line
+
+
+def logged_path(path: str, most: int = 200) -> str:
+    """The path percent-encoded again, as sent (a %0A in it would otherwise start a line of the client's
+    making in the log), and cut to `most` characters."""
+    quoted = urllib.parse.quote(path, safe="/:@!$&'()*+,;=~")
+    return quoted if len(quoted) <= most else quoted[:most] + f"... ({len(quoted)} characters)"
 
 
 def chat_page() -> str:

@@ -225,11 +225,11 @@ def submit_all(worker: Worker, prompts: list[list[int]], replies: list[Reply]) -
 
 
 def completion_choice(worker: Worker, index: int, prompt: list[int], o: Outcome, req: CompletionRequest) -> dict:
-    echo = worker.decode(prompt) if req.echo else ""
+    echo = worker.prompt_text(prompt) if req.echo else ""
     logprobs = None
-    if req.logprobs is not None:
-        shown = (prompt if req.echo else []) + [e.token for e in o.logprobs]
-        offsets = [len(text) for text in worker.decode_prefixes(shown)[:-1]]
+    if req.logprobs is not None:  # offsets into the text returned: the echo, then the generated text after it
+        offsets = worker.text_offsets(prompt, special=True) if req.echo else []
+        offsets += [len(echo) + at for at in worker.text_offsets([e.token for e in o.logprobs], special=False)]
         entries = (o.prompt_logprobs if req.echo else []) + o.logprobs
         logprobs = completion_logprobs(Pieces(worker), entries, offsets, prompt[0] if req.echo else None)
     return {"index": index, "text": echo + o.text, "logprobs": logprobs, "finish_reason": OPENAI_FINISH[o.finish]}
@@ -244,7 +244,7 @@ async def completions(request: Request, worker: Worker, limits: Limits) -> Respo
                             req.echo) for p in prompts]
     jobs = submit_all(worker, prompts, replies)
     if req.stream:
-        echoes = [worker.decode(p) for p in prompts] if req.echo else None
+        echoes = [worker.prompt_text(p) for p in prompts] if req.echo else None
         stream = OpenAIStream(worker, False, req.include_usage(), req.logprobs is not None)
         return event_stream(stream.events(jobs, request, echoes))
     outcomes = []

@@ -31,6 +31,16 @@ ACCEPTS = {
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data):
+        """An optional field sent as null has its default, as OpenAI and Anthropic read it: their SDKs send
+        null for an argument given as None (`n=None`, `logprobs=None`)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
 
 class TextPart(Strict):
     type: Literal["text"]

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from smoe.hf.tokenizer import chat_prompt
+from smoe.hf.tokenizer import chat_prompt, text_offsets
 from smoe.runtime.generate import eos_ids, generate
 from smoe.runtime.sampling import SamplingParams, TokenLogprob, chosen, sampling_defaults
 from smoe.serve.tools.calls import ToolError
@@ -201,10 +201,15 @@ class Worker:
         with self.tokenizer_lock:
             return self.tokenizer.decode(tokens, skip_special_tokens=not special)
 
-    def decode_prefixes(self, tokens: list[int]) -> list[str]:
-        """The text of tokens[:i] for each i in 0..len: exact character offsets of every token."""
+    def prompt_text(self, tokens: list[int]) -> str:
+        """A prompt's text as the model read it, special tokens included (completions' echo: the text its
+        tokens and their offsets describe)."""
         with self.tokenizer_lock:
-            return self.tokenizer.batch_decode([tokens[:i] for i in range(len(tokens) + 1)], skip_special_tokens=True)
+            return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def text_offsets(self, tokens: list[int], special: bool) -> list[int]:
+        with self.tokenizer_lock:
+            return text_offsets(self.tokenizer, tokens, special)
 
     def token_strings(self, tokens: list[int]) -> list[str]:
         """Each token's own vocabulary entry, for logprobs (special tokens included)."""

@@ -1,0 +1,44 @@
+"""Completions' text_offset: where each token's text starts, in one pass of the tokenizer's incremental
+decoder, equal to the length of the text decoded before the token."""
+
+import pytest
+
+from smoe.cli.demo import MODEL
+from smoe.hf.tokenizer import load_tokenizer, text_offsets
+
+TEXT = "The sea<|endoftext|> was wörld 🙂 日本語  two  spaces\nnew line, and <|pad|> more"
+
+
+@pytest.fixture
+def tok():
+    return load_tokenizer(MODEL)
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special tokens kept", "special tokens skipped"])
+def test_each_offset_is_the_length_of_the_text_decoded_before_its_token(tok, special):
+    ids = tok(TEXT * 3)["input_ids"]
+    offsets = text_offsets(tok, ids, special)
+    prefixes = [tok.decode(ids[:i], skip_special_tokens=not special) for i in range(len(ids))]
+    whole = [i for i, text in enumerate(prefixes) if not text.endswith("\ufffd")]  # ends on a whole character
+    assert len(offsets) == len(ids) and len(whole) > len(ids) // 2
+    assert [offsets[i] for i in whole] == [len(prefixes[i]) for i in whole]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(tok.decode(ids, skip_special_tokens=not special))
+
+
+def test_a_token_ending_inside_a_character_points_where_that_character_starts(tok):
+    ids = tok(" 🙂")["input_ids"]  # byte-level pieces: the emoji's four bytes span several tokens
+    assert len(ids) > 2 and text_offsets(tok, ids, False) == [0] + [1] * (len(ids) - 1)
+
+
+def test_a_tokenizer_whose_decode_cleans_up_spaces_gets_the_prefix_lengths(tok):
+    """Its whole decode differs from its increments ("Hello , world" -> "Hello, world"): the offsets come
+    from the prefixes themselves."""
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tok("Hello , world . ok")["input_ids"]
+    assert tok.decode(ids) == "Hello, world. ok"
+    assert text_offsets(tok, ids, False) == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+
+
+def test_no_tokens_have_no_offsets(tok):
+    assert text_offsets(tok, [], True) == [] and text_offsets(tok, [], False) == []
