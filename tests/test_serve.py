@@ -522,6 +522,64 @@ def test_a_request_whose_client_leaves_while_queued_never_runs(server, long_prom
     assert after["tokens"]["prompt"] - before["tokens"]["prompt"] == after["last_request"]["prompt_tokens"] > 0
 
 
+def test_a_queued_request_whose_client_leaves_frees_its_place_in_the_queue_at_once(
+        serve_vault, start_server, long_prompt_and_budget):
+    """With --max-queue 2, one request running and one that waited and left: a new request is queued, not
+    refused as if the queue were full, while the first still runs."""
+    prompt, budget = long_prompt_and_budget
+    server = start_server(serve_vault, "--max-queue", "2")
+    running, _ = open_stream(server, prompt, budget)
+    while not server.get_json("/metrics")["running"]:
+        time.sleep(0.005)
+    left, _ = open_stream(server, prompt, budget)
+    left.close()
+    deadline = time.monotonic() + 30
+    while server.get_json("/metrics")["queued_or_running"] > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    metrics = server.get_json("/metrics")
+    assert metrics["queued_or_running"] == 1 and metrics["running"], metrics
+    assert metrics["requests"]["cancelled"] == 1
+    third, _ = open_stream(server, prompt, budget)  # its response head says 200: queued, not a 503
+    for sock in (third, running):
+        sock.close()
+    assert server.wait_idle()["requests"]["cancelled"] == 3
+
+
+def read_all(sock: socket.socket, received: bytes = b"") -> bytes:
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_shutdown_answers_the_requests_in_flight_and_queued_with_503s_in_their_apis_shape(
+        serve_vault, start_server, long_prompt_and_budget):
+    """SIGTERM stops generation at the next token: a whole-response request, a stream and a queued request
+    each get the server's 503 in their API's shape within the graceful period, not a cut connection or a
+    plain-text 500, and the server still ends cleanly."""
+    prompt, budget = long_prompt_and_budget
+    server = start_server(serve_vault)
+    whole = socket.create_connection((server.host, server.port), timeout=120)
+    whole.sendall(raw_request(server, "/v1/completions", {"prompt": prompt, "max_tokens": budget, "temperature": 0}))
+    while not server.get_json("/metrics")["running"]:
+        time.sleep(0.005)
+    stream, received = open_stream(server, prompt, budget)
+    queued = socket.create_connection((server.host, server.port), timeout=120)
+    queued.sendall(raw_request(server, "/v1/messages", {"messages": [{"role": "user", "content": prompt}],
+                                                        "max_tokens": budget}))
+    while server.get_json("/metrics")["queued_or_running"] < 3:
+        time.sleep(0.005)
+    server.proc.send_signal(signal.SIGTERM)
+    head, body = read_all(whole).split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503") and "shutting down" in json.loads(body)["error"]["message"], head + body
+    events = read_all(stream, received).decode()
+    error = '{"error": {"message": "the server is shutting down'
+    assert error in events and events.index(error) < events.index("data: [DONE]"), events[-500:]
+    head, body = read_all(queued).split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["type"] == "overloaded_error", head + body
+    assert server.proc.wait(timeout=30) == 0
+    assert "Traceback" not in server.stderr()
+
+
 # --- robustness -----------------------------------------------------------------------------------
 
 def http_bytes(path: str, body: bytes, extra: str = "", method: str = "POST") -> bytes:

@@ -59,6 +59,8 @@ async def anthropic_events(worker: Worker, job, request: Request, msg_id: str, p
             yield sse({"type": "error", "error": {"type": "api_error", "message": value}}, "error")
         elif kind == "refused":
             yield sse(error_body(request.url.path, 400, str(value), value.field), "error")
+        elif kind == "unavailable":
+            yield sse(error_body(request.url.path, 503, value), "error")
         elif kind == "done":
             reply = turn.reply(value.text) if holder else Parsed(value.text)
             if holder and not reply.calls and holder.unsent(reply.content):

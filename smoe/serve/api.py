@@ -187,7 +187,8 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def job_events(job, request: Request):
-    """The job's events until "done", "error" or "refused"; stops early, cancelling the job, if the client leaves."""
+    """The job's events until "done", "error", "refused" or "unavailable"; stops early, cancelling the job, if
+    the client leaves."""
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         while True:
@@ -198,11 +199,11 @@ async def job_events(job, request: Request):
                 return
             kind, value = get.result()
             yield kind, value
-            if kind in ("done", "error", "refused"):
+            if kind in ("done", "error", "refused", "unavailable"):
                 return
     finally:  # also runs when the response task is cancelled because the client disconnected
         gone.cancel()
-        job.cancelled.set()
+        job.cancel()
 
 
 async def outcome_of(job, request: Request) -> Outcome | None:
@@ -212,6 +213,8 @@ async def outcome_of(job, request: Request) -> Outcome | None:
             raise ApiError(500, value)
         if kind == "refused":
             raise ApiError(400, str(value), value.field)
+        if kind == "unavailable":
+            raise ApiError(503, value)
         if kind == "done":
             return value
     return None

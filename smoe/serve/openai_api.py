@@ -98,7 +98,7 @@ class OpenAIStream:
             yield sse("[DONE]")
         finally:
             for job in jobs:
-                job.cancelled.set()
+                job.cancel()
 
     async def choice_events(self, index: int, job, request: Request, echo: str | None):
         if self.chat:
@@ -120,6 +120,8 @@ class OpenAIStream:
                 yield sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
             elif kind == "refused":
                 yield sse(error_body(request.url.path, 400, str(value), value.field))
+            elif kind == "unavailable":
+                yield sse(error_body(request.url.path, 503, value))
             elif kind == "done":
                 finish = OPENAI_FINISH[value.finish]
                 if holder:
@@ -219,7 +221,7 @@ def submit_all(worker: Worker, prompts: list[list[int]], replies: list[Reply]) -
             jobs.append(submit(worker, prompt, reply))
     except ApiError:
         for job in jobs:
-            job.cancelled.set()
+            job.cancel()
         raise
     return jobs
 
@@ -255,7 +257,7 @@ async def completions(request: Request, worker: Worker, limits: Limits) -> Respo
                 return Response(status_code=499)
     finally:
         for job in jobs:
-            job.cancelled.set()
+            job.cancel()
     return JSONResponse({
         "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
         "model": worker.model_id, "usage": summed_usage(outcomes),

@@ -51,7 +51,7 @@ def run_server(open_model, load_tokenizer, vault, host: str, port: int, limits: 
           f"Anthropic API at /v1/messages)", flush=True)
     previous, stopped = signal.signal(signal.SIGTERM, terminated), False
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        stopping_server(config, worker).run(sockets=[sock])
     except Terminated:
         stopped = True
     finally:
@@ -73,6 +73,20 @@ def check_still_there(sm) -> None:
     if not same:
         sm.close()
         raise SmoeError(f"{sm.vault.dir} was replaced while the server was opening it: start it again")
+
+
+def stopping_server(config, worker: Worker):
+    """uvicorn's server, which tells the worker as soon as a shutdown begins (SIGTERM, Ctrl-C): generation stops
+    at the next token and each request in flight or queued gets a 503 in its API's shape within the graceful
+    period, instead of being cancelled after it (a plain-text 500)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.stopping.set()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 class Terminated(Exception):

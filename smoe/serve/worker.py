@@ -25,6 +25,9 @@ from smoe.serve.tools.support import ToolSupport
 log = logging.getLogger("smoe.serve")
 
 
+SHUTTING_DOWN = "the server is shutting down: send the request again once it is back"
+
+
 class Overloaded(Exception):
     """More requests are waiting than the server accepts."""
 
@@ -64,9 +67,19 @@ class Job:
         if (request_jobs := REQUEST_JOBS.get()) is not None:
             request_jobs.append(self)
         # ("text", str), ("logprobs" or "prompt_logprobs", [TokenLogprob]) ..., then ("done", Outcome), ("error", str)
-        # (a server-side failure) or ("refused", ToolError: the request's tools, found wrong while decoding)
+        # (a server-side failure), ("refused", ToolError: the request's tools, found wrong while decoding) or
+        # ("unavailable", str: the server began to shut down before the reply was whole)
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.queued = False  # holds a place in the worker's queue, not yet started
+        self.leave_queue = None  # the worker's: frees that place
+
+    def cancel(self) -> None:
+        """Its client left, or its request failed: generation stops at the next token, and a job still queued
+        frees its place at once (else a client that gave up waiting would keep another from being queued)."""
+        self.cancelled.set()
+        if self.leave_queue is not None:
+            self.leave_queue(self)
 
     def post(self, kind: str, value) -> None:
         """Called from the worker thread."""
@@ -122,8 +135,13 @@ class Metrics:
         self.decoded_tokens, self.decode_seconds = 0, 0.0
         self.last: dict | None = None
         self.current: dict | None = None  # {"tokens", "since"} of the running request
+        self.lock = threading.Lock()  # the worker counts what it ran, the event loop a job that left the queue
 
     def finished(self, stats, outcome: str) -> None:
+        with self.lock:
+            self.count(stats, outcome)
+
+    def count(self, stats, outcome: str) -> None:
         if outcome == "cancelled":
             self.cancelled += 1
         else:
@@ -226,8 +244,17 @@ class Worker:
             if self.waiting >= self.max_queue:
                 raise Overloaded(f"{self.waiting} requests are already waiting (the limit is {self.max_queue})")
             self.waiting += 1
+            job.queued, job.leave_queue = True, self.leave_queue
         self.jobs.put(job)
         return job
+
+    def leave_queue(self, job: Job) -> None:
+        with self.waiting_lock:
+            if not job.queued:
+                return
+            job.queued = False
+            self.waiting -= 1
+        self.metrics.finished(None, "cancelled")
 
     def metrics_snapshot(self) -> dict:
         return {"model": self.model_id, **self.metrics.snapshot(), "queued_or_running": self.waiting,
@@ -235,6 +262,10 @@ class Worker:
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
+            with self.waiting_lock:
+                started, job.queued = job.queued, False
+            if not started:  # its client left while it waited: its place, and its count, went then
+                continue
             try:
                 self._run(job)
             finally:
@@ -243,8 +274,9 @@ class Worker:
                     self.waiting -= 1
 
     def _run(self, job: Job) -> None:
-        if job.cancelled.is_set() or self.stopping.is_set():  # its client left while it waited
+        if job.cancelled.is_set() or self.stopping.is_set():  # its client left while it waited, or the server stops
             self.metrics.finished(None, "cancelled")
+            job.post("unavailable", SHUTTING_DOWN)
             return
         s = job.reply
         stream = TextStream(lambda tokens: self.decode(tokens, s.special_text), s.stop)
@@ -288,6 +320,9 @@ class Worker:
         finish = self._finish_reason(stream, tokens, job)
         job.stats = stats
         self.metrics.finished(stats, finish)
+        if finish == "cancelled" and not job.cancelled.is_set():  # cut short by the shutdown: not a whole reply
+            job.post("unavailable", SHUTTING_DOWN)
+            return
         job.post("done", Outcome(stream.text, len(job.prompt), len(tokens), finish, stream.stop_sequence, logprobs,
                                  prompt_logprobs))
 
@@ -296,4 +331,5 @@ class Worker:
             return "stop_sequence"
         if tokens[-1] in self.eos:
             return "eos"
-        return "cancelled" if job.cancelled.is_set() else "length"
+        cut = job.cancelled.is_set() or (self.stopping.is_set() and len(tokens) < job.reply.max_tokens)
+        return "cancelled" if cut else "length"
