@@ -540,6 +540,12 @@ def test_a_queued_request_whose_client_leaves_frees_its_place_in_the_queue_at_on
     assert metrics["queued_or_running"] == 1 and metrics["running"], metrics
     assert metrics["requests"]["cancelled"] == 1
     third, _ = open_stream(server, prompt, budget)  # its response head says 200: queued, not a 503
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": 4}))
+    full = conn.getresponse()
+    assert full.status == 503 and "2 requests are already waiting" in json.loads(full.read())["error"]["message"]
+    assert full.getheader("Retry-After") == "1"  # when the SDKs' retries try again
+    conn.close()
     for sock in (third, running):
         sock.close()
     assert server.wait_idle()["requests"]["cancelled"] == 3

@@ -10,7 +10,7 @@ from tokenizers.decoders import DecodeStream
 from smoe.errors import SmoeError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them makes a tokenizer
-ROLE_LABELS = {"user": "User", "system": "System"}
+ROLE_LABELS = {"user": "User", "system": "System", "tool": "Tool"}
 
 
 def load_tokenizer(path, purpose: str = ""):

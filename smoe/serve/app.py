@@ -104,7 +104,8 @@ def create_app(worker: Worker, limits: Limits = Limits(), api_key: str | None = 
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        # a 503 (a full queue, a shutdown) says when to try again: the SDKs' retries wait that long
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Retry-After": "1"} if e.status == 503 else None
         return error_response(request, e.status, e.message, e.param, e.close, headers)
 
     @app.exception_handler(ToolError)

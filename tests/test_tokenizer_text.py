@@ -1,10 +1,11 @@
-"""Completions' text_offset: where each token's text starts, in one pass of the tokenizer's incremental
-decoder, equal to the length of the text decoded before the token."""
+"""Text through the vault's tokenizer: completions' text_offset (where each token's text starts, in one pass
+of the tokenizer's incremental decoder, equal to the length of the text decoded before the token), and the
+plain chat turns of a model without a chat template."""
 
 import pytest
 
 from smoe.cli.demo import MODEL
-from smoe.hf.tokenizer import load_tokenizer, text_offsets
+from smoe.hf.tokenizer import chat_prompt, load_tokenizer, text_offsets
 
 TEXT = "The sea<|endoftext|> was wörld 🙂 日本語  two  spaces\nnew line, and <|pad|> more"
 
@@ -42,3 +43,12 @@ def test_a_tokenizer_whose_decode_cleans_up_spaces_gets_the_prefix_lengths(tok):
 
 def test_no_tokens_have_no_offsets(tok):
     assert text_offsets(tok, [], True) == [] and text_offsets(tok, [], False) == []
+
+
+def test_without_a_chat_template_each_turn_is_labelled_by_its_role(tok):
+    """The plain "Role: text" turns of a model with no chat template: a tool's result is the tool's, not a
+    turn the model wrote."""
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "Asking."}, {"role": "tool", "content": "Sunny."}]
+    text = tok.decode(chat_prompt(tok, history))
+    assert text == "System: Be brief.\nUser: Weather?\nAssistant: Asking.\nTool: Sunny.\nAssistant:"
