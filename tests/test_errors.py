@@ -47,6 +47,19 @@ def test_a_chat_line_that_is_not_utf8_costs_the_line_not_the_session(tiny):
     assert err.count("prompt tokens") == 1  # the second line was answered
 
 
+@pytest.mark.parametrize("gzipped", [False, True], ids=["plain", "gzip"])
+def test_a_data_file_that_is_not_utf8_text_is_a_one_line_error(tiny, tmp_path, gzipped):
+    """eval's --data (and calibration, which reads text the same way) refuses a binary file given by mistake
+    instead of scoring its bytes as replacement characters."""
+    import gzip
+
+    data = tmp_path / ("data.bin.gz" if gzipped else "data.bin")
+    payload = (tiny / "vault" / "experts.bin").read_bytes()[:4096] + bytes([0xFF, 0xFE]) * 64
+    data.write_bytes(gzip.compress(payload) if gzipped else payload)
+    r = smoe("eval", tiny / "vault", "--ref", tiny / "model", "--data", data, "--tokens", "64", "--device", "cpu")
+    assert f"{data}: not UTF-8 text" in one_line_error(r)
+
+
 @pytest.mark.parametrize("args", [("verify", "{vault}", "--json"), ("inspect", "{vault}", "--json")])
 def test_a_closed_output_pipe_ends_quietly(tiny, args):
     cmd = " ".join([sys.executable, "-m", "smoe.cli", *(a.format(vault=tiny / "vault") for a in args)])

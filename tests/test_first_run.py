@@ -201,14 +201,34 @@ def test_quantize_with_a_plan_reuses_the_calibration_statistics_the_plan_measure
         assert "reusing" not in r.stderr and (tmp_path / name / "experts.bin").read_bytes() == vaults["fresh"]
 
 
-@pytest.mark.parametrize("existing", ["a directory", "another file"])
+@pytest.mark.parametrize("existing", ["a directory", "another file", "an image where its heatmap goes"])
 def test_plan_refuses_an_output_it_would_lose_before_any_work(tiny, tmp_path, existing):
     calib = tmp_path / "calib.txt"
     calib.write_text((TOKENIZER_TEXT + "\n") * 40)
-    out = tmp_path / "out"
-    out.mkdir() if existing == "a directory" else out.write_text("notes")
+    out = tmp_path / "out.json"
+    taken = out.with_suffix(".png") if existing == "an image where its heatmap goes" else out
+    taken.mkdir() if existing == "a directory" else taken.write_text("notes")
     before = sorted(p.name for p in tmp_path.iterdir())
     r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "-o", out, "-q")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(out) in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(taken) in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written beside it
-    assert out.is_dir() if existing == "a directory" else out.read_text() == "notes"
+    assert taken.is_dir() if existing == "a directory" else taken.read_text() == "notes"
+
+
+def test_a_plan_that_does_not_fit_the_model_is_refused_before_any_calibration(tiny, tmp_path):
+    """A plan's depths are checked against the model first: a wrong one costs no calibration pass (on a
+    large model, the longest step)."""
+    import json
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text((TOKENIZER_TEXT + "\n") * 40)
+    r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "--calib-tokens", "256",
+                 "-o", tmp_path / "plan.json", "-q")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    first = sorted(doc["tensors"])[0]
+    doc["tensors"][first] = 3
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    r = smoe_cli("quantize", tiny / "model", "--plan", tmp_path / "plan.json", "-o", tmp_path / "vault", "-q")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"the plan gives {first} 3 bits" in r.stderr, r.stderr
+    assert not (tmp_path / "vault").exists()

@@ -105,3 +105,16 @@ def test_an_output_beside_the_source_is_still_written(sources, tmp_path, capsys)
     out = Path(inputs["vault"] + "-dequantized")
     assert main(COMMANDS["dequantize"](inputs, str(out))) == 0
     assert (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.replace(" ", "-"))
+def test_an_empty_output_path_is_a_one_line_error_not_the_working_directory(sources, tmp_path, capsys, monkeypatch,
+                                                                              command):
+    """`-o ""` would be "." (where the command runs): refused before anything is read or written."""
+    inputs, _ = place(sources, "model", "is", tmp_path / "inputs")
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    assert main(COMMANDS[command](inputs, "")) == 2
+    err = capsys.readouterr().err
+    assert err == "smoe: error: the output path is empty (give -o PATH)\n", err
+    assert snapshot(tmp_path) == before

@@ -197,6 +197,7 @@ def test_a_failed_removal_after_publishing_says_the_output_was_written(inputs, t
     message says the output was written and where the old one is left."""
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
+    (out / "config.json").write_text("{}")  # an earlier output, as --force replaces
     (out / "sub" / "f").write_text("old")
     if os.geteuid() == 0:  # modes do not stop root; an immutable file does
         if subprocess.run(["chattr", "+i", str(out / "sub" / "f")], capture_output=True).returncode:
@@ -206,13 +207,38 @@ def test_a_failed_removal_after_publishing_says_the_output_was_written(inputs, t
         (out / "sub").chmod(0o500)
         undo = ["chmod", "700"]
     try:
-        code, err = run(capsys, COMMANDS["export"](inputs, out) + ["--force"])
+        code, err = run(capsys, COMMANDS["dequantize"](inputs, out) + ["--force"])
         (old,) = tmp_path.glob("out.old-*")
         assert_refused(code, err, out, "written", old)
-        assert "partial" not in err and out.is_file()
+        assert "partial" not in err and (out / "model.safetensors").is_file()
     finally:
         for p in (*tmp_path.glob("out.old-*/sub/f"), *tmp_path.glob("out.old-*/sub")):
             subprocess.run([*undo, str(p)], capture_output=True)
+
+
+# what --force finds at the output path and refuses to replace: (command, how it is made, what the error says)
+NOT_AN_EARLIER_OUTPUT = {
+    "a directory of other files": ("dequantize", lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine")),
+                                   "without a config.json"),
+    "a directory where a GGUF goes": ("export", lambda p: (p.mkdir(), (p / "config.json").write_text("{}")),
+                                      "the output is one file"),
+    "a file where a vault goes": ("quantize", lambda p: p.write_text("mine"), "the output is a directory"),
+    "a fifo": ("export", os.mkfifo, "neither a file nor a directory"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_AN_EARLIER_OUTPUT, ids=lambda c: c.replace(" ", "-"))
+def test_force_replaces_only_an_earlier_output_of_the_same_kind(inputs, tmp_path, capsys, case):
+    """--force is not `rm -rf`: what it finds at the output path is replaced only when it could be an
+    earlier output of that command (a file for a GGUF; an empty directory or one with a config.json for a
+    vault, a checkpoint or an MLX model); anything else is left as it is, with one line saying why."""
+    command, make, why = NOT_AN_EARLIER_OUTPUT[case]
+    out = tmp_path / "out"
+    make(out)
+    before = snapshot(tmp_path)
+    code, err = run(capsys, COMMANDS[command](inputs, out) + ["--force"])
+    assert_refused(code, err, out, why, "--force replaces only an earlier output")
+    assert snapshot(tmp_path) == before
 
 
 def test_an_output_that_appears_while_writing_is_not_replaced_without_force(tmp_path):

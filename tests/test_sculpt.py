@@ -83,6 +83,7 @@ def test_quantize_cli_prints_a_summary_with_expert_share_and_snr(tiny_qwen, tmp_
 def test_existing_output_is_refused_without_force_and_replaced_with_it(tiny_qwen, tmp_path):
     out = tmp_path / "v"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # an earlier output, as --force replaces (test_output_writer: what not)
     (out / "keep.txt").write_text("mine")
     proc = smoe_cli("quantize", tiny_qwen, "-o", out, "-q")
     assert proc.returncode == 2 and "already exists" in proc.stderr and "Traceback" not in proc.stderr

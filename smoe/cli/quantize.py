@@ -106,14 +106,15 @@ def quantize_inputs(args, progress: bool):
         return role_bits(doc, meter.qm.expert_map), encoder, stats, (doc, table, meter)
     if args.plan:
         doc = load_plan(args.plan)
+        ckpt = open_checkpoint(args.model)
+        bits = role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts))  # before any calibration
         encoder = args.encoder or doc.get("encoder", default_encoder(args.calib))
         plan_calibration(args, doc, encoder)
-        ckpt = open_checkpoint(args.model)
         stats = None
         if encoder in NEEDS_CALIBRATION and stats_path(Path(args.plan)).is_file():  # the plan's own, when they fit
             stats = calibration_stats(args.model, args.calib, args.calib_tokens or DEFAULT_TOKENS,
                                       stats_path(Path(args.plan)), progress)
-        return role_bits(doc, map_experts(ckpt.config, ckpt.names(), num_experts=args.num_experts)), encoder, stats, None
+        return bits, encoder, stats, None
     return None, encoder, None, None
 
 

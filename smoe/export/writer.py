@@ -16,7 +16,7 @@ def export(vault_dir, to: str, output, force: bool = False, **options) -> Path:
     """Write VAULT as `to` ("gguf": one file, "mlx": a directory) at `output`, atomically."""
     if to not in FORMATS:
         raise SmoeError(f"unknown export format {to!r} (gguf, mlx)")
-    with writing(output, "export", [vault_dir], force) as out:
+    with writing(output, "export", [vault_dir], force, kind="file" if to == "gguf" else "dir") as out:
         write_export(vault_dir, to, out, options)
     return out.path
 

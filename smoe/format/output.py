@@ -31,12 +31,13 @@ PID_MAX = 1 << 22  # Linux's largest pid: a longer number is a fingerprint, not 
 
 
 @contextmanager
-def writing(out, command: str, inputs: Iterable, force: bool = False):
+def writing(out, command: str, inputs: Iterable, force: bool = False, kind: str = "dir"):
     """Hold `out` for one writer: yields an `Output` to `begin` a partial in and `publish`. On an
-    exception (Ctrl-C included) a temporary partial is removed and a resumable one kept if worth it."""
+    exception (Ctrl-C included) a temporary partial is removed and a resumable one kept if worth it.
+    `kind`: the output is a "dir" or a "file" (what --force may replace, `check_replaceable`)."""
     inputs = [i for i in inputs if i is not None]
     check_outputs([out], inputs)
-    output = Output(Path(out), inputs, force)
+    output = Output(Path(out), inputs, force, kind)
     with output_lock(output.path, command):
         output.check()
         try:
@@ -52,8 +53,8 @@ def writing(out, command: str, inputs: Iterable, force: bool = False):
 class Output:
     """An output being written, under its lock (see `writing`)."""
 
-    def __init__(self, path: Path, inputs: list, force: bool):
-        self.path, self.force = path, force
+    def __init__(self, path: Path, inputs: list, force: bool, kind: str = "dir"):
+        self.path, self.force, self.kind = path, force, kind
         self.guard = Guard(inputs)
         self.partial: Path | None = None
         self.keep: Callable[[Path], bool] | None = None
@@ -69,6 +70,7 @@ class Output:
             self.guard.sweep(work, remove=False)
         if os.path.lexists(self.path):
             self.guard.sweep(self.path, remove=False)
+            check_replaceable(self.path, self.kind)
 
     def partial_path(self, tag: str | None = None) -> Path:
         """`OUT.partial-<tag>` for a resumable build, else `OUT.partial-<pid>`."""
@@ -172,6 +174,30 @@ def is_alive(pid: int | None) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def check_replaceable(path: Path, kind: str) -> None:
+    """--force replaces an earlier output of the same kind, not whatever is at the path: a file output (a GGUF)
+    a file or a link, a directory output (a vault, a checkpoint, an MLX model) a link or a directory that is
+    empty or holds the config.json each of them has. A directory of other files, or a device, is refused."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return  # the link goes, never what it points at
+    if stat.S_ISDIR(st.st_mode):
+        if kind == "file":
+            why = "a directory, and the output is one file"
+        elif os.listdir(path) and not os.path.isfile(path / "config.json"):
+            why = "a directory without a config.json, so no output smoe writes"
+        else:
+            return
+    elif not stat.S_ISREG(st.st_mode):
+        why = "neither a file nor a directory"
+    elif kind == "dir":
+        why = "a file, and the output is a directory"
+    else:
+        return
+    raise SmoeError(f"{path}: {why}; --force replaces only an earlier output of the same kind (remove it yourself "
+                    f"or choose another output path)")
 
 
 def check_ours(path: Path) -> None:

@@ -21,6 +21,8 @@ def check_outputs(outputs, inputs) -> None:
     inputs are skipped); symlinks are resolved, so a link to an input is that input."""
     sources = [(given, Path(given).resolve()) for given in inputs if given is not None]
     for out in outputs:
+        if not str(out).strip():  # Path("") is ".", the directory the command runs in
+            raise SmoeError("the output path is empty (give -o PATH)")
         for given, source in sources:
             relation = _relation(Path(out), source)
             if relation:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -379,12 +380,17 @@ def plan_outputs(plan: Path, sensitivity: Path) -> list[Path]:
 
 def check_replaceable(plan: Path, sensitivity: Path) -> None:
     """Before any work: the plan and its table are files that are absent or a plan's own (a plan run again
-    replaces its plan and resumes its table), never a directory or another file, which would be lost."""
+    replaces its plan and resumes its table), never a directory or another file, which would be lost. The
+    heatmap beside the plan is replaced only with that plan: an image there without it is someone else's."""
     for path, kind in ((plan, "smoe-plan"), (sensitivity, None)):
         if path.is_dir():
             raise SmoeError(f"{path}: is a directory (a plan is a file: give -o DIR/plan.json)")
         if kind and path.exists() and not is_document(path, kind):
             raise SmoeError(f"{path}: exists and is not a smoe plan; not replaced (remove it or choose another -o)")
+    heatmap = plan.with_suffix(".png")
+    if os.path.lexists(heatmap) and (not heatmap.is_file() or heatmap.is_symlink() or not plan.exists()):
+        raise SmoeError(f"{heatmap}: exists and is not the heatmap of a smoe plan at {plan}; not replaced (remove it "
+                        f"or choose another -o)")
 
 
 def is_document(path: Path, kind: str) -> bool:
@@ -463,6 +469,7 @@ def plan_model(model_dir, calib, out: str | Path, budget_bits: float | None = No
         from smoe.quality import fanout
 
         fanout.check_cluster(cluster)
+    check_outputs([out], [])  # an empty path first: the names beside it are made from its own
     out = Path(out)
     sensitivity = Path(sensitivity) if sensitivity else out.with_name(out.stem + ".sensitivity.json")
     check_outputs(plan_outputs(out, sensitivity), [model_dir, calib])

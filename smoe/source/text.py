@@ -17,14 +17,17 @@ WINDOW = 512
 
 
 def read_text(path: str | Path, max_chars: int) -> tuple[str, bool]:
-    """Up to max_chars characters of a text file (gzip allowed); and whether the file had more."""
+    """Up to max_chars characters of a text file (gzip allowed); and whether the file had more. Bytes that
+    are not UTF-8 are refused, not replaced: a binary file given by mistake would else be scored as text."""
     path = Path(path)
     if not path.is_file():
         raise SmoeError(f"{path}: no such data file")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        with opener(path, "rt", encoding="utf-8") as f:
             text = f.read(max_chars + 1)
+    except UnicodeDecodeError:
+        raise SmoeError(f"{path}: not UTF-8 text (eval, calibration and plans read text)") from None
     except (OSError, EOFError) as e:
         raise SmoeError(f"{path}: cannot read ({e})") from None
     return text[:max_chars], len(text) > max_chars
