@@ -123,12 +123,18 @@ def test_a_hub_id_not_in_the_cache_is_one_line_saying_how_to_download_it(tmp_pat
 # --- a plan remembers its calibration ------------------------------------------------------------
 
 
-def test_quantize_with_a_plan_calibrates_on_the_plans_text_or_says_what_to_pass(tiny, tmp_path):
+def planned(tiny, tmp_path) -> Path:
+    """`smoe plan` of the tiny model on a calibration text, at tmp_path/plan.json: the text's path."""
     calib = tmp_path / "calib.txt"
     calib.write_text((TOKENIZER_TEXT + "\n") * 40)
     r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "--calib-tokens", "256",
                  "-o", tmp_path / "plan.json", "-q")
     assert r.returncode == 0, r.stderr
+    return calib
+
+
+def test_quantize_with_a_plan_calibrates_on_the_plans_text_or_says_what_to_pass(tiny, tmp_path):
+    calib = planned(tiny, tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["encoder"] == "gptq" and plan["calibration"]["file"] == str(calib.resolve())
     assert plan["calibration"]["tokens"] == 256
@@ -175,11 +181,7 @@ def test_quantize_with_a_plan_reuses_the_calibration_statistics_the_plan_measure
     file is unreadable."""
     import shutil
 
-    calib = tmp_path / "calib.txt"
-    calib.write_text((TOKENIZER_TEXT + "\n") * 40)
-    r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "--calib-tokens", "256",
-                 "-o", tmp_path / "plan.json", "-q")
-    assert r.returncode == 0, r.stderr
+    planned(tiny, tmp_path)
     kept = tmp_path / "plan.calibration.pt"
     assert kept.is_file()
     elsewhere = tmp_path / "elsewhere"
@@ -218,13 +220,7 @@ def test_plan_refuses_an_output_it_would_lose_before_any_work(tiny, tmp_path, ex
 def test_a_plan_that_does_not_fit_the_model_is_refused_before_any_calibration(tiny, tmp_path):
     """A plan's depths are checked against the model first: a wrong one costs no calibration pass (on a
     large model, the longest step)."""
-    import json
-
-    calib = tmp_path / "calib.txt"
-    calib.write_text((TOKENIZER_TEXT + "\n") * 40)
-    r = smoe_cli("plan", tiny / "model", "--budget", "3", "--calib", calib, "--calib-tokens", "256",
-                 "-o", tmp_path / "plan.json", "-q")
-    assert r.returncode == 0, r.stderr
+    planned(tiny, tmp_path)
     doc = json.loads((tmp_path / "plan.json").read_text())
     first = sorted(doc["tensors"])[0]
     doc["tensors"][first] = 3
