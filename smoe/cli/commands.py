@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--output", required=True, metavar="VAULT_DIR", help="the vault to write (a new directory)")
     q.add_argument("--bits", type=int, choices=(4, 2), default=4, help="SMOE-Q4 (default) or SMOE-Q2")
     q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where calibration and the encoding run (default auto: a GPU when there is one)")
-    q.add_argument("--force", action="store_true", help="replace an existing output and discard a partial run")
+    q.add_argument("--force", action="store_true", help="replace an earlier output (a vault, or an empty directory) and discard a partial run")
     q.add_argument("--num-experts", type=numeric.COUNT.parse, help="experts per MoE layer, for checkpoints whose config lacks it")
     q.add_argument("--alignment", type=int, choices=(4096, 16384), default=4096,
                    help="blob alignment in bytes (16384 for 16 KiB-page systems)")
@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("vault", metavar="VAULT_DIR", help="the vault to decode")
     dq.add_argument("-o", "--output", required=True, metavar="DIR", help="the HF checkpoint directory to write")
     dq.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="dtype of the decoded experts (default bfloat16)")
-    dq.add_argument("--force", action="store_true", help="replace an existing output")
+    dq.add_argument("--force", action="store_true", help="replace an earlier output (a directory with a config.json, or an empty one)")
     dq.set_defaults(func=cmd_dequantize)
 
     ex = sub.add_parser("export", help="write a vault as GGUF (llama.cpp) or as an mlx-lm model",
@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("-o", "--output", required=True, metavar="FILE_OR_DIR", help="the GGUF file or the MLX directory to write")
     ex.add_argument("--trunk-type", choices=("bf16", "f16", "f32", "q8_0"), default=None,
                     help="GGUF type of the trunk's matrices (default: the vault's own dtype, exact)")
-    ex.add_argument("--force", action="store_true", help="replace an existing output")
+    ex.add_argument("--force", action="store_true", help="replace an earlier output of the same kind (a GGUF file; an MLX directory)")
     ex.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ex.set_defaults(func=cmd_export)
 
