@@ -139,21 +139,18 @@ class Metrics:
 
     def finished(self, stats, outcome: str) -> None:
         with self.lock:
-            self.count(stats, outcome)
-
-    def count(self, stats, outcome: str) -> None:
-        if outcome == "cancelled":
-            self.cancelled += 1
-        else:
-            self.completed += 1
-        if stats is None:
-            return
-        self.prompt_tokens += stats.prompt_tokens
-        self.generated_tokens += stats.generated_tokens
-        if stats.decode_tok_s:
-            self.decoded_tokens += stats.generated_tokens - 1
-            self.decode_seconds += (stats.generated_tokens - 1) / stats.decode_tok_s
-        self.last = stats.as_dict()
+            if outcome == "cancelled":
+                self.cancelled += 1
+            else:
+                self.completed += 1
+            if stats is None:
+                return
+            self.prompt_tokens += stats.prompt_tokens
+            self.generated_tokens += stats.generated_tokens
+            if stats.decode_tok_s:
+                self.decoded_tokens += stats.generated_tokens - 1
+                self.decode_seconds += (stats.generated_tokens - 1) / stats.decode_tok_s
+            self.last = stats.as_dict()
 
     def snapshot(self) -> dict:
         current = self.current
