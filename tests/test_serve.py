@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from smoe.hf.tokenizer import chat_prompt, load_tokenizer
+from smoe.hf.tokenizer import Detokenizer, chat_prompt, load_tokenizer
 from smoe.runtime.generate import generate
 from smoe.runtime.model import OpenedVault
 from smoe.runtime.sampling import GREEDY as GREEDY_PARAMS
@@ -102,11 +102,10 @@ def test_generate_stops_after_the_token_for_which_on_token_returns_false(local):
 def test_text_stream_sends_exactly_the_text_before_the_first_stop_sequence(local):
     _, tok = local
     ids = tok("The sea was calm, and the ship sailed on, and on.", add_special_tokens=False)["input_ids"]
-    decode = lambda t: tok.decode(t, skip_special_tokens=True)
-    full = decode(ids)
+    full = tok.decode(ids, skip_special_tokens=True)
     words = full.split()
     for stop in [words[1], f"{words[2]} {words[3]}", ", ", words[-1], "never in the text"]:
-        stream, sent = TextStream(decode, ("zzz", stop)), []
+        stream, sent = TextStream(Detokenizer(tok), ("zzz", stop)), []
         for token in ids:
             sent.append(stream.push(token))
             if stream.stop_sequence:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from smoe.errors import SmoeError
+from smoe.hf.tokenizer import Detokenizer
 from smoe.runtime.decoder import SequenceStep, open_decoder
 from smoe.runtime.model import DECODERS
 from smoe.runtime.sampling import SamplingParams, Sequence, chosen, sample_batch, sampling_defaults, token_logprobs
@@ -136,15 +137,17 @@ def make_stats(sm, before: dict, prompt_tokens: int, tokens: list[int], ttft: fl
 
 
 class TextStreamer:
-    """Prints decoded text as tokens arrive (decoding the whole suffix keeps multi-byte characters intact)."""
+    """Prints decoded text as tokens arrive (the detokenizer holds back an incomplete multi-byte character)."""
 
     def __init__(self, tokenizer, out):
-        self.tokenizer, self.out, self.tokens, self.printed = tokenizer, out, [], ""
+        self.detokenizer, self.out = Detokenizer(tokenizer), out
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.detokenizer.tokens
 
     def __call__(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.out.write(text[len(self.printed):])
+        piece = self.detokenizer.push(token)
+        if piece:
+            self.out.write(piece)
             self.out.flush()
-            self.printed = text

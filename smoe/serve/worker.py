@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from smoe.hf.tokenizer import chat_prompt, text_offsets
+from smoe.hf.tokenizer import Detokenizer, chat_prompt, text_offsets
 from smoe.runtime.generate import eos_ids, generate
 from smoe.runtime.sampling import SamplingParams, TokenLogprob, chosen, sampling_defaults
 from smoe.serve.tools.calls import ToolError
@@ -91,23 +91,23 @@ class Job:
 
 class TextStream:
     """Token ids in, text out: holds back text that could be the start of a stop sequence, and ends
-    the text just before the first stop sequence. Decoding the whole sequence each time keeps
-    multi-byte characters and tokenizer spacing intact."""
+    the text just before the first stop sequence."""
 
-    def __init__(self, decode, stops: tuple[str, ...]):
-        self.decode, self.stops = decode, [s for s in stops if s]
+    def __init__(self, detokenizer: Detokenizer, stops: tuple[str, ...]):
+        self.detokenizer, self.stops = detokenizer, [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.tokens: list[int] = []
         self.text, self.sent, self.stop_sequence = "", 0, None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.detokenizer.tokens
 
     def push(self, token: int) -> str:
         """The new text that is safe to send."""
-        self.tokens.append(token)
-        text = self.decode(self.tokens)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for the next token
-            return ""
-        self.text = text
-        hit = min(((text.find(s), s) for s in self.stops if s in text), default=None)
+        searched = max(len(self.text) - self.hold, 0)  # the text before held no stop sequence
+        self.detokenizer.push(token)
+        self.text = text = self.detokenizer.text
+        hit = min(((i, s) for s in self.stops if (i := text.find(s, searched)) >= 0), default=None)
         if hit:
             self.text, self.stop_sequence = text[:hit[0]], hit[1]
             return self._take(len(self.text))
@@ -115,8 +115,9 @@ class TextStream:
 
     def finish(self) -> str:
         """The text held back, once generation has ended."""
-        if self.stop_sequence is None and self.tokens:
-            self.text = self.decode(self.tokens)  # including a last character left incomplete
+        if self.stop_sequence is None:
+            self.detokenizer.rest()  # including a last character left incomplete
+            self.text = self.detokenizer.text
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
@@ -209,13 +210,6 @@ class Worker:
         with self.tokenizer_lock:
             return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
-    def decode(self, tokens: list[int], special: bool = False) -> str:
-        """`special`: with the special tokens but end of sequence (the markers of some families' tool calls)."""
-        if special:
-            tokens = [t for t in tokens if t not in self.eos]
-        with self.tokenizer_lock:
-            return self.tokenizer.decode(tokens, skip_special_tokens=not special)
-
     def prompt_text(self, tokens: list[int]) -> str:
         """A prompt's text as the model read it, special tokens included (completions' echo: the text its
         tokens and their offsets describe)."""
@@ -276,7 +270,8 @@ class Worker:
             job.post("unavailable", SHUTTING_DOWN)
             return
         s = job.reply
-        stream = TextStream(lambda tokens: self.decode(tokens, s.special_text), s.stop)
+        dropped = self.eos if s.special_text else ()  # with the special tokens but end of sequence
+        stream = TextStream(Detokenizer(self.tokenizer, s.special_text, dropped, self.tokenizer_lock), s.stop)
         self.metrics.current = {"tokens": 0, "since": time.perf_counter()}
 
         logprobs, prompt_logprobs = [], []
