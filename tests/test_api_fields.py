@@ -169,7 +169,7 @@ def test_streamed_chat_carries_the_logprobs_of_every_token(server):
             "stream_options": {"include_usage": True}}
     chunks = stream_chunks(server, "/v1/chat/completions", body)
     content = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
-    plain = post(server, "/v1/chat/completions", body | {"stream": False})[1]
+    plain = post(server, "/v1/chat/completions", {k: v for k, v in body.items() if k != "stream_options"})[1]
     assert content == plain["choices"][0]["logprobs"]["content"]
     assert len(content) == chunks[-1]["usage"]["completion_tokens"]
 

@@ -50,7 +50,7 @@ for case in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 
-BASE = dict(seed=0, dtype="float32", heads=8, kv=2, hd=64, rot=64, capacity=96, norm=True, bias=False, sinks=False,
+BASE = dict(seed=0, dtype="float32", heads=4, kv=2, hd=64, rot=64, capacity=96, norm=True, bias=False, sinks=False,
             window=None, pos=70)
 CASES = [
     BASE | dict(name="qwen3: per-head q/k norm, full rotary, positions over three blocks"),

@@ -197,6 +197,12 @@ def test_missing_path_raises(tmp_path):
     expect_error(tmp_path / "absent", "no such file or directory")
 
 
+def test_a_path_that_is_neither_file_nor_directory_is_named_as_such(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    for path in (tmp_path / "pipe", Path(os.devnull)):
+        expect_error(path, str(path), "not a regular file or directory")
+
+
 def test_index_without_config_gives_an_empty_config(tmp_path):
     write_model(tmp_path, {"a": torch.zeros(1), "b": torch.zeros(2)}, config=None, shards=2)
     ckpt = Checkpoint(tmp_path)

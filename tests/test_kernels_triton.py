@@ -84,19 +84,21 @@ def test_interpreted_kernels_match_decode_then_matmul(pools, tmp_path):
     experts in arbitrary slots."""
     cases = []
     for bits, (pool, layout, offsets) in pools.items():
-        for k in (range(1, 9) if bits[0] == bits[1] else (3, 8)):
+        for k in ((1, 2, 3, 4, 5, 8) if bits[0] == bits[1] else (3, 8)):
             idx, w = routing(len(offsets), 1, k, seed=k)
             x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(k))
             cases.append({"pool": pool, "layout": vars(layout), "x": x, "offsets": offsets[idx], "weights": w,
                           "tiles": ODD_TILES if k % 2 else None})
-        cases.append(dict(cases[-1], table=offsets, ids=idx[0], tiles=None))  # the layer's table and expert ids
+            if k == 3:  # the same experts found by id in the layer's table, with the default tiles
+                cases.append(dict(cases[-1], table=offsets, ids=idx[0], tiles=None))
         for tokens, k in ((3, 2), (6, 4)):
             idx, w = routing(len(offsets), tokens, k, seed=tokens)
             idx[1] = idx[0]  # two tokens with the same experts: one run each, several pairs
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
             cases.append({"pool": pool, "layout": vars(layout), "x": x, "offsets": offsets[idx], "weights": w, "tiles": None})
-    cases.append(dict(cases[3], x=cases[3]["x"].to(torch.bfloat16)))  # decode, k = 4
-    cases.append(dict(cases[-3], x=cases[-3]["x"].to(torch.bfloat16)))
+    decode_k4 = next(c for c in cases if c["offsets"].shape == (1, 4))  # Q4, default tiles
+    mixed_k8 = next(c for c in reversed(cases) if c["offsets"].shape == (1, 8))  # Q4 gate/up, Q2 down
+    cases += [dict(c, x=c["x"].to(torch.bfloat16)) for c in (decode_k4, mixed_k8)]
     outs = run_interpreted(cases, tmp_path)
     for c, y in zip(cases, outs):
         layout = kt.ExpertLayout(**c["layout"])

@@ -301,6 +301,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": M, "n": 2}, 400, "n"),
     ("/v1/chat/completions", {"messages": M, "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"messages": M, "stop": [""]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": M, "stream_options": {"include_usage": True}}, 400, "only allowed when stream"),
+    ("/v1/completions", {"prompt": "x", "stream": False, "stream_options": {}}, 400, "only allowed when stream"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "token ids"),
     ("/v1/completions", {"prompt": ""}, 400, "empty"),
     ("/v1/completions", {"prompt": ["a"] * 33}, 400, "prompt"),

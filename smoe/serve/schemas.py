@@ -158,6 +158,13 @@ class OpenAIRequest(Strict):
     response_format: dict | None = None  # only {"type": "text"}; checked by the handler to say why
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias; checked by the handler
 
+    @model_validator(mode="after")
+    def stream_options_only_with_stream(self):
+        """As OpenAI's API: options of a stream that will not be sent are refused, not ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     def sampling_fields(self) -> dict:
         """The sampler's settings as asked, None for each left to the model's default."""
         return {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",

@@ -83,6 +83,8 @@ class Checkpoint:
             self.dir = path
             self.config = self._read_config()
             stored_names = self._scan_weights()
+        elif path.exists():  # a device, a pipe or a socket: nothing a model is stored in
+            raise SmoeError(f"{path}: not a regular file or directory (expected a model directory or its config.json)")
         else:
             raise SmoeError(f"{path}: no such file or directory")
         self.has_weights = bool(self._stored)
