@@ -511,6 +511,37 @@ def test_cuda_one_token_attention_and_projections_match_the_reference_in_fp32_ei
     assert dec.attention_kernel == (kernels == "1") and all(w.kernel_attends for w in dec.layers)
 
 
+def bf16_greedy_tokens_are_the_references_where_its_margin_exceeds_bf16s_own_error(tmp_path, family: str,
+                                                                                    device: str, resident: bool):
+    """The decoder in bf16 (the default dtype; on CUDA its kernels and graphs) picks the fp32 reference's greedy token
+    at every position whose top-two margin is more than twice what bf16 itself moves that position's logits (the
+    reference run in bf16 against fp32): where that margin is smaller, bf16 may rightly pick either."""
+    vault, reference = kernel_sized_vault(tmp_path, family, 4)
+    sm = OpenedVault(vault, dtype="bfloat16", kernel_path="dequant")
+    budget = blob_slot_bytes(sm.vault) * len(sm.vault.entries) if resident else min_gpu_budget(sm.vault, 2)
+    ids = torch.randint(0, 100, (36,), generator=torch.Generator().manual_seed(6)).tolist()
+    got = decode_in_pieces(GpuDecoder(sm, device, budget, max_positions=64), ids)
+    want = load_reference(reference)(torch.tensor([ids]))[0]
+    own_error = (want - load_reference(reference, torch.bfloat16)(torch.tensor([ids]))[0]).abs().amax(dim=-1)
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * own_error
+    assert int(clear.sum()) >= len(ids) // 4, "too few positions with a margin to compare"
+    assert torch.equal(got.float().argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_greedy_tokens_are_the_fp32_references_where_the_margin_exceeds_bf16s_own_error(family, tmp_path):
+    bf16_greedy_tokens_are_the_references_where_its_margin_exceeds_bf16s_own_error(tmp_path, family, "cpu", False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"])
+@pytest.mark.parametrize("resident", [False, True])
+def test_cuda_bf16_greedy_tokens_are_the_fp32_references_where_the_margin_exceeds_bf16s_own_error(family, resident,
+                                                                                                  tmp_path):
+    bf16_greedy_tokens_are_the_references_where_its_margin_exceeds_bf16s_own_error(tmp_path, family, "cuda", resident)
+
+
 @needs_cuda
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_cuda_resident_prompts_replayed_from_their_captured_graphs_match_the_reference_in_fp32(family, tmp_path):
