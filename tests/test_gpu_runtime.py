@@ -400,34 +400,42 @@ def test_a_hybrid_family_runs_its_mixer_layers_through_its_own_modules_on_the_gp
 INTERPRETED = """
 import sys, torch
 from smoe.runtime.model import OpenedVault
+from smoe.runtime.cuda import gemv
 from smoe.runtime.cuda.decode import GpuDecoder
 from smoe.runtime.cuda.cache import min_gpu_budget
-sm = OpenedVault(sys.argv[1], dtype="float32", kernel_path="dequant")
-dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
-ids = list(range(5, 17))
-logits = torch.cat([dec.forward(ids[:8]), *[dec.forward([t]) for t in ids[8:]]])
-assert dec.attention_kernel == (sys.argv[3] == "1"), "the attention kernel was not used throughout"
-from smoe.runtime.cuda import gemv
-assert gemv.ENABLED == (sys.argv[4] == "1") and gemv.covered(torch.zeros(1, 4), torch.zeros(2, 4)) == gemv.ENABLED
-torch.save(logits, sys.argv[2])
+assert gemv.ENABLED and gemv.covered(torch.zeros(1, 4), torch.zeros(2, 4)), "the one-row kernel is not used"
+for vault, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    sm = OpenedVault(vault, dtype="float32", kernel_path="dequant")
+    dec = GpuDecoder(sm, "cpu", 3 * min_gpu_budget(sm.vault, 2) // 2, max_positions=32, kernel_path="triton")
+    ids = list(range(5, 17))
+    logits = torch.cat([dec.forward(ids[:8]), *[dec.forward([t]) for t in ids[8:]]])
+    assert dec.attention_kernel, "the attention kernel was not used throughout"
+    torch.save(logits, out)
 """
-
-
 # gpt-oss: expert biases, clamped SwiGLU, sinks, windows; Granite-MoE-Hybrid: a Mamba layer through its own module,
-# its experts by the kernels too; with SMOE_GPU_ATTENTION_KERNEL=1 (the default) the one-token steps' attention by
-# its kernel, with SMOE_GPU_GEMV=1 (the default) their projections by the one-row kernel. With both off the Triton
-# kernels left are the experts', which every case runs; the torch ops that replace the other two are what the
-# uninterpreted tests above run.
-@pytest.mark.parametrize("family, attention, gemv", [("qwen3_moe", "1", "1"), ("gpt_oss", "1", "1"),
-                                                     ("granitemoehybrid", "1", "1")])
-def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, attention, gemv, tmp_path):
-    kernel_sized_vault(tmp_path, family)
-    env = dict(os.environ, TRITON_INTERPRET="1", SMOE_GPU_ATTENTION_KERNEL=attention, SMOE_GPU_GEMV=gemv)
-    subprocess.run([sys.executable, "-c", INTERPRETED, str(tmp_path / "vault"), str(tmp_path / "out.pt"), attention,
-                    gemv],
-                   check=True, env=env, timeout=600)
-    got = torch.load(tmp_path / "out.pt")
-    want = load_reference(tmp_path / "reference")(torch.tensor([list(range(5, 17))]))[0]
+# its experts by the kernels too. SMOE_GPU_ATTENTION_KERNEL=1 and SMOE_GPU_GEMV=1 (the defaults): the one-token steps'
+# attention by its kernel and their projections by the one-row kernel. With both off the Triton kernels left are the
+# experts', which every family runs here; the torch ops that replace the other two are what the uninterpreted tests
+# above run. One child process for all (the interpreter's start is most of a family's time).
+INTERPRETED_FAMILIES = ["qwen3_moe", "gpt_oss", "granitemoehybrid"]
+
+
+@pytest.fixture(scope="module")
+def interpreted_logits(tmp_path_factory):
+    """family -> (logits of the decoder through the interpreted kernels, the reference directory)."""
+    dirs = {family: tmp_path_factory.mktemp(family) for family in INTERPRETED_FAMILIES}
+    for family, d in dirs.items():
+        kernel_sized_vault(d, family)
+    env = dict(os.environ, TRITON_INTERPRET="1", SMOE_GPU_ATTENTION_KERNEL="1", SMOE_GPU_GEMV="1")
+    args = [str(p) for d in dirs.values() for p in (d / "vault", d / "out.pt")]
+    subprocess.run([sys.executable, "-c", INTERPRETED, *args], check=True, env=env, timeout=600)
+    return {family: (torch.load(d / "out.pt"), d / "reference") for family, d in dirs.items()}
+
+
+@pytest.mark.parametrize("family", INTERPRETED_FAMILIES)
+def test_decoder_through_the_interpreted_triton_kernels_matches_the_reference(family, interpreted_logits):
+    got, reference = interpreted_logits[family]
+    want = load_reference(reference)(torch.tensor([list(range(5, 17))]))[0]
     assert relative_error(want, got) < 1e-4
 
 
