@@ -63,19 +63,15 @@ def chat_text(tok, history, tools: list[dict] | None = None, generation_prompt: 
 
 def text_offsets(tok, tokens: list[int], special: bool) -> list[int]:
     """Where each token's text starts in the text of `tokens` (special tokens kept or skipped, as `special`
-    says); a token that ends inside a character, where that character starts. One pass of tokenizers'
-    incremental decoder; decoding every prefix instead costs the square of the length (seconds at 4,000
-    tokens), which only a tokenizer whose whole decode differs from its increments (one that cleans up
-    spaces after decoding) still pays."""
-    whole = tok.decode(tokens, skip_special_tokens=not special)
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        stream = DecodeStream(skip_special_tokens=not special)
-        pieces = [stream.step(backend, token) or "" for token in tokens]
-        if "".join(pieces) == whole:
-            return list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))[: len(tokens)]
-    prefixes = tok.batch_decode([tokens[:i] for i in range(len(tokens))], skip_special_tokens=not special)
-    return [len(text) for text in prefixes]
+    says); a token that ends inside a character, where that character starts. One pass of the detokenizer's
+    pieces, the text a reply streams; decoding every prefix instead costs the square of the length (seconds at
+    4,000 tokens), which only a tokenizer whose decode cleans up spaces (no incremental decoder) still pays."""
+    text = Detokenizer(tok, special)
+    if text.stream is None:
+        prefixes = tok.batch_decode([tokens[:i] for i in range(len(tokens))], skip_special_tokens=not special)
+        return [len(prefix) for prefix in prefixes]
+    pieces = [text.push(token) for token in tokens]
+    return list(itertools.accumulate((len(p) for p in pieces[:-1]), initial=0))[: len(tokens)]
 
 
 class Detokenizer:
